@@ -42,23 +42,48 @@ def test_round_trip_edge_shapes():
     assert back.trajectories == [] and back.policy_versions == (-1, -1)
 
 
+def _unpack(payload: bytes) -> tuple[dict, bytes]:
+    """(header map, token columns) of an encoded group, read with plain msgpack."""
+    header, tokens = msgpack.unpackb(payload, raw=False)
+    pad = -payload.index(tokens) % 4             # zero bytes that align the columns in the payload
+    assert tokens[:pad] == bytes(pad)
+    return msgpack.unpackb(header, raw=False), tokens[pad:]
+
+
+def _pack(doc: dict, columns: bytes) -> bytes:
+    """The inverse of _unpack, laid out as the encoder does (bin 32 tokens header, then alignment)."""
+    header = msgpack.packb(doc, use_bin_type=True)
+    head = b"\x92" + msgpack.packb(header, use_bin_type=True)[:-len(header)] if header else b"\x92\xc4\x00"
+    pad = -(len(head) + len(header) + 5) % 4
+    return head + header + b"\xc6" + (pad + len(columns)).to_bytes(4, "big") + bytes(pad) + columns
+
+
 def test_token_arrays_travel_packed_little_endian():
     group = make_group("g-packed", num_traj=1, num_steps=1, prompt_len=3, response_len=2)
-    doc = msgpack.unpackb(encode_group(group), raw=False)
-    cols = doc["steps"]
-    assert isinstance(cols["prompt_ids"], bytes) and len(cols["prompt_ids"]) == 3 * 4
-    np.testing.assert_array_equal(np.frombuffer(cols["prompt_ids"], "<i4"), group.trajectories[0].steps[0].prompt_ids)
-    np.testing.assert_array_equal(np.frombuffer(cols["response_logprobs"], "<f4"),
-                                  group.trajectories[0].steps[0].response_logprobs)
+    payload = encode_group(group)
+    doc, tokens = _unpack(payload)
+    assert _pack(doc, tokens) == payload
+    step = group.trajectories[0].steps[0]
+    np.testing.assert_array_equal(np.frombuffer(tokens, "<i4", 3, 0), step.prompt_ids)
+    np.testing.assert_array_equal(np.frombuffer(tokens, "<i4", 2, 12), step.response_ids)
+    np.testing.assert_array_equal(np.frombuffer(tokens, "<f4", 2, 20), step.response_logprobs)
     assert doc["schema"] == SCHEMA_VERSION
     assert doc["group_id"] == "g-packed" and doc["policy_versions"] == [0, 0]
+    assert np.frombuffer(doc["steps"]["prompt_len"], "<i4").tolist() == [3]
 
 
-def test_decoded_arrays_are_writable_and_independent_of_the_payload():
+def test_decoded_arrays_are_read_only_views_of_the_payload():
     data = encode_group(make_group("g-w"))
-    step = decode_group(data).trajectories[0].steps[0]
-    step.prompt_ids[0] = -5   # must not raise (read-only views of the bytes would)
-    assert decode_group(data).trajectories[0].steps[0].prompt_ids[0] != -5
+    group = decode_group(data)
+    step = group.trajectories[0].steps[0]
+    with pytest.raises(ValueError, match="read-only"):
+        step.prompt_ids[0] = -5
+    assert np.shares_memory(step.prompt_ids, np.frombuffer(data, np.uint8)) and step.prompt_ids.flags.aligned
+    # A mutable buffer is copied first: later writes to it do not reach the decoded group.
+    buf = bytearray(data)
+    before = decode_group(buf).trajectories[0].steps[0]
+    buf[:] = encode_group(make_group("g-w", seed=1))
+    assert np.array_equal(before.prompt_ids, step.prompt_ids)
 
 
 def test_encode_refuses_inconsistent_groups():
@@ -72,14 +97,17 @@ def test_encode_refuses_inconsistent_groups():
         encode_group(group)
 
 
-def _doc(group_id: str = "g-bad") -> dict:
-    return msgpack.unpackb(encode_group(make_group(group_id)), raw=False)
-
-
 def _mutated(fn) -> bytes:
-    doc = _doc()
+    """The encoded test group with its header map changed by `fn`."""
+    doc, tokens = _unpack(encode_group(make_group("g-bad")))
     fn(doc)
-    return msgpack.packb(doc, use_bin_type=True)
+    return _pack(doc, tokens)
+
+
+def _tokens(fn) -> bytes:
+    """The encoded test group with its tokens bin replaced by fn(tokens)."""
+    doc, tokens = _unpack(encode_group(make_group("g-bad")))
+    return _pack(doc, fn(tokens))
 
 
 def _set(path: str, value):
@@ -98,13 +126,19 @@ def _set(path: str, value):
 
 _DELETE = object()
 _GOOD = encode_group(make_group("g-bad"))
+_HEADER, _TOKENS = msgpack.unpackb(_GOOD)
+_NUM_P = 6 * 20                           # the test group's prompt tokens (2 trajectories x 3 steps x 20)
 
 
 @pytest.mark.parametrize("data, reason", [
-    (b"\xc1\xff\x00garbage", "not valid msgpack"),
-    (_GOOD[: len(_GOOD) // 2], "not valid msgpack"),
-    (_GOOD + b"\x00", "not valid msgpack"),
-    (msgpack.packb([1, 2, 3]), "expected a map"),
+    (b"\xc1\xff\x00garbage", "not a group: expected a msgpack array"),
+    (b"", "not a group: expected a msgpack array"),
+    (_GOOD[: len(_GOOD) // 2], "runs past the end"),
+    (_GOOD + b"\x00", "1 bytes after the tokens bin"),
+    (msgpack.packb([1, 2]), "expected the header as msgpack bin"),
+    (msgpack.packb([_HEADER, "tokens"]), "expected the tokens as msgpack bin"),
+    (msgpack.packb([b"\xc1", _TOKENS]), "not valid msgpack"),
+    (msgpack.packb([msgpack.packb([1, 2, 3]), _TOKENS]), "expected a map"),
     (_mutated(_set("schema", SCHEMA_VERSION + 1)), f"schema version {SCHEMA_VERSION + 1}"),
     (_mutated(_set("schema", "1")), "schema: expected an integer"),
     (_mutated(_set("schema", _DELETE)), "schema: expected an integer"),
@@ -118,11 +152,14 @@ _GOOD = encode_group(make_group("g-bad"))
     (_mutated(_set("trajectories.0.num_steps", True)), "num_steps: expected int, got bool"),
     (_mutated(_set("trajectories.0.num_steps", 4)), "items, expected"),
     (_mutated(_set("trajectories.1.termination", "exploded")), "'exploded' is not one of"),
-    (_mutated(_set("steps.response_logprobs", b"\x00" * 8)), "must match the response tokens"),
-    (_mutated(_set("steps.response_ids", b"\x00" * 7)), "not a whole number of 4-byte items"),
-    (_mutated(_set("steps.prompt_ids", [1, 2, 3])), r"prompt_ids \(sum of prompt_len\): expected bytes, got list"),
-    (_mutated(_set("steps.response_logprobs",
-                   np.full(30, np.nan, "<f4").tobytes())), "NaN or infinite log-prob"),
+    (_mutated(_set("steps.prompt_ids", b"")), r"unknown fields \['prompt_ids'\]"),
+    (_mutated(_set("steps.reward", b"\x00" * 7)), "not a whole number of 8-byte items"),
+    (_mutated(_set("steps.step", [1, 2, 3])), r"step: expected bytes, got list"),
+    (_tokens(lambda t: t[:-4]), "tokens bin of .* bytes, expected"),
+    (_tokens(lambda t: t + b"\x00" * 4), "tokens bin of .* bytes, expected"),
+    (_tokens(lambda t: t[:-30 * 4] + np.full(30, np.nan, "<f4").tobytes()), "NaN or infinite log-prob"),
+    (_tokens(lambda t: np.full(_NUM_P, -3, "<i4").tobytes() + t[4 * _NUM_P:]), "negative token id"),
+    (_GOOD[:_GOOD.index(_TOKENS)] + b"\x01" + _GOOD[_GOOD.index(_TOKENS) + 1:], "alignment bytes are not zero"),
     (_mutated(_set("steps.prompt_len", np.full(6, -1, "<i4").tobytes())), "negative prompt or response length"),
     (_mutated(_set("steps.anchor", ["a"] * 5)), r"anchor: 5 items, expected 6"),
     (_mutated(_set("steps.action", [1] * 6)), r"action\[0\]: expected str"),

@@ -34,6 +34,7 @@ import uuid
 import ray
 
 from common import weight_sync
+from common.cpu_placement import place_this_process
 from common.metrics import ActorMetrics
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,14 @@ def _on_gpu() -> bool:
 class InferenceEngine:
     """The actor's body (kept as a plain class so that it can also run in-process)."""
 
-    def __init__(self, model_path: str, model_cfg: dict, infer_cfg: dict, seed: int = 0):
+    def __init__(self, model_path: str, model_cfg: dict, infer_cfg: dict, seed: int = 0, cpus: str = "",
+                 nice: int = 0):
+        # run.rollout_cpus / rollout_nice, before the engine starts its processes (they inherit both).
+        place_this_process(cpus, nice)
+        if cpus and not _on_gpu():
+            # vLLM binds its CPU worker's threads itself; keep them on these CPUs (its "auto" would reserve
+            # one of them for the scheduler, and a 1-CPU share would leave none).
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpus)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -283,6 +291,7 @@ def create_inference_actors(cfg: dict, model_path: str, num_actors: int | None =
         InferenceActor.options(
             num_cpus=infer["cpus_per_actor"], num_gpus=infer["gpus_per_actor"],
             max_restarts=max_restarts, max_task_retries=max_restarts, max_concurrency=100_000,
-        ).remote(model_path, dict(cfg["model"]), infer, seed * 1000 + i)
+        ).remote(model_path, dict(cfg["model"]), infer, seed * 1000 + i, cfg["run"].get("rollout_cpus", ""),
+                 int(cfg["run"].get("rollout_nice", 0)))
         for i in range(n)
     ]

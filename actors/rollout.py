@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import random
 import time
 import uuid
@@ -32,6 +33,7 @@ import ray
 
 from actors import prompts
 from common.config import ExperimentConfig, from_dict
+from common.cpu_placement import place_this_process
 from common.metrics import ActorMetrics
 from common.records import EpisodeGroup, StepRow, Termination, Trajectory
 
@@ -76,7 +78,8 @@ class Rollout:
     """The actor's body (a plain class so that tests and benches can also drive it in-process)."""
 
     def __init__(self, cfg: dict, actor_id: str, inference_actors: list, stream_url: str | None,
-                 env_servers: list | None = None):
+                 env_servers: list | None = None, cpus: str = "", nice: int = 0):
+        place_this_process(cpus, nice)    # run.rollout_cpus / rollout_nice, before env workers are forked
         self.cfg: ExperimentConfig = from_dict(cfg) if isinstance(cfg, dict) else cfg
         self.actor_id = actor_id
         self.inference_actors = list(inference_actors)
@@ -395,4 +398,5 @@ def create_rollout_actor(cfg: dict, actor_id: str, inference_actors: list, strea
     env servers are given)."""
     return RolloutActor.options(num_cpus=cfg["rollout"]["cpus_per_actor"], name=None,
                                 max_concurrency=1000).remote(cfg, actor_id, inference_actors, stream_url,
-                                                             env_servers)
+                                                             env_servers, cfg["run"].get("rollout_cpus", ""),
+                                                             int(cfg["run"].get("rollout_nice", 0)))

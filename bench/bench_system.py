@@ -35,7 +35,12 @@ def measure(sync: bool, updates: int, overrides: list[str], out_dir: str) -> dic
         wall = time.perf_counter() - t0
         steps = system.rollout_stats().get("env_steps", 0.0) - before
     lags = [m.get("lag/policy_versions_mean", 0.0) for m in history]
+    mean = lambda key: sum(m.get(key, 0.0) for m in history) / max(len(history), 1)  # noqa: E731
     return {"steps_per_s": steps / wall, "wall_s": wall, "updates": len(history),
+            # rows = env steps; the played steps of groups dropped as stale are not trained on
+            "trained_steps_per_s": sum(m.get("batch/rows", 0.0) for m in history) / wall,
+            "dropped_stale": history[-1].get("stream/dropped_stale", 0.0) if history else 0.0,
+            "wait_s": mean("time/wait_data_s"), "train_s": mean("time/train_s"),
             "lag_mean": sum(lags) / max(len(lags), 1),
             "lag_max": max((m.get("lag/policy_versions_max", 0.0) for m in history), default=0.0)}
 
@@ -43,20 +48,33 @@ def measure(sync: bool, updates: int, overrides: list[str], out_dir: str) -> dic
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--updates", type=int, default=5)
+    ap.add_argument("--modes", default="sync,async", help="comma-separated; the ratio needs both")
+    ap.add_argument("--placements", default="shared,split",
+                    help="shared: every process may use every CPU (the embedded default); split: the learner "
+                         "gets CPU 0 and the rollout side the others, as on a cluster where they own "
+                         "different devices")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    results = {}
-    for mode in ("sync", "async"):
-        out = tempfile.mkdtemp(prefix=f"gigpo-bench-{mode}-")
-        try:
-            results[mode] = measure(mode == "sync", args.updates, args.overrides, out)
-        finally:
-            shutil.rmtree(out, ignore_errors=True)
-        r = results[mode]
-        print(f"{mode:5s}: {r['steps_per_s']:6.1f} env steps/s over {r['updates']} updates ({r['wall_s']:.0f} s); "
-              f"policy lag mean {r['lag_mean']:.2f}, max {r['lag_max']:.0f}", flush=True)
-    ratio = results["async"]["steps_per_s"] / max(results["sync"]["steps_per_s"], 1e-9)
-    print(f"async / sync env steps/s: {ratio:.2f}x  (target >= 1.5x)")
+    ncpu = len(os.sched_getaffinity(0))
+    placements = {"shared": [], "split": ["run.learner_cpus=0", f"run.rollout_cpus=1-{ncpu - 1}"]}
+    for placement in args.placements.split(","):
+        results = {}
+        for mode in args.modes.split(","):
+            out = tempfile.mkdtemp(prefix=f"gigpo-bench-{mode}-")
+            try:
+                results[mode] = measure(mode == "sync", args.updates, placements[placement] + args.overrides, out)
+            finally:
+                shutil.rmtree(out, ignore_errors=True)
+            r = results[mode]
+            print(f"{placement:6s} {mode:5s}: {r['steps_per_s']:5.1f} env steps/s played, {r['trained_steps_per_s']:5.1f} "
+                  f"trained, over {r['updates']} updates ({r['wall_s']:.0f} s); policy lag mean {r['lag_mean']:.2f}, "
+                  f"max {r['lag_max']:.0f}; groups dropped stale {r['dropped_stale']:.0f}; learner per update: "
+                  f"waits {r['wait_s']:.1f} s for data, trains {r['train_s']:.1f} s", flush=True)
+        if set(results) == {"sync", "async"}:
+            played = results["async"]["steps_per_s"] / max(results["sync"]["steps_per_s"], 1e-9)
+            trained = results["async"]["trained_steps_per_s"] / max(results["sync"]["trained_steps_per_s"], 1e-9)
+            print(f"{placement:6s} async / sync env steps/s: {played:.2f}x played, {trained:.2f}x trained  "
+                  f"(target >= 1.5x)", flush=True)
 
 
 if __name__ == "__main__":

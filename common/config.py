@@ -148,6 +148,13 @@ class RunConfig:
     sync: bool = F(False, "synchronous mode: rollout then train in lockstep (the reference's schedule)")
     ray_address: str = F("", 'Ray cluster address; "" starts a local Ray (RAY_ADDRESS also works)')
     resume: bool = F(False, "resume from the latest checkpoint in output_dir")
+    rollout_nice: int = F(5, "niceness added to the rollout side (vLLM engines, rollout actors, their env "
+                             "workers): where they share CPUs with the learner, the learner, the critical "
+                             "path of async training, gets them first; 0: equal priority")
+    learner_cpus: str = F("", 'CPUs the learner processes run on, e.g. "0" or "0-7" (Linux; "" = any): with '
+                              "rollout_cpus, gives each side its own CPUs on a shared node")
+    rollout_cpus: str = F("", 'CPUs the inference and rollout actors (and their engines and env workers) run '
+                              'on, e.g. "1" or "8-15" ("" = any)')
 
 
 @dataclass
@@ -200,6 +207,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is str:
         if isinstance(value, str):
             return value
+        if isinstance(value, int) and not isinstance(value, bool):   # YAML reads `run.learner_cpus=0` as 0
+            return str(value)
         raise ConfigError(f"{where}: expected a string, got {value!r}")
     if tp in (list, dict) or origin in (list, dict):
         want = origin or tp

@@ -74,6 +74,12 @@ class System:
 
         cfg = self.cfg
         t0 = time.perf_counter()
+        from common.cpu_placement import parse_cpu_list
+        for name in ("learner_cpus", "rollout_cpus"):      # a typo fails here, not later inside an actor
+            try:
+                parse_cpu_list(getattr(cfg.run, name))
+            except ValueError as exc:
+                raise ValueError(f"run.{name}: {exc}") from None
         address = start_ray(cfg)
         self.model_path = resolve_model_path(cfg.model.path, cfg.run.output_dir)
         if cfg.model.warm_start_steps > 0:    # supervised warm start on training walkthroughs (cached)

@@ -11,6 +11,7 @@ import socket
 import ray
 
 from common.config import ExperimentConfig, from_dict, to_dict
+from common.cpu_placement import place_this_process
 
 
 class LearnerWorker:
@@ -24,6 +25,7 @@ class LearnerWorker:
             os.environ.setdefault("OMP_NUM_THREADS", "1")
         from learner.loop import Learner
         self.cfg: ExperimentConfig = from_dict(cfg)
+        place_this_process(self.cfg.run.learner_cpus)     # before torch starts its threads
         self.learner = Learner(self.cfg, model_path, stream_url if rank == 0 else None,
                                inference_actors=inference_actors if rank == 0 else None)
 

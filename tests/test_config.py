@@ -15,6 +15,10 @@ def test_defaults_and_overrides():
     assert cfg.learner.lr == 2e-6 and cfg.rollout.group_size == 4
     assert cfg.learner.normalize_std is False and cfg.run.name == "x"
     assert cfg.learner.gamma == 0.95       # untouched default
+    # A string field given a bare number on the command line (YAML reads `0` as an integer).
+    assert load_config(None, ["run.learner_cpus=0"]).run.learner_cpus == "0"
+    with pytest.raises(ConfigError, match="run.name: expected a string"):
+        load_config(None, ["run.name=[1, 2]"])
 
 
 def test_unknown_field_names_a_suggestion():

@@ -1,0 +1,55 @@
+"""Where a process may run and how urgently: CPU affinity and niceness for processes that share a node.
+
+Used by the learner and the rollout side (run.learner_cpus, run.rollout_cpus, run.rollout_nice). Where
+rollout and learner share CPUs, the learner is the critical path of async training: every second it waits
+for a CPU delays the next weights, while rollout work done instead only fills the stream further. So the
+rollout side runs a few nice levels lower; or each side gets its own CPUs, as on a cluster where they own
+different devices.
+
+On Linux affinity and niceness belong to each thread, not to the process: every thread that exists is
+placed, and threads and processes started later (vLLM's engine processes, env workers) inherit the
+placement of the thread that starts them.
+"""
+from __future__ import annotations
+
+import os
+
+
+def parse_cpu_list(spec: str) -> set[int]:
+    """CPU ids from a Linux-style list, e.g. "0-3,6" -> {0, 1, 2, 3, 6}; "" -> empty (no restriction)."""
+    cpus: set[int] = set()
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        try:
+            lo, _, hi = part.partition("-")
+            first, last = int(lo), int(hi or lo)
+        except ValueError:
+            raise ValueError(f"CPU list {spec!r}: {part!r} is not a CPU id or a range like 2-5") from None
+        if first < 0 or last < first:
+            raise ValueError(f"CPU list {spec!r}: bad range {part!r}")
+        cpus.update(range(first, last + 1))
+    return cpus
+
+
+def place_this_process(cpus: str = "", nice: int = 0) -> None:
+    """Restrict every thread of this process to `cpus` ("" = leave as is) and add `nice` to its niceness
+    (capped at 19 by the kernel; 0 = leave as is)."""
+    allowed = parse_cpu_list(cpus)
+    if allowed:
+        missing = allowed - os.sched_getaffinity(0)
+        if missing:
+            raise ValueError(f"CPU list {cpus!r}: CPUs {sorted(missing)} are not available to this process "
+                             f"(available: {sorted(os.sched_getaffinity(0))})")
+    if not allowed and nice <= 0:
+        return
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:                       # not Linux: the calling thread only
+        tids = [0]
+    for tid in tids:
+        try:
+            if allowed:
+                os.sched_setaffinity(tid, allowed)
+            if nice > 0:
+                os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+        except (ProcessLookupError, FileNotFoundError):     # a thread that ended meanwhile
+            pass

@@ -31,7 +31,7 @@ help:
 	@echo "make test       the test suite (installs first)"
 	@echo "make bench      benchmarks, each against a baseline measured in the same run"
 	@echo "make data       unpack ALFWorld / WebShop data into ./data"
-	@echo "make experiment GiGPO vs GRPO learning check (3 seeds each) -> docs/"
+	@echo "make experiment GiGPO vs GRPO learning check (3 seeds x 24 updates each, ~50 min) -> docs/"
 	@echo "make dashboard-check  every Grafana dashboard query against a real Prometheus + a screenshot -> docs/"
 
 install: $(STAMP)

@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", default="configs/embedded.yaml")
     ap.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS))
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--iterations", type=int, default=12, help="learner updates per run (same for all)")
+    ap.add_argument("--iterations", type=int, default=24, help="learner updates per run (same for all)")
     ap.add_argument("--target", type=float, default=0.3, help="success rate whose first crossing is reported")
     ap.add_argument("--smooth", type=int, default=3, help="updates in the trailing mean")
     ap.add_argument("--work-dir", default="runs/experiment", help="run directories (kept: metrics, logs)")

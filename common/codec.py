@@ -15,10 +15,11 @@ stored column by column, trajectory after trajectory:
                "step": <i4[S]>, "policy_version": <i8[S]>, "anchor": [str]*S, "action": [str]*S}}
 
 `tokens` is the three token columns back to back: prompt_ids <i4[sum P] | response_ids <i4[sum T] |
-response_logprobs <f4[sum T], after 0-3 zero bytes that put them at a multiple of 4 in the payload. `<i4` etc. are raw little-endian bytes. Keeping the ~1 MB of tokens out of the
-msgpack map lets `decode_group` hand out numpy views of the received bytes instead of copying them (a fresh
-~1 MB allocation per group cost as much as the rest of decoding). Any msgpack library reads the format:
-unpack the array, then unpack the header.
+response_logprobs <f4[sum T], after 0-3 zero bytes that put them at a multiple of 4 in the payload. `<i4`
+etc. are raw little-endian bytes. Keeping the ~1 MB of tokens out of the msgpack map lets `decode_group`
+hand out numpy views of the received bytes instead of copying them (a fresh ~1 MB allocation per group
+cost as much as the rest of decoding). Any msgpack library reads the format: unpack the array, then unpack
+the header.
 
 A trajectory's `task_id` and `group_id` are its group's (the encoder refuses a trajectory that disagrees),
 so they are not repeated on the wire.

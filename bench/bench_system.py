@@ -66,8 +66,8 @@ def main() -> None:
             finally:
                 shutil.rmtree(out, ignore_errors=True)
             r = results[mode]
-            print(f"{placement:6s} {mode:5s}: {r['steps_per_s']:5.1f} env steps/s played, {r['trained_steps_per_s']:5.1f} "
-                  f"trained, over {r['updates']} updates ({r['wall_s']:.0f} s); policy lag mean {r['lag_mean']:.2f}, "
+            print(f"{placement:6s} {mode:5s}: {r['steps_per_s']:5.1f} env steps/s played, "
+                  f"{r['trained_steps_per_s']:5.1f} trained, over {r['updates']} updates ({r['wall_s']:.0f} s); policy lag mean {r['lag_mean']:.2f}, "
                   f"max {r['lag_max']:.0f}; groups dropped stale {r['dropped_stale']:.0f}; learner per update: "
                   f"waits {r['wait_s']:.1f} s for data, trains {r['train_s']:.1f} s", flush=True)
         if set(results) == {"sync", "async"}:

@@ -79,6 +79,10 @@ def _bin_header(n: int) -> bytes:
         return b"\xc4" + n.to_bytes(1, "big")
     if n < 1 << 16:
         return b"\xc5" + n.to_bytes(2, "big")
+    return _bin32_header(n)
+
+
+def _bin32_header(n: int) -> bytes:
     return b"\xc6" + n.to_bytes(4, "big")
 
 
@@ -161,9 +165,9 @@ def _parts_unchecked(group: EpisodeGroup) -> list[bytes | _Packed]:
     # tokens bin starts with 0-3 zero bytes so that the columns sit at a multiple of 4 in the payload (numpy
     # scans aligned arrays ~2x faster); its bin 32 header makes the offset independent of the size.
     head_bin = _bin_header(len(header))
-    pad = -(len(_ARRAY_OF_2) + len(head_bin) + len(header) + 5) % _ALIGN
-    return [_ARRAY_OF_2, head_bin, header, b"\xc6" + (pad + sum(c.nbytes for c in token_cols)).to_bytes(4, "big"),
-            bytes(pad), *token_cols]
+    pad = -(len(_ARRAY_OF_2) + len(head_bin) + len(header) + len(_bin32_header(0))) % _ALIGN
+    return [_ARRAY_OF_2, head_bin, header, _bin32_header(pad + sum(c.nbytes for c in token_cols)), bytes(pad),
+            *token_cols]
 
 
 def _write(parts: list[bytes | _Packed], buf: bytearray) -> int:

@@ -4,7 +4,13 @@ Synchronous mode (`run.sync=true`, the reference's schedule) plays one batch wit
 trains on it, so rollout and training take turns. The asynchronous default lets rollout actors keep
 playing while the learner trains (bounded by `stream.max_policy_lag`). Target (issue 7): async >= 1.5x.
 
-    python bench/bench_system.py [--updates 6] [overrides...]
+"Played" counts env steps taken in the measured window, "trained" the rows the learner trained on in it;
+they agree in a steady state, and differ by what the stream and the rollout slots held at the window's
+edges (up to 2 updates' worth), so short windows swing by ~10%: the default is 8 measured updates per mode
+(~15 minutes for both placements on 2 cores). The learner's wait for data, and the share of time the
+rollout slots spend blocked by a full stream, say which side bounds the async mode.
+
+    python bench/bench_system.py [--updates 8] [--placements split,shared] [overrides...]
 """
 import argparse
 import os
@@ -28,26 +34,32 @@ def measure(sync: bool, updates: int, overrides: list[str], out_dir: str) -> dic
         # One warm-up update (engine compilation, first env resets), then the measured ones.
         cfg.run.iterations = 1
         system.train()
-        before = system.rollout_stats().get("env_steps", 0.0)
+        before = system.rollout_stats()
         t0 = time.perf_counter()
         cfg.run.iterations = updates + 1
         history = system.train()
         wall = time.perf_counter() - t0
-        steps = system.rollout_stats().get("env_steps", 0.0) - before
+        after = system.rollout_stats()
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("env_steps", "publish_wait_s", "weight_wait_s")}
+    slots = cfg.rollout.num_actors * cfg.rollout.groups_per_actor
     lags = [m.get("lag/policy_versions_mean", 0.0) for m in history]
     mean = lambda key: sum(m.get(key, 0.0) for m in history) / max(len(history), 1)  # noqa: E731
-    return {"steps_per_s": steps / wall, "wall_s": wall, "updates": len(history),
+    return {"steps_per_s": delta["env_steps"] / wall,
+            # the share of rollout slot time spent waiting for room in the stream (learner-bound when high)
+            "blocked": delta["publish_wait_s"] / (slots * wall), "weight_wait_s": delta["weight_wait_s"] / slots,
+            "waits": [round(m.get("time/wait_data_s", 0.0), 1) for m in history], "wall_s": wall, "updates": len(history),
             # rows = env steps; the played steps of groups dropped as stale are not trained on
             "trained_steps_per_s": sum(m.get("batch/rows", 0.0) for m in history) / wall,
             "dropped_stale": history[-1].get("stream/dropped_stale", 0.0) if history else 0.0,
             "wait_s": mean("time/wait_data_s"), "train_s": mean("time/train_s"),
+            "recompute_s": mean("time/recompute_s"), "push_s": mean("time/push_weights_s"),
             "lag_mean": sum(lags) / max(len(lags), 1),
             "lag_max": max((m.get("lag/policy_versions_max", 0.0) for m in history), default=0.0)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--updates", type=int, default=5)
+    ap.add_argument("--updates", type=int, default=8, help="measured updates per mode")
     ap.add_argument("--modes", default="sync,async", help="comma-separated; the ratio needs both")
     ap.add_argument("--placements", default="shared,split",
                     help="shared: every process may use every CPU (the embedded default); split: the learner "
@@ -69,7 +81,10 @@ def main() -> None:
             print(f"{placement:6s} {mode:5s}: {r['steps_per_s']:5.1f} env steps/s played, "
                   f"{r['trained_steps_per_s']:5.1f} trained, over {r['updates']} updates ({r['wall_s']:.0f} s); policy lag mean {r['lag_mean']:.2f}, "
                   f"max {r['lag_max']:.0f}; groups dropped stale {r['dropped_stale']:.0f}; learner per update: "
-                  f"waits {r['wait_s']:.1f} s for data, trains {r['train_s']:.1f} s", flush=True)
+                  f"waits {r['wait_s']:.1f} s for data, trains {r['train_s']:.1f} s (of which recomputing old log-probs "
+                  f"{r['recompute_s']:.1f} s), pushes weights {r['push_s']:.2f} s; "
+                  f"waits per update {r['waits']}; rollout slots blocked by a full stream {100 * r['blocked']:.0f}% "
+                  f"of the time, paused by weight updates {r['weight_wait_s']:.1f} s per slot", flush=True)
         if set(results) == {"sync", "async"}:
             played = results["async"]["steps_per_s"] / max(results["sync"]["steps_per_s"], 1e-9)
             trained = results["async"]["trained_steps_per_s"] / max(results["sync"]["trained_steps_per_s"], 1e-9)

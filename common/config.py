@@ -148,6 +148,8 @@ class RunConfig:
     sync: bool = F(False, "synchronous mode: rollout then train in lockstep (the reference's schedule)")
     ray_address: str = F("", 'Ray cluster address; "" starts a local Ray (RAY_ADDRESS also works)')
     resume: bool = F(False, "resume from the latest checkpoint in output_dir")
+    resume_tag: str = F("", "with resume: the checkpoint to load instead of the latest, a directory name under "
+                            "<output_dir>/checkpoints (e.g. update_0000008)")
     rollout_nice: int = F(5, "niceness added to the rollout side (vLLM engines, rollout actors, their env "
                              "workers): where they share CPUs with the learner, the learner, the critical "
                              "path of async training, gets them first; 0: equal priority")

@@ -38,7 +38,10 @@ def cmd_train(args) -> int:
 def cmd_eval(args) -> int:
     from deploy.system import evaluate_only
     cfg = _load(args)
-    evaluate_only(cfg, checkpoint=args.checkpoint)
+    try:
+        evaluate_only(cfg, checkpoint=args.checkpoint)
+    except FileNotFoundError as exc:
+        sys.exit(f"gigpo: {exc}")
     return 0
 
 
@@ -105,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("eval", help="evaluate a checkpoint (success per task type, WebShop score)")
     with_config(p)
-    p.add_argument("--checkpoint", default="", help="checkpoint dir (default: latest in run.output_dir)")
+    p.add_argument("--checkpoint", default="", help="a checkpoint directory, <run.output_dir>/checkpoints/update_* (default: the latest in "
+                        "run.output_dir)")
     p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("status", help="what a running job is doing: versions, lags, throughput")
     p.add_argument("--output-dir", default="runs/embedded", help="the job's run.output_dir")

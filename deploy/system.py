@@ -308,13 +308,26 @@ def train(cfg: ExperimentConfig) -> dict:
         return summary
 
 
+def checkpoint_location(checkpoint: str) -> tuple[str, str]:
+    """(run.output_dir, run.resume_tag) of a checkpoint directory <output_dir>/checkpoints/<tag>; raises
+    FileNotFoundError when `checkpoint` is not a complete checkpoint written by the learner."""
+    from learner.trainer import LEARNER_STATE     # (torch: imported only when a checkpoint is named)
+
+    path = Path(checkpoint).resolve()
+    if not (path / LEARNER_STATE).is_file():
+        raise FileNotFoundError(f"{checkpoint} is not a checkpoint directory (no {LEARNER_STATE} in it); "
+                                f"pass one of <run.output_dir>/checkpoints/update_*")
+    return str(path.parent.parent), path.name
+
+
 def evaluate_only(cfg: ExperimentConfig, checkpoint: str = "") -> dict:
-    """`gigpo eval`: the current weights of the run's latest checkpoint (or the initial model)."""
+    """`gigpo eval`: the weights of `checkpoint` (a checkpoint directory), else of the latest checkpoint
+    in run.output_dir, else the initial model."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg.run.resume = True
     cfg.rollout.num_actors = 0
     if checkpoint:
-        cfg.run.output_dir = str(Path(checkpoint).resolve().parent.parent)
+        cfg.run.output_dir, cfg.run.resume_tag = checkpoint_location(checkpoint)
     with System(cfg) as system:
         system.start()
         result = system.evaluate()

@@ -63,7 +63,7 @@ class Learner:
             publisher: an object with `push(named_tensors, version) -> dict`; None builds a
                 `common.weight_sync.WeightPublisher` over `inference_actors` when those are given.
             checkpoint_dir: where checkpoints go (default: <run.output_dir>/checkpoints); "" disables them.
-            resume: load the latest checkpoint there (default: cfg.run.resume).
+            resume: load the latest checkpoint there, or cfg.run.resume_tag (default: cfg.run.resume).
             consumer_name: Redis consumer name; keep it stable across restarts of the same learner.
         """
 
@@ -110,7 +110,7 @@ class Learner:
     def _resume(self) -> None:
         if not self.checkpoint_dir:
             return
-        state = self.trainer.load_checkpoint(self.checkpoint_dir)
+        state = self.trainer.load_checkpoint(self.checkpoint_dir, tag=self.cfg.run.resume_tag or None)
         if state is None:
             log.info("no checkpoint under %s: starting fresh", self.checkpoint_dir)
             return

@@ -308,12 +308,18 @@ class PolicyTrainer:
             dist.barrier()
         return str(root / tag)
 
-    def load_checkpoint(self, root: str | os.PathLike) -> dict | None:
-        """Load the latest checkpoint under root; returns its client_state, or None when there is none."""
+    def load_checkpoint(self, root: str | os.PathLike, tag: str | None = None) -> dict | None:
+        """Load the checkpoint `tag` under root (a directory name such as update_0000008; None: the
+        latest); returns its client_state, or None when there is no checkpoint at all. A `tag` that is not
+        there raises FileNotFoundError: asked for one checkpoint, never silently start from another."""
         root = Path(root)
-        if not (root / "latest").exists():
+        if tag is not None:
+            if not (root / tag / LEARNER_STATE).is_file():
+                have = sorted(p.name for p in root.glob("update_*") if (p / LEARNER_STATE).is_file())
+                raise FileNotFoundError(f"no checkpoint {tag!r} under {root} (complete ones there: {have or 'none'})")
+        elif not (root / "latest").exists():
             return None
-        path, client = self.engine.load_checkpoint(str(root), load_optimizer_states=True,
+        path, client = self.engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
                                                    load_lr_scheduler_states=True)
         if path is None:
             return None

@@ -54,3 +54,11 @@ def test_config_command_prints_fields_and_resolved_configs(capsys):
 def test_config_errors_exit_with_the_reason():
     with pytest.raises(SystemExit, match="did you mean 'omega'"):
         cli.main(["config", "configs/embedded.yaml", "learner.omgea=2"])
+
+
+def test_eval_of_a_directory_that_is_no_checkpoint_exits_with_the_reason(tmp_path):
+    # Before anything starts (no Ray, no engine): evaluating the initial model instead would mislead.
+    not_a_checkpoint = tmp_path / "checkpoints" / "update_0000004"
+    not_a_checkpoint.mkdir(parents=True)
+    with pytest.raises(SystemExit, match="update_0000004 is not a checkpoint directory"):
+        cli.main(["eval", "configs/embedded.yaml", "--checkpoint", str(not_a_checkpoint)])

@@ -131,6 +131,34 @@ def test_update_moves_logprobs_with_the_sign_of_the_advantage(model_path):
     assert np.mean(pos > 0) > 0.8 and np.mean(neg < 0) > 0.8
 
 
+def test_checkpoint_tag_loads_that_checkpoint_and_a_missing_tag_is_an_error(model_path, fixed_batch, tmp_path):
+    cfg = LearnerConfig(zero_stage=2, mini_batch_rows=1024, micro_batch_tokens=600, lr=1e-3)
+    weights = lambda t: {n: w.clone() for n, w in t.named_weights()}  # noqa: E731
+    trainer = PolicyTrainer(model_path, cfg, dtype="float32")
+    try:
+        trainer.train_step(fixed_batch)
+        first = trainer.save_checkpoint(tmp_path, {"policy_version": 1})
+        w1 = weights(trainer)
+        trainer.train_step(fixed_batch)
+        trainer.save_checkpoint(tmp_path, {"policy_version": 2})
+        w2 = weights(trainer)
+    finally:
+        trainer.close()
+    assert any(not torch.equal(w1[n], w2[n]) for n in w1)
+    for tag, want, version in ((Path(first).name, w1, 1), (None, w2, 2)):
+        trainer = PolicyTrainer(model_path, cfg, dtype="float32")
+        try:
+            state = trainer.load_checkpoint(tmp_path, tag=tag)
+            assert state["policy_version"] == version and trainer.updates == version
+            for n, w in weights(trainer).items():
+                assert torch.equal(w, want[n]), (tag, n)
+            if tag is None:
+                with pytest.raises(FileNotFoundError, match="update_0000009.*update_0000001"):
+                    trainer.load_checkpoint(tmp_path, tag="update_0000009")
+        finally:
+            trainer.close()
+
+
 @pytest.fixture(scope="module")
 def one_process_stage2(model_path) -> dict:
     """One update of the fixed batch in this process at ZeRO-2 (shared by two tests)."""

@@ -19,6 +19,7 @@ import torch
 from common.config import LearnerConfig
 from common.tiny_model import build_tiny_model
 from learner.batching import build_batch
+from learner.loop import Learner
 from learner.synthetic import synthetic_groups
 from learner.trainer import PolicyTrainer
 from tests import learner_worker
@@ -157,6 +158,17 @@ def test_checkpoint_tag_loads_that_checkpoint_and_a_missing_tag_is_an_error(mode
                     trainer.load_checkpoint(tmp_path, tag="update_0000009")
         finally:
             trainer.close()
+    # The learner resumes from run.resume_tag (what `gigpo eval --checkpoint DIR` sets).
+    exp = learner_worker.learner_experiment("unused")
+    exp.learner = cfg
+    exp.run.resume_tag = Path(first).name
+    learner = Learner(exp, model_path, checkpoint_dir=str(tmp_path), resume=True)
+    try:
+        assert learner.policy_version == 1
+        for n, w in weights(learner.trainer).items():
+            assert torch.equal(w, w1[n]), n
+    finally:
+        learner.close(checkpoint=False)
 
 
 @pytest.fixture(scope="module")

@@ -221,7 +221,8 @@ def main() -> None:
 
     rng = np.random.default_rng(0)
     groups = [realistic_group(f"g{i}", rng) for i in range(args.groups)]
-    print(f"{len(groups)} groups per round, of {groups[0].num_rows} rows (8 x 30 steps, ~600 prompt + ~100 response tokens)")
+    print(f"{len(groups)} groups per round, of {groups[0].num_rows} rows (8 x 30 steps, ~600 prompt + ~100 "
+          f"response tokens)")
 
     enc, enc_reuse, dec, size = bench_codec(groups, repeats=3)
     print(f"codec: group = {size / 1e6:.2f} MB encoded; encode_group {enc:.0f} MB/s, GroupEncoder (used by "

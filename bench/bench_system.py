@@ -47,7 +47,8 @@ def measure(sync: bool, updates: int, overrides: list[str], out_dir: str) -> dic
     return {"steps_per_s": delta["env_steps"] / wall,
             # the share of rollout slot time spent waiting for room in the stream (learner-bound when high)
             "blocked": delta["publish_wait_s"] / (slots * wall), "weight_wait_s": delta["weight_wait_s"] / slots,
-            "waits": [round(m.get("time/wait_data_s", 0.0), 1) for m in history], "wall_s": wall, "updates": len(history),
+            "waits": [round(m.get("time/wait_data_s", 0.0), 1) for m in history],
+            "wall_s": wall, "updates": len(history),
             # rows = env steps; the played steps of groups dropped as stale are not trained on
             "trained_steps_per_s": sum(m.get("batch/rows", 0.0) for m in history) / wall,
             "dropped_stale": history[-1].get("stream/dropped_stale", 0.0) if history else 0.0,
@@ -79,10 +80,11 @@ def main() -> None:
                 shutil.rmtree(out, ignore_errors=True)
             r = results[mode]
             print(f"{placement:6s} {mode:5s}: {r['steps_per_s']:5.1f} env steps/s played, "
-                  f"{r['trained_steps_per_s']:5.1f} trained, over {r['updates']} updates ({r['wall_s']:.0f} s); policy lag mean {r['lag_mean']:.2f}, "
-                  f"max {r['lag_max']:.0f}; groups dropped stale {r['dropped_stale']:.0f}; learner per update: "
-                  f"waits {r['wait_s']:.1f} s for data, trains {r['train_s']:.1f} s (of which recomputing old log-probs "
-                  f"{r['recompute_s']:.1f} s), pushes weights {r['push_s']:.2f} s; "
+                  f"{r['trained_steps_per_s']:5.1f} trained, over {r['updates']} updates ({r['wall_s']:.0f} s); "
+                  f"policy lag mean {r['lag_mean']:.2f}, max {r['lag_max']:.0f}; groups dropped stale "
+                  f"{r['dropped_stale']:.0f}; learner per update: waits {r['wait_s']:.1f} s for data, trains "
+                  f"{r['train_s']:.1f} s (of which recomputing old log-probs {r['recompute_s']:.1f} s), pushes "
+                  f"weights {r['push_s']:.2f} s; "
                   f"waits per update {r['waits']}; rollout slots blocked by a full stream {100 * r['blocked']:.0f}% "
                   f"of the time, paused by weight updates {r['weight_wait_s']:.1f} s per slot", flush=True)
         if set(results) == {"sync", "async"}:

@@ -108,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("eval", help="evaluate a checkpoint (success per task type, WebShop score)")
     with_config(p)
-    p.add_argument("--checkpoint", default="", help="a checkpoint directory, <run.output_dir>/checkpoints/update_* (default: the latest in "
+    p.add_argument("--checkpoint", default="",
+                   help="a checkpoint directory, <run.output_dir>/checkpoints/update_* (default: the latest in "
                         "run.output_dir)")
     p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("status", help="what a running job is doing: versions, lags, throughput")

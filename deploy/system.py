@@ -311,10 +311,10 @@ def train(cfg: ExperimentConfig) -> dict:
 def checkpoint_location(checkpoint: str) -> tuple[str, str]:
     """(run.output_dir, run.resume_tag) of a checkpoint directory <output_dir>/checkpoints/<tag>; raises
     FileNotFoundError when `checkpoint` is not a complete checkpoint written by the learner."""
-    from learner.trainer import LEARNER_STATE     # (torch: imported only when a checkpoint is named)
+    from learner.trainer import LEARNER_STATE, is_complete_checkpoint   # (torch: only when one is named)
 
     path = Path(checkpoint).resolve()
-    if not (path / LEARNER_STATE).is_file():
+    if not is_complete_checkpoint(path):
         raise FileNotFoundError(f"{checkpoint} is not a checkpoint directory (no {LEARNER_STATE} in it); "
                                 f"pass one of <run.output_dir>/checkpoints/update_*")
     return str(path.parent.parent), path.name

@@ -37,6 +37,12 @@ from learner.loss import LossSettings, policy_loss, token_logprobs_and_entropy
 LEARNER_STATE = "learner_state.json"   # written next to each DeepSpeed checkpoint tag, for humans and tools
 
 
+def is_complete_checkpoint(tag_dir: str | os.PathLike) -> bool:
+    """Whether `tag_dir` (<checkpoints>/update_*) is a whole checkpoint: its LEARNER_STATE is written last,
+    after DeepSpeed's files."""
+    return (Path(tag_dir) / LEARNER_STATE).is_file()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -314,8 +320,8 @@ class PolicyTrainer:
         there raises FileNotFoundError: asked for one checkpoint, never silently start from another."""
         root = Path(root)
         if tag is not None:
-            if not (root / tag / LEARNER_STATE).is_file():
-                have = sorted(p.name for p in root.glob("update_*") if (p / LEARNER_STATE).is_file())
+            if not is_complete_checkpoint(root / tag):
+                have = sorted(p.name for p in root.glob("update_*") if is_complete_checkpoint(p))
                 raise FileNotFoundError(f"no checkpoint {tag!r} under {root} (complete ones there: {have or 'none'})")
         elif not (root / "latest").exists():
             return None

@@ -15,8 +15,10 @@ record for `gigpo status`, and applies `gigpo scale` commands.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -66,7 +68,10 @@ class System:
 
     # -- start and stop --------------------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, eval_only: bool = False) -> None:
+        """Start every part. eval_only: inference actors and a read-only learner that serves the resumed
+        checkpoint, nothing else; nothing is written into run.output_dir (no job file, no logs), so a
+        run that is still training is not disturbed."""
         from common.redis_server import connect, redis_for
         from common.tiny_model import resolve_model_path
         from deploy.control import ControlChannel, write_job_file
@@ -85,21 +90,24 @@ class System:
         if cfg.model.warm_start_steps > 0:    # supervised warm start on training walkthroughs (cached)
             from deploy.warm_start import warm_start
             self.model_path = warm_start(cfg, self.model_path)
-        self.redis_url, self.redis = redis_for(cfg.stream)
-        self.channel = ControlChannel(connect(self.redis_url), cfg.run.name)
-        write_job_file(cfg.run.output_dir, cfg.run.name, self.redis_url, address)
-        self.tracker = Tracker(cfg.run.output_dir, cfg.run.name, to_dict(cfg))
+        self.redis_url = None
+        if not eval_only:
+            self.redis_url, self.redis = redis_for(cfg.stream)
+            self.channel = ControlChannel(connect(self.redis_url), cfg.run.name)
+            write_job_file(cfg.run.output_dir, cfg.run.name, self.redis_url, address)
+            self.tracker = Tracker(cfg.run.output_dir, cfg.run.name, to_dict(cfg))
 
         from actors.inference import create_inference_actors
         from learner.actor import create_learner_workers
         self.inference = create_inference_actors(to_dict(cfg), self.model_path)
-        self.learners = create_learner_workers(cfg, self.model_path, self.redis_url, self.inference)
+        self.learners = create_learner_workers(cfg, self.model_path, self.redis_url, self.inference,
+                                               read_only=eval_only)
         state = ray.get(self.learners[0].state.remote())
         if state["policy_version"] > 0:
             # Resumed: the inference actors must serve the checkpoint's weights, not the initial ones.
             ray.get([w.sync_weights.remote() for w in self.learners])
         self.update = state["updates"]       # learner updates done (more than 0 after a resume)
-        self.scale_rollout(cfg.rollout.num_actors)
+        self.scale_rollout(0 if eval_only else cfg.rollout.num_actors)
         log.info("system up in %.0fs: %d inference, %d learner, %d rollout actors; outputs in %s",
                  time.perf_counter() - t0, len(self.inference), len(self.learners), len(self.rollouts),
                  self.out.resolve())
@@ -322,17 +330,31 @@ def checkpoint_location(checkpoint: str) -> tuple[str, str]:
 
 def evaluate_only(cfg: ExperimentConfig, checkpoint: str = "") -> dict:
     """`gigpo eval`: the weights of `checkpoint` (a checkpoint directory), else of the latest checkpoint
-    in run.output_dir, else the initial model."""
+    in run.output_dir, else the initial model. The result, with the update and policy version evaluated,
+    is printed and saved as <output_dir>/eval/update_<N>.json; nothing else in the run is touched (it may
+    still be training)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     cfg.run.resume = True
-    cfg.rollout.num_actors = 0
     if checkpoint:
         cfg.run.output_dir, cfg.run.resume_tag = checkpoint_location(checkpoint)
-    with System(cfg) as system:
-        system.start()
-        result = system.evaluate()
-        print(format_eval(f"evaluation ({cfg.env.eval_split})", result), flush=True)
-        return result
+    shared_dir = cfg.inference.weights_dir
+    if shared_dir:      # the run's actors may be reading this directory: publish to a private one inside it
+        cfg.inference.weights_dir = os.path.join(shared_dir, f"eval-{os.getpid()}-{int(time.time())}")
+    try:
+        with System(cfg) as system:
+            system.start(eval_only=True)
+            update = ray.get(system.learners[0].state.remote())["updates"]
+            served = ray.get(system.inference[0].policy_version.remote())
+            result = {**system.evaluate(), "update": update, "policy_version": served}
+    finally:
+        if shared_dir:
+            shutil.rmtree(cfg.inference.weights_dir, ignore_errors=True)
+    path = Path(cfg.run.output_dir) / "eval" / f"update_{result['update']:07d}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    print(format_eval(f"evaluation ({cfg.env.eval_split}) of update {result['update']}", result), flush=True)
+    print(f"saved to {path}", flush=True)
+    return result
 
 
 def format_eval(title: str, result: dict) -> str:

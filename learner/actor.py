@@ -18,7 +18,7 @@ class LearnerWorker:
     """One learner process. Sets the torch.distributed rank variables, then builds `learner.loop.Learner`."""
 
     def __init__(self, cfg: dict, model_path: str, stream_url: str | None, inference_actors: list,
-                 rank: int, world_size: int, master_addr: str, master_port: int):
+                 rank: int, world_size: int, master_addr: str, master_port: int, read_only: bool = False):
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
                            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
         if world_size > 1:
@@ -27,7 +27,7 @@ class LearnerWorker:
         self.cfg: ExperimentConfig = from_dict(cfg)
         place_this_process(self.cfg.run.learner_cpus)     # before torch starts its threads
         self.learner = Learner(self.cfg, model_path, stream_url if rank == 0 else None,
-                               inference_actors=inference_actors if rank == 0 else None)
+                               inference_actors=inference_actors if rank == 0 else None, read_only=read_only)
 
     def step(self, timeout_s: float | None = None) -> dict | None:
         return self.learner.step(timeout_s=timeout_s)
@@ -55,15 +55,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def create_learner_workers(cfg: ExperimentConfig, model_path: str, stream_url: str, inference_actors: list) -> list:
-    """`learner.num_processes` actors, each reserving one process's share of GPUs (or one CPU)."""
+def create_learner_workers(cfg: ExperimentConfig, model_path: str, stream_url: str | None, inference_actors: list,
+                           read_only: bool = False) -> list:
+    """`learner.num_processes` actors, each reserving one process's share of GPUs (or one CPU); read_only:
+    they serve a checkpoint for evaluation (see `Learner`)."""
     n = cfg.learner.num_processes
     gpus = cfg.learner.gpus_per_process
     actor_cls = ray.remote(LearnerWorker)
     master_addr = ray.util.get_node_ip_address()
     port = _free_port()
     return [actor_cls.options(num_cpus=1, num_gpus=gpus, name=None).remote(
-        to_dict(cfg), model_path, stream_url, inference_actors, rank, n, master_addr, port) for rank in range(n)]
+        to_dict(cfg), model_path, stream_url, inference_actors, rank, n, master_addr, port, read_only)
+        for rank in range(n)]
 
 
 def step_learner(workers: list, timeout_s: float | None = None) -> dict | None:

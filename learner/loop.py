@@ -54,7 +54,7 @@ class Learner:
     def __init__(self, cfg: ExperimentConfig, model_path: str, stream_url: str | None = None, *,
                  publisher: Any = None, inference_actors: list | None = None,
                  checkpoint_dir: str | None = None, resume: bool | None = None,
-                 consumer_name: str = "learner-0", read_block_ms: int = 1000):
+                 consumer_name: str = "learner-0", read_block_ms: int = 1000, read_only: bool = False):
         """
         Args:
             cfg: the experiment config (learner, stream, model, rollout sections are used).
@@ -65,9 +65,13 @@ class Learner:
             checkpoint_dir: where checkpoints go (default: <run.output_dir>/checkpoints); "" disables them.
             resume: load the latest checkpoint there, or cfg.run.resume_tag (default: cfg.run.resume).
             consumer_name: Redis consumer name; keep it stable across restarts of the same learner.
+            read_only: serve a checkpoint without touching the run (`gigpo eval`, possibly while the run
+                still trains): nothing is written under checkpoint_dir, `step` is refused, and the weights
+                are pushed under the checkpoint's own policy version (no new version was trained).
         """
 
         self.cfg = cfg
+        self.read_only = read_only
         self.trainer = PolicyTrainer(model_path, cfg.learner, dtype=cfg.model.dtype, seed=cfg.run.seed)
         self.rank, self.world_size = self.trainer.rank, self.trainer.world_size
         self.read_block_ms = read_block_ms
@@ -118,6 +122,9 @@ class Learner:
         self.committed_group_ids = set(self.trained_group_ids)
         self.policy_version = int(state.get("policy_version", 0))
         self.updates = int(state.get("updates", 0))
+        if self.read_only:
+            log.info("loaded update %d, policy version %d (read-only)", self.updates, self.policy_version)
+            return
         # Updates after the checkpoint were lost, but their weights may have reached the actors under
         # versions above the checkpoint's: continue above the highest version pushed, and push the resumed
         # weights at once so the actors stop sampling from the lost ones.
@@ -158,6 +165,8 @@ class Learner:
              ) -> dict[str, float] | None:
         """One update. Groups come from the stream (rank 0 reads, waiting up to timeout_s; None: forever)
         unless given. Returns the update's metrics, or None when no full batch arrived in time."""
+        if self.read_only:
+            raise RuntimeError("this learner is read-only (it serves a checkpoint for evaluation): no training")
         t_wait = time.perf_counter()
         received = None
         if self.rank == 0 and groups is None:
@@ -306,8 +315,9 @@ class Learner:
     def publish_weights(self) -> dict:
         """Push the current weights as the next policy version (all processes call this; rank 0 sends).
         The highest version ever pushed is recorded beside the checkpoints, so that a resumed learner
-        never reuses a version number for different weights."""
-        version = self.policy_version + 1
+        never reuses a version number for different weights. Read-only: the checkpoint's own version,
+        and nothing recorded."""
+        version = self.policy_version + (0 if self.read_only else 1)
         info: dict = {}
         if self._pushes:
             if self.rank == 0:
@@ -315,7 +325,7 @@ class Learner:
             elif self.cfg.learner.zero_stage == 3:
                 for _ in self.trainer.named_weights():   # join rank 0's (collective) gathers
                     pass
-            if self.rank == 0 and self.checkpoint_dir:
+            if self.rank == 0 and self.checkpoint_dir and not self.read_only:
                 path = Path(self.checkpoint_dir) / PUSHED_VERSION
                 path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_suffix(".tmp")
@@ -333,7 +343,7 @@ class Learner:
 
     def save_checkpoint(self) -> str | None:
         """Checkpoint now (all processes), then ack every group it covers."""
-        if not self.checkpoint_dir:
+        if not self.checkpoint_dir or self.read_only:
             return None
         path = self.trainer.save_checkpoint(self.checkpoint_dir, {
             "trained_group_ids": sorted(self.trained_group_ids),

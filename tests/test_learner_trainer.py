@@ -19,7 +19,7 @@ import torch
 from common.config import LearnerConfig
 from common.tiny_model import build_tiny_model
 from learner.batching import build_batch
-from learner.loop import Learner
+from learner.loop import PUSHED_VERSION, Learner
 from learner.synthetic import synthetic_groups
 from learner.trainer import PolicyTrainer
 from tests import learner_worker
@@ -169,6 +169,29 @@ def test_checkpoint_tag_loads_that_checkpoint_and_a_missing_tag_is_an_error(mode
             assert torch.equal(w, w1[n]), n
     finally:
         learner.close(checkpoint=False)
+    # Read-only (what `gigpo eval` runs, maybe beside a run still training, which has pushed version 2):
+    # the checkpoint's weights go out under its own version, and nothing is written into the run.
+    (tmp_path / PUSHED_VERSION).write_text("2")
+    pushes = []
+
+    class Recorder:
+        def push(self, named_tensors, version):
+            pushes.append((version, {n: w.clone() for n, w in named_tensors}))
+            return {}
+
+    learner = Learner(exp, model_path, publisher=Recorder(), checkpoint_dir=str(tmp_path), resume=True,
+                      read_only=True)
+    try:
+        assert learner.policy_version == 1 and not pushes
+        learner.publish_weights()
+        assert [v for v, _ in pushes] == [1] and all(torch.equal(w, w1[n]) for n, w in pushes[0][1].items())
+        assert learner.save_checkpoint() is None
+        with pytest.raises(RuntimeError, match="read-only"):
+            learner.step([])
+    finally:
+        learner.close()
+    assert (tmp_path / PUSHED_VERSION).read_text() == "2"
+    assert sorted(p.name for p in tmp_path.glob("update_*")) == ["update_0000001", "update_0000002"]
 
 
 @pytest.fixture(scope="module")

@@ -12,21 +12,26 @@ import ray
 from common.config import load_config
 from common.metrics import METRICS, exported_name, metrics_url, scrape
 from deploy.synthetic_metrics import EMITTED_BY
-from deploy.system import System, format_eval
+from deploy.system import System, evaluate_only, format_eval
+from learner.loop import PUSHED_VERSION
+from learner.trainer import LEARNER_STATE
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
+OVERRIDES = [
+    "run.iterations=2", "run.eval_every=0",
+    "rollout.groups_per_actor=2", "rollout.group_size=2", "learner.groups_per_batch=2",
+    "env.max_steps=4", "env.num_generated_games=4", "learner.checkpoint_every=1",
+    "rollout.cpus_per_actor=0.25",     # two rollout actors must fit beside the others on 2 cores
+    "model.warm_start_steps=2", "model.warm_start_games=2", "run.eval_episodes=2",
+    "model.warm_start_steps=0",   # the warm start has its own test (test_warm_start.py)
+    "learner.kl_coef=0.001",      # a KL term, so that the learner_kl gauge has a value to export
+]
+
+
 def test_two_iterations_of_the_full_system(tmp_path):
-    cfg = load_config("configs/embedded.yaml", [
-        f"run.output_dir={tmp_path / 'run'}", "run.iterations=2", "run.eval_every=0",
-        "rollout.groups_per_actor=2", "rollout.group_size=2", "learner.groups_per_batch=2",
-        "env.max_steps=4", "env.num_generated_games=4", "learner.checkpoint_every=1",
-        "rollout.cpus_per_actor=0.25",     # two rollout actors must fit beside the others on 2 cores
-        "model.warm_start_steps=2", "model.warm_start_games=2", "run.eval_episodes=2",
-        "model.warm_start_steps=0",   # the warm start has its own test (test_warm_start.py)
-        "learner.kl_coef=0.001",      # a KL term, so that the learner_kl gauge has a value to export
-    ])
+    cfg = load_config("configs/embedded.yaml", [f"run.output_dir={tmp_path / 'run'}", *OVERRIDES])
     with System(cfg) as system:
         system.start()
         # `gigpo scale` while running: the command is applied at the next iteration.
@@ -56,9 +61,28 @@ def test_two_iterations_of_the_full_system(tmp_path):
         stats = system.rollout_stats()
         assert len(system.rollouts) == 1 and stats.get("groups_discarded", 0) == 0
         check_metrics_endpoint(system)     # (the evaluation above fed the driver's eval success rate)
-    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    run = tmp_path / "run"
+    lines = (run / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2]
-    assert any(p.name.startswith("events") for p in (tmp_path / "run" / "tensorboard").iterdir())
+    assert any(p.name.startswith("events") for p in (run / "tensorboard").iterdir())
+    check_eval_of_an_older_checkpoint(run)
+
+
+def check_eval_of_an_older_checkpoint(run):
+    """`gigpo eval --checkpoint` of update 1 while update 2 is the latest: the inference actor serves that
+    checkpoint (its policy version), the result is saved beside the run, and nothing else of the run
+    changes (a run being evaluated may still be training: its job file and version record must stay)."""
+    ckpt = run / "checkpoints" / "update_0000001"
+    assert (run / "checkpoints" / "update_0000002").is_dir()
+    untouched = {p: p.read_bytes() for p in (run / "job.json", run / "checkpoints" / PUSHED_VERSION,
+                                             run / "metrics.jsonl")}
+    tensorboard = sorted((run / "tensorboard").iterdir())
+    result = evaluate_only(load_config("configs/embedded.yaml", OVERRIDES), checkpoint=str(ckpt))
+    want_version = json.loads((ckpt / LEARNER_STATE).read_text())["policy_version"]
+    assert result["update"] == 1 and result["policy_version"] == want_version and result["episodes"] == 2
+    assert json.loads((run / "eval" / "update_0000001.json").read_text()) == result
+    assert {p: p.read_bytes() for p in untouched} == untouched
+    assert sorted((run / "tensorboard").iterdir()) == tensorboard
 
 
 def _scrape_ours(url: str) -> dict[str, list]:

@@ -131,6 +131,8 @@ class LearnerConfig:
     num_processes: int = F(1, "learner processes (one per device)")
     gpus_per_process: float = F(0.0, "GPUs per learner process (0 on CPU-only machines)")
     checkpoint_every: int = F(10, "updates between checkpoints")
+    keep_checkpoints: int = F(2, "newest checkpoints kept, older ones deleted (each holds the optimizer state "
+                                 "too: several times the model's size); 0 keeps all")
     ack_on_checkpoint: bool = F(True, "exactly-once across restarts: ack trained groups only once a "
                                       "checkpoint holds their update (a crash retrains the updates since "
                                       "the last checkpoint); a checkpoint is forced early when the unacked "

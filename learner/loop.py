@@ -349,7 +349,7 @@ class Learner:
             "trained_group_ids": sorted(self.trained_group_ids),
             "policy_version": self.policy_version,
             "updates": self.updates,
-        })
+        }, keep=self.cfg.learner.keep_checkpoints)
         self.committed_group_ids = set(self.trained_group_ids)
         self._ack()
         return path

@@ -315,3 +315,15 @@ def test_two_process_learner_at_zero3_reads_trains_pushes_and_acks(model_path, t
     assert set(pushed) <= set(initial)
     assert all(pushed[k].shape == initial[k].shape for k in pushed)
     assert not torch.equal(pushed["model.layers.0.mlp.up_proj.weight"], initial["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_the_learner_keeps_the_newest_checkpoints(model_path, tmp_path):
+    cfg = learner_worker.learner_experiment("unused")
+    cfg.learner.checkpoint_every, cfg.learner.keep_checkpoints = 1, 1
+    learner = Learner(cfg, model_path, checkpoint_dir=str(tmp_path), resume=False)
+    try:
+        for seed in (1, 2):
+            assert learner.step(synthetic_groups(2, 3, vocab_size=1000, seed=seed, max_steps=2)) is not None
+    finally:
+        learner.close()
+    assert [p.name for p in tmp_path.glob("update_*")] == ["update_0000002"]

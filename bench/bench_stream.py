@@ -106,6 +106,9 @@ class Clock:
         self.cpu = time.process_time() - self.cpu0 + self._server_cpu() - self.srv0
 
 
+_PREFIX = 48        # bytes of payload that hold the group id (codec_skipped)
+
+
 @contextlib.contextmanager
 def codec_skipped(groups: list[EpisodeGroup]):
     """TrajectoryStream without its codec: publish sends bytes encoded beforehand, read looks the group up
@@ -125,9 +128,6 @@ def codec_skipped(groups: list[EpisodeGroup]):
         yield
     finally:
         common.stream.GroupEncoder, common.stream.decode_group = saved
-
-
-_PREFIX = 48        # bytes of payload that hold the group id
 
 
 def run_stream(url: str, groups: list[EpisodeGroup], key: str, batch: int) -> tuple[float, float]:

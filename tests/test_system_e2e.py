@@ -11,6 +11,7 @@ import ray
 
 from common.config import load_config
 from common.metrics import METRICS, exported_name, metrics_url, scrape
+from deploy.control import JOB_FILE
 from deploy.synthetic_metrics import EMITTED_BY
 from deploy.system import System, evaluate_only, format_eval
 from learner.loop import PUSHED_VERSION
@@ -74,7 +75,7 @@ def check_eval_of_an_older_checkpoint(run):
     changes (a run being evaluated may still be training: its job file and version record must stay)."""
     ckpt = run / "checkpoints" / "update_0000001"
     assert (run / "checkpoints" / "update_0000002").is_dir()
-    untouched = {p: p.read_bytes() for p in (run / "job.json", run / "checkpoints" / PUSHED_VERSION,
+    untouched = {p: p.read_bytes() for p in (run / JOB_FILE, run / "checkpoints" / PUSHED_VERSION,
                                              run / "metrics.jsonl")}
     tensorboard = sorted((run / "tensorboard").iterdir())
     result = evaluate_only(load_config("configs/embedded.yaml", OVERRIDES), checkpoint=str(ckpt))

@@ -343,9 +343,8 @@ def evaluate_only(cfg: ExperimentConfig, checkpoint: str = "") -> dict:
     try:
         with System(cfg) as system:
             system.start(eval_only=True)
-            update = ray.get(system.learners[0].state.remote())["updates"]
             served = ray.get(system.inference[0].policy_version.remote())
-            result = {**system.evaluate(), "update": update, "policy_version": served}
+            result = {**system.evaluate(), "update": system.update, "policy_version": served}
     finally:
         if shared_dir:
             shutil.rmtree(cfg.inference.weights_dir, ignore_errors=True)

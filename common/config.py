@@ -2,20 +2,25 @@
 
     cfg = load_config("configs/alfworld_gigpo_1.5b.yaml", ["learner.lr=2e-6", "rollout.group_size=4"])
 
-Every field has a default and a one-line doc (`describe()` prints them all). Unknown keys and values of
-the wrong type are errors that name the field, so a typo never silently falls back to a default.
+Every field has a default and a one-line doc (`describe()` prints them all). Unknown keys, values of the
+wrong type or out of range, and fields that contradict each other are errors (ConfigError) that name the
+field and where it was set (`configs/x.yaml:12: ...` or `override 'x=y': ...`), at load time, so a typo
+never silently falls back to a default and a bad value never fails minutes into a run.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
+
+from common.cpu_placement import parse_cpu_list
 
 
 def F(default: Any, doc: str) -> Any:
@@ -31,7 +36,8 @@ class ModelConfig:
                           "model (random Qwen2, head_dim 64, BPE trained on env text) under run.output_dir")
     max_prompt_tokens: int = F(2048, "longest prompt; a longer one ends the trajectory as truncated")
     max_response_tokens: int = F(512, "longest response per step")
-    dtype: str = F("auto", 'weights dtype: "auto" (bf16 on GPU, fp32 on CPU), "bfloat16", "float32"')
+    dtype: Literal["auto", "bfloat16", "float32"] = F(
+        "auto", 'weights dtype: "auto" (bf16 on GPU, fp32 on CPU), "bfloat16", "float32"')
     warm_start_steps: int = F(0, "supervised warm start before RL: optimizer steps of fine-tuning on the "
                                  "solutions (walkthroughs) of training games, replayed through the env with "
                                  "the rollout's prompts; 0 disables. Kept short so RL has room to improve")
@@ -43,9 +49,10 @@ class ModelConfig:
 
 @dataclass
 class EnvConfig:
-    name: str = F("alfworld", '"alfworld" or "webshop"')
-    source: str = F("generated", 'ALFWorld game source: "generated" (small games built locally) or '
-                                 '"data" (the standard game set under $ALFWORLD_DATA)')
+    name: Literal["alfworld", "webshop"] = F("alfworld", '"alfworld" or "webshop"')
+    source: Literal["generated", "data"] = F(
+        "generated", 'ALFWorld game source: "generated" (small games built locally) or "data" (the standard '
+                     'game set under $ALFWORLD_DATA)')
     train_split: str = F("train", "split the training tasks come from")
     eval_split: str = F("eval", 'split for evaluation ("valid_unseen" is the paper\'s ALFWorld table)')
     max_steps: int = F(50, "steps per episode before it ends as max_steps (paper: ALFWorld 50, WebShop 15)")
@@ -59,7 +66,8 @@ class EnvConfig:
     cpus_per_server: float = F(1.0, "CPUs Ray reserves for one env-server actor")
     instances_per_process: int = F(4, "env instances per worker subprocess of an env server (a crashed or "
                                       "hung worker restarts, and all its instances lose their episode)")
-    engine: str = F("fast", 'ALFWorld text engine: "fast" (memoized, byte-identical) or "upstream"')
+    engine: Literal["fast", "upstream"] = F(
+        "fast", 'ALFWorld text engine: "fast" (memoized, byte-identical) or "upstream"')
 
 
 @dataclass
@@ -106,19 +114,20 @@ class StreamConfig:
 
 @dataclass
 class LearnerConfig:
-    algorithm: str = F("gigpo", '"gigpo", "grpo" or "rloo"')
+    algorithm: Literal["gigpo", "grpo", "rloo"] = F("gigpo", '"gigpo", "grpo" or "rloo"')
     groups_per_batch: int = F(16, "B: episode groups per update (paper: 16 tasks)")
     gamma: float = F(0.95, "discount of step returns (Eq. 5)")
     omega: float = F(1.0, "weight of the step advantage (Eq. 8)")
     normalize_std: bool = F(True, "divide advantages by std + eps (mean_std_norm); False: mean_norm")
-    episode_stats: str = F("rows", '"rows" (reference default) or "trajectories" (paper Eq. 3)')
+    episode_stats: Literal["rows", "trajectories"] = F(
+        "rows", '"rows" (reference default) or "trajectories" (paper Eq. 3)')
     similarity: float = F(0.0, "0: anchors grouped by identical text; in (0, 1): by similarity ratio")
     dynamic_sampling: bool = F(False, "skip groups whose returns are all equal (counted)")
     lr: float = F(1e-6, "AdamW learning rate")
     weight_decay: float = F(0.01, "AdamW weight decay")
-    grad_clip: float = F(1.0, "gradient-norm clip")
+    grad_clip: float = F(1.0, "gradient-norm clip; 0 disables it")
     clip_ratio: float = F(0.2, "PPO ratio clip")
-    dual_clip: float = F(3.0, "dual-clip constant c for negative advantages")
+    dual_clip: float = F(3.0, "dual-clip constant c for negative advantages (> 1); 0 disables it")
     kl_coef: float = F(0.01, "low_var_kl (k3) loss coefficient to the frozen reference; 0 disables it")
     entropy_coef: float = F(0.001, "entropy bonus")
     ppo_epochs: int = F(1, "passes over each batch")
@@ -126,7 +135,7 @@ class LearnerConfig:
     mini_batch_rows: int = F(256, "rows per optimizer step (paper: 256 ALFWorld, 64 WebShop)")
     recompute_old_logprobs: bool = F(False, "recompute old log-probs with the learner instead of using "
                                             "the rollout's")
-    zero_stage: int = F(2, "DeepSpeed ZeRO stage (1, 2 or 3)")
+    zero_stage: Literal[1, 2, 3] = F(2, "DeepSpeed ZeRO stage (1, 2 or 3)")
     offload: bool = F(False, "ZeRO CPU offload of optimizer state (and params at stage 3)")
     num_processes: int = F(1, "learner processes (one per device)")
     gpus_per_process: float = F(0.0, "GPUs per learner process (0 on CPU-only machines)")
@@ -152,6 +161,8 @@ class RunConfig:
     resume: bool = F(False, "resume from the latest checkpoint in output_dir")
     resume_tag: str = F("", "with resume: the checkpoint to load instead of the latest, a directory name under "
                             "<output_dir>/checkpoints (e.g. update_0000008)")
+    overwrite: bool = F(False, "start fresh in an output_dir that holds checkpoints: they are deleted first "
+                               "(without it, or run.resume, such a run is refused)")
     rollout_nice: int = F(5, "niceness added to the rollout side (vLLM engines, rollout actors, their env "
                              "workers): where they share CPUs with the learner, the learner, the critical "
                              "path of async training, gets them first; 0: equal priority")
@@ -177,7 +188,16 @@ class ExperimentConfig:
 # ----------------------------------------------------------------------------------------------------------
 
 class ConfigError(ValueError):
-    pass
+    """A config that cannot be used. `fields` are the dotted names the error is about (empty when none), so
+    that the loader can say in which file and line, or in which command-line override, they were set."""
+
+    def __init__(self, message: str, *fields: str):
+        super().__init__(message)
+        self.fields = fields
+
+
+def _choices_text(choices: tuple) -> str:
+    return ", ".join(repr(c) for c in choices[:-1]) + f" or {choices[-1]!r}" if len(choices) > 1 else repr(choices[0])
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
@@ -187,18 +207,26 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if value is None:
             return None
         return _coerce(value, args[0], where)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        for choice in choices:      # compare types too: True == 1, but `zero_stage: true` is no stage
+            if value == choice and type(value) is type(choice):
+                return choice
+        raise ConfigError(f"{where}: {value!r} is not a choice; use {_choices_text(choices)}", where)
     if dataclasses.is_dataclass(tp):
+        if value is None:           # a section whose lines are all commented out
+            value = {}
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping of fields, got {value!r}")
+            raise ConfigError(f"{where}: expected a mapping of fields, got {value!r}", where)
         return _build(tp, value, where)
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+        raise ConfigError(f"{where}: expected true/false, got {value!r}", where)
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        raise ConfigError(f"{where}: expected an integer, got {value!r}", where)
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
@@ -207,18 +235,18 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 return float(value)
             except ValueError:
                 pass
-        raise ConfigError(f"{where}: expected a number, got {value!r}")
+        raise ConfigError(f"{where}: expected a number, got {value!r}", where)
     if tp is str:
         if isinstance(value, str):
             return value
         if isinstance(value, int) and not isinstance(value, bool):   # YAML reads `run.learner_cpus=0` as 0
             return str(value)
-        raise ConfigError(f"{where}: expected a string, got {value!r}")
+        raise ConfigError(f"{where}: expected a string, got {value!r}", where)
     if tp in (list, dict) or origin in (list, dict):
         want = origin or tp
         if isinstance(value, want):
             return value
-        raise ConfigError(f"{where}: expected a {want.__name__}, got {value!r}")
+        raise ConfigError(f"{where}: expected a {want.__name__}, got {value!r}", where)
     return value
 
 
@@ -227,31 +255,252 @@ def _build(cls: type, data: dict, where: str = "") -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in data.items():
-        path = f"{where}.{key}" if where else key
+        path = f"{where}.{key}" if where else str(key)
         if key not in names:
-            close = difflib.get_close_matches(key, names, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"unknown config field {path!r}{hint}; fields here: {', '.join(names)}")
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f"; fields here: {', '.join(names)}"
+            raise ConfigError(f"unknown config field {path!r}{hint}", path)
         kwargs[key] = _coerce(value, hints[key], path)
     return cls(**kwargs)
 
 
-def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+# ----------------------------------------------------------------------------------------------------------
+# Validation: ranges and rules across fields, checked once at load (and again where actors rebuild the config)
+# ----------------------------------------------------------------------------------------------------------
+
+def _at_least(low: int) -> tuple:
+    return (lambda v: v >= low), f"must be >= {low}"
+
+
+# Comparisons are written so that NaN fails them all (every comparison with NaN is false).
+_POSITIVE = ((lambda v: v > 0), "must be > 0")
+_NAMED = ((lambda v: bool(v.strip())), "must not be empty")
+_ONE_OR_MORE, _ZERO_OR_MORE = _at_least(1), _at_least(0)
+
+_FIELD_RULES: dict[str, tuple] = {
+    "model.path": ((lambda v: bool(v.strip())), 'must name a model: "tiny", a local directory or a Hugging '
+                                                "Face hub id"),
+    "model.max_prompt_tokens": _ONE_OR_MORE,
+    "model.max_response_tokens": _ONE_OR_MORE,
+    "model.warm_start_steps": _ZERO_OR_MORE,
+    "model.warm_start_games": _ONE_OR_MORE,
+    "model.warm_start_lr": _POSITIVE,
+    "model.warm_start_batch": _ONE_OR_MORE,
+    "env.train_split": _NAMED,
+    "env.eval_split": _NAMED,
+    "env.max_steps": _ONE_OR_MORE,
+    "env.num_generated_games": _ONE_OR_MORE,
+    "env.instances_per_server": _ONE_OR_MORE,
+    "env.step_timeout_s": _POSITIVE,
+    "env.cpus_per_server": _ZERO_OR_MORE,
+    "env.instances_per_process": _ONE_OR_MORE,
+    "rollout.num_actors": _ZERO_OR_MORE,            # 0: start none, add them with `gigpo scale`
+    "rollout.groups_per_actor": _ONE_OR_MORE,
+    "rollout.group_size": _ONE_OR_MORE,             # evaluation plays groups of 1
+    "rollout.history_length": _ZERO_OR_MORE,
+    "rollout.temperature": _POSITIVE,
+    "rollout.eval_temperature": _POSITIVE,          # evaluation copies it into rollout.temperature
+    "rollout.invalid_action_penalty": _ZERO_OR_MORE,
+    "rollout.success_reward": _POSITIVE,
+    "rollout.cpus_per_actor": _ZERO_OR_MORE,
+    "inference.num_actors": _ONE_OR_MORE,
+    "inference.gpus_per_actor": _ZERO_OR_MORE,
+    "inference.cpus_per_actor": _ZERO_OR_MORE,
+    "inference.gpu_memory_utilization": ((lambda v: 0 < v <= 1), "must be in (0, 1], a share of the memory"),
+    "inference.max_num_seqs": _ONE_OR_MORE,
+    "inference.weight_bucket_mb": _ONE_OR_MORE,
+    "stream.stream": _NAMED,
+    "stream.max_stream_groups": _ONE_OR_MORE,
+    "stream.max_policy_lag": _ZERO_OR_MORE,
+    "stream.reclaim_idle_s": _POSITIVE,
+    "stream.publish_timeout_s": _POSITIVE,
+    "learner.groups_per_batch": _ONE_OR_MORE,
+    "learner.gamma": ((lambda v: 0 <= v <= 1), "must be in [0, 1]"),
+    "learner.omega": _ZERO_OR_MORE,
+    "learner.similarity": ((lambda v: 0 <= v < 1), "must be in [0, 1): 0 groups anchors by identical text"),
+    "learner.lr": _POSITIVE,
+    "learner.weight_decay": _ZERO_OR_MORE,
+    "learner.grad_clip": ((lambda v: v >= 0), "must be >= 0 (0 disables clipping)"),
+    "learner.clip_ratio": _POSITIVE,
+    "learner.dual_clip": ((lambda v: v == 0 or v > 1), "must be > 1, or 0 to disable the dual clip"),
+    "learner.kl_coef": _ZERO_OR_MORE,
+    "learner.entropy_coef": _ZERO_OR_MORE,
+    "learner.ppo_epochs": _ONE_OR_MORE,
+    "learner.micro_batch_tokens": _ONE_OR_MORE,
+    "learner.mini_batch_rows": _ONE_OR_MORE,
+    "learner.num_processes": _ONE_OR_MORE,
+    "learner.gpus_per_process": _ZERO_OR_MORE,
+    "learner.checkpoint_every": ((lambda v: v >= 0), "must be >= 0 (0: no periodic checkpoints)"),
+    "learner.keep_checkpoints": ((lambda v: v >= 0), "must be >= 0 (0 keeps all)"),
+    "run.name": _NAMED,
+    "run.output_dir": _NAMED,
+    "run.seed": _ZERO_OR_MORE,
+    "run.iterations": _ZERO_OR_MORE,
+    "run.eval_every": ((lambda v: v >= 0), "must be >= 0 (0 disables evaluation)"),
+    "run.eval_episodes": ((lambda v: v >= 0), "must be >= 0 (0: the whole eval split)"),
+    "run.rollout_nice": ((lambda v: 0 <= v <= 19), "must be in 0..19 (Linux niceness levels to add)"),
+}
+
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def _get(cfg: ExperimentConfig, dotted: str) -> Any:
+    section, name = dotted.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def validate(cfg: ExperimentConfig) -> None:
+    """Check ranges and the rules that tie fields together; raises ConfigError naming the field(s) and
+    saying what to set. Called by `load_config` and `from_dict`, so a bad config stops before anything runs.
+    Facts outside the config (files, servers) are checked by deploy/preflight.py."""
+    for dotted, (ok, rule) in _FIELD_RULES.items():
+        value = _get(cfg, dotted)
+        if not ok(value):
+            raise ConfigError(f"{dotted} = {value!r} is not allowed; it {rule}", dotted)
+    batch, bound = cfg.learner.groups_per_batch, cfg.stream.max_stream_groups
+    if batch > bound:
+        raise ConfigError(
+            f"learner.groups_per_batch ({batch}) > stream.max_stream_groups ({bound}) would deadlock: producers "
+            f"stop at {bound} groups in the stream while the learner waits for {batch}; set "
+            f"stream.max_stream_groups >= {batch} or learner.groups_per_batch <= {bound}",
+            "learner.groups_per_batch", "stream.max_stream_groups")
+    if cfg.run.resume_tag and not cfg.run.resume:
+        raise ConfigError("run.resume_tag is set but run.resume is false; add run.resume=true, or drop the tag",
+                          "run.resume_tag", "run.resume")
+    if cfg.run.resume and cfg.run.overwrite:
+        raise ConfigError("run.resume=true continues the run in run.output_dir, run.overwrite=true deletes its "
+                          "checkpoints; set only one", "run.overwrite", "run.resume")
+    if cfg.run.sync and cfg.rollout.num_actors < 1:
+        raise ConfigError("run.sync=true needs rollout.num_actors >= 1 (sync mode plays each batch with the "
+                          "actors it starts with)", "rollout.num_actors", "run.sync")
+    url = cfg.stream.redis_url
+    if url and not url.startswith(REDIS_SCHEMES):
+        # Never echo the URL: it may hold a password.
+        scheme = url.split("://", 1)[0] + "://" if "://" in url else "no scheme"
+        raise ConfigError(f"stream.redis_url has {scheme}; it must start with redis://, rediss:// or unix:// "
+                          '(or be "" for an embedded Redis)', "stream.redis_url")
+    for name in ("learner_cpus", "rollout_cpus"):
+        try:
+            parse_cpu_list(getattr(cfg.run, name))
+        except ValueError as exc:
+            raise ConfigError(f"run.{name}: {exc}; use a Linux CPU list such as 0-3,6", f"run.{name}") from None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Files and overrides, remembering where each key was set (for errors that point at the line)
+# ----------------------------------------------------------------------------------------------------------
+
+Locations = dict[str, str]      # dotted key -> "configs/x.yaml:12" or "override 'x=y'"
+
+
+def _shown_path(path: Path) -> str:
+    """The path as a user would type it: relative to the working directory when under it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _record_locations(node: yaml.Node, prefix: str, shown: str, out: Locations) -> None:
+    if not isinstance(node, yaml.MappingNode):
+        return
+    first_line: dict[str, int] = {}
+    for key_node, value_node in node.value:
+        if not isinstance(key_node, yaml.ScalarNode) or key_node.value == "<<":    # merge keys: no field
+            continue
+        line = key_node.start_mark.line + 1
+        dotted = prefix + key_node.value
+        if key_node.value in first_line:
+            raise ConfigError(f"{shown}:{line}: {dotted!r} is set twice (also at line "
+                              f"{first_line[key_node.value]}); keep one", dotted)
+        first_line[key_node.value] = line
+        out[dotted] = f"{shown}:{line}"
+        _record_locations(value_node, dotted + ".", shown, out)
+
+
+def _parse_yaml_file(path: Path, shown: str) -> tuple[Any, Locations]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"{shown}: no such config file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{shown}: is a directory, not a config file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{shown}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        tree = loader.construct_document(node) if node is not None else None
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        at = f":{mark.line + 1}" if mark else ""
+        column = f" (column {mark.column + 1})" if mark else ""
+        problem = exc.problem or exc.context or "syntax error"
+        if exc.problem and exc.context and exc.context_mark:    # e.g. "while parsing a flow sequence"
+            column += f", {exc.context} at line {exc.context_mark.line + 1}"
+        raise ConfigError(f"{shown}{at}: not valid YAML: {problem}{column}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{shown}: not valid YAML: {exc}") from None
+    finally:
+        loader.dispose()
+    locations: Locations = {}
+    if node is not None:
+        _record_locations(node, "", shown, locations)
+    return tree, locations
+
+
+def _read_config_file(path: Path, seen: tuple = ()) -> tuple[dict, Locations]:
+    shown = _shown_path(path)
+    if path.resolve() in seen:
+        raise ConfigError(f"{shown}: circular 'extends'")
+    tree, locations = _parse_yaml_file(path, shown)
+    if tree is None:
+        tree = {}
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{shown}: the top level must be a mapping of sections (run:, model:, env:, ...)")
+    parent = tree.pop("extends", None)
+    if "extends" in locations:
+        where = locations.pop("extends")
+        if not isinstance(parent, str) or not parent.strip():
+            raise ConfigError(f"{where}: 'extends' must name a YAML file, got {parent!r}")
+        parent_path = path.parent / parent
+        if not parent_path.is_file():
+            raise ConfigError(f"{where}: extends {parent!r}, but there is no file {_shown_path(parent_path)}")
+        base, base_locations = _read_config_file(parent_path, seen + (path.resolve(),))
+        tree = _merge(base, tree)
+        locations = {**base_locations, **locations}
+    return tree, locations
+
+
+def redact(text: str) -> str:
+    """`text` with the credentials of any URL in it (`scheme://user:password@`) replaced by ***."""
+    return re.sub(r"://[^/@\s]*@", "://***@", text)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any, text: str) -> None:
+    text = redact(text)
     keys = dotted.split(".")
+    if not all(keys):
+        raise ConfigError(f"override {text!r} must look like section.field=value")
     node = tree
     for k in keys[:-1]:
         node = node.setdefault(k, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"override {dotted!r}: {k!r} is not a section")
+            raise ConfigError(f"override {text!r}: {k!r} is not a section")
     node[keys[-1]] = value
 
 
 def parse_override(text: str) -> tuple[str, Any]:
     """`section.field=value`; the value is read as YAML (numbers, true/false, lists, quoted strings)."""
     if "=" not in text:
-        raise ConfigError(f"override {text!r} must look like section.field=value")
+        raise ConfigError(f"override {redact(text)!r} must look like section.field=value")
     key, raw = text.split("=", 1)
-    return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or "syntax error"
+        raise ConfigError(f"override {redact(text)!r}: the value is not valid YAML ({problem}); quote a string value, "
+                          f"e.g. {key.strip()}='\"...\"'") from None
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -261,27 +510,44 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def read_yaml_tree(path: str | Path, _seen: tuple = ()) -> dict:
+def read_yaml_tree(path: str | Path) -> dict:
     """A config file as a dict. `extends: other.yaml` (relative to this file) starts from another file, so a
     recipe variant states only what differs."""
-    path = Path(path).resolve()
-    if path in _seen:
-        raise ConfigError(f"{path}: circular 'extends'")
-    tree = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(tree, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    parent = tree.pop("extends", None)
-    if parent:
-        tree = _merge(read_yaml_tree(path.parent / parent, _seen + (path,)), tree)
-    return tree
+    return _read_config_file(Path(path))[0]
+
+
+def _located(exc: ConfigError, locations: Locations) -> ConfigError:
+    """`exc` prefixed with where its field was set: the override that set it if any (the user just typed
+    it), else the file and line; the field itself or the nearest section above it."""
+    found = []
+    for dotted in exc.fields:
+        parts = dotted.split(".")
+        while parts and ".".join(parts) not in locations:
+            parts.pop()
+        if parts:
+            found.append(locations[".".join(parts)])
+    if not found:
+        return exc
+    where = next((w for w in found if w.startswith("override ")), found[0])
+    return ConfigError(f"{where}: {exc}", *exc.fields)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
-    tree: dict = read_yaml_tree(path) if path is not None else {}
+    """The config of `path` (None: the defaults) with `overrides` applied, built and validated. Every error is
+    a ConfigError whose message starts with where the bad key was set (`configs/x.yaml:12: ...` or
+    `override 'x=y': ...`)."""
+    tree, locations = _read_config_file(Path(path)) if path is not None else ({}, {})
     for item in overrides:
         key, value = parse_override(item)
-        _set_dotted(tree, key, value)
-    return _build(ExperimentConfig, tree)
+        _set_dotted(tree, key, value, item)
+        locations = {k: v for k, v in locations.items() if not k.startswith(key + ".")}
+        locations[key] = f"override {redact(item)!r}"
+    try:
+        cfg = _build(ExperimentConfig, tree)
+        validate(cfg)
+    except ConfigError as exc:
+        raise _located(exc, locations) from None
+    return cfg
 
 
 def to_dict(cfg: Any) -> dict:
@@ -290,7 +556,9 @@ def to_dict(cfg: Any) -> dict:
 
 def from_dict(tree: dict) -> ExperimentConfig:
     """The inverse of `to_dict` (actors receive their config as a plain dict), with the same checks."""
-    return _build(ExperimentConfig, tree)
+    cfg = _build(ExperimentConfig, tree)
+    validate(cfg)
+    return cfg
 
 
 def describe(cls: type = ExperimentConfig, prefix: str = "") -> list[tuple[str, Any, str]]:

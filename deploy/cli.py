@@ -6,7 +6,12 @@
     gigpo scale  --output-dir runs/embedded --rollout 6
     gigpo config [configs/embedded.yaml] [overrides...]     # every field, its value and its doc
 
+Options may come anywhere after the command: before, between or after the config and the overrides.
 Ray is local unless `--address` (or RAY_ADDRESS, or run.ray_address) names a cluster.
+
+A mistake in what was asked (a bad config value, a missing model or game data, a Redis that refuses the
+password) is one line on stderr, `gigpo: <what is wrong>; <how to fix>`, exit status 2, found before
+anything starts or is written; `--debug` shows the traceback instead.
 """
 from __future__ import annotations
 
@@ -16,48 +21,58 @@ import sys
 import time
 
 from common.config import ConfigError, describe, load_config, to_dict
+from deploy.preflight import PreflightError, run_checks
+
+
+class UsageError(Exception):
+    """A mistake in a command's arguments or in what they name (a job file, a checkpoint)."""
+
+
+USER_ERRORS = (ConfigError, PreflightError, UsageError)
 
 
 def _load(args) -> "object":
     overrides = list(args.overrides)
     if getattr(args, "address", None):
         overrides.append(f"run.ray_address={args.address}")
-    try:
-        return load_config(args.config, overrides)
-    except (ConfigError, FileNotFoundError) as exc:
-        sys.exit(f"gigpo: config error: {exc}")
+    return load_config(args.config, overrides)
 
 
 def cmd_train(args) -> int:
-    from deploy.system import train
     cfg = _load(args)
+    run_checks(cfg)
+    from deploy.system import train      # (imports Ray: only once the checks have passed)
     summary = train(cfg)
     return 0 if summary.get("ok", True) else 1
 
 
 def cmd_eval(args) -> int:
-    from deploy.system import evaluate_only
     cfg = _load(args)
-    try:
-        evaluate_only(cfg, checkpoint=args.checkpoint)
-    except FileNotFoundError as exc:
-        sys.exit(f"gigpo: {exc}")
+    if args.checkpoint:
+        from deploy.system import checkpoint_location
+        try:
+            checkpoint_location(args.checkpoint)
+        except FileNotFoundError as exc:
+            raise UsageError(str(exc)) from None
+    run_checks(cfg, stream=False)
+    from deploy.system import evaluate_only
+    evaluate_only(cfg, checkpoint=args.checkpoint)
     return 0
 
 
 def _channel(output_dir: str):
     from common.redis_server import connect
     from deploy.control import ControlChannel, read_job_file
-    job = read_job_file(output_dir)
+    try:
+        job = read_job_file(output_dir)
+    except FileNotFoundError as exc:
+        raise UsageError(str(exc)) from None
     return ControlChannel(connect(job["redis_url"]), job["run"])
 
 
 def cmd_status(args) -> int:
     from deploy.control import format_status
-    try:
-        channel = _channel(args.output_dir)
-    except FileNotFoundError as exc:
-        sys.exit(f"gigpo: {exc}")
+    channel = _channel(args.output_dir)
     while True:
         text = format_status(channel.read_status())
         if not args.watch:
@@ -70,11 +85,8 @@ def cmd_status(args) -> int:
 
 def cmd_scale(args) -> int:
     if args.rollout < 0:
-        sys.exit("gigpo: --rollout must be >= 0")
-    try:
-        channel = _channel(args.output_dir)
-    except FileNotFoundError as exc:
-        sys.exit(f"gigpo: {exc}")
+        raise UsageError(f"--rollout {args.rollout}: a number of actors must be >= 0")
+    channel = _channel(args.output_dir)
     channel.send_command({"op": "scale_rollout", "num_actors": args.rollout, "drain": not args.discard})
     print(f"asked run {channel.run_name!r} to run {args.rollout} rollout actors "
           f"({'discarding' if args.discard else 'finishing'} the in-flight groups of removed actors); "
@@ -84,6 +96,9 @@ def cmd_scale(args) -> int:
 
 def cmd_config(args) -> int:
     import yaml
+    if args.config and "=" in args.config and not os.path.exists(args.config):
+        # `gigpo config x.y=1`: overrides of the defaults, no file (the optional file slot took the first)
+        args.config, args.overrides = None, [args.config, *args.overrides]
     if args.config or args.overrides:
         print(yaml.safe_dump(to_dict(_load(args)), sort_keys=False))
         return 0
@@ -92,47 +107,83 @@ def cmd_config(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gigpo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (exit status 2), like every other error of the tool."""
 
-    def with_config(p, required=True):
-        p.add_argument("config", nargs=None if required else "?", help="experiment YAML file")
-        p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. learner.lr=2e-6")
+    def error(self, message: str):
+        self.exit(2, f"gigpo: {message}; see `{self.prog} --help`\n")
+
+
+class _CommandLineParser(_Parser):
+    """The top-level parser. The command's own parser reads everything after the command name with
+    parse_intermixed_args, so options may come between the config and the overrides: plain argparse stops
+    collecting a positional list at the first option (`train cfg.yaml --address A x=1` was refused)."""
+
+    commands: dict[str, argparse.ArgumentParser]
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = sys.argv[1:] if args is None else list(args)
+        command = self.commands.get(args[0]) if args else None
+        if command is None:         # no command, --help, or a misspelled command: argparse says which
+            return super().parse_known_args(args, namespace)
+        namespace = command.parse_intermixed_args(args[1:], namespace)    # its errors name the command
+        namespace.command = args[0]
+        return namespace, []
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _CommandLineParser(prog="gigpo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser.commands = {}
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true",
+                       help="on an error, show the whole traceback instead of one line")
+
+    def command(name: str, fn, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, parents=[debug])
+        p.set_defaults(fn=fn)
+        parser.commands[name] = p
+        return p
+
+    def with_config(p):
+        p.add_argument("config", help="experiment YAML file")
+        p.add_argument("overrides", nargs="*", default=[], help="dotted overrides, e.g. learner.lr=2e-6")
         p.add_argument("--address", default=os.environ.get("RAY_ADDRESS", ""),
                        help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
 
-    p = sub.add_parser("train", help="train: rollout actors, inference actors and the learner")
+    p = command("train", cmd_train, "train: rollout actors, inference actors and the learner")
     with_config(p)
-    p.set_defaults(fn=cmd_train)
-    p = sub.add_parser("eval", help="evaluate a checkpoint (success per task type, WebShop score)")
+    p = command("eval", cmd_eval, "evaluate a checkpoint (success per task type, WebShop score)")
     with_config(p)
     p.add_argument("--checkpoint", default="",
                    help="a checkpoint directory, <run.output_dir>/checkpoints/update_* (default: the latest in "
                         "run.output_dir)")
-    p.set_defaults(fn=cmd_eval)
-    p = sub.add_parser("status", help="what a running job is doing: versions, lags, throughput")
+    p = command("status", cmd_status, "what a running job is doing: versions, lags, throughput")
     p.add_argument("--output-dir", default="runs/embedded", help="the job's run.output_dir")
     p.add_argument("--watch", action="store_true", help="refresh until interrupted")
     p.add_argument("--interval", type=float, default=2.0)
-    p.set_defaults(fn=cmd_status)
-    p = sub.add_parser("scale", help="add or remove rollout actors of a running job")
+    p = command("scale", cmd_scale, "add or remove rollout actors of a running job")
     p.add_argument("--output-dir", default="runs/embedded", help="the job's run.output_dir")
     p.add_argument("--rollout", type=int, required=True, help="number of rollout actors wanted")
     p.add_argument("--discard", action="store_true",
                    help="discard in-flight groups of removed actors instead of finishing them")
-    p.set_defaults(fn=cmd_scale)
-    p = sub.add_parser("config", help="print every config field with its doc, or a resolved config")
+    p = command("config", cmd_config, "print every config field with its doc, or a resolved config")
     p.add_argument("config", nargs="?", default=None)
-    p.add_argument("overrides", nargs="*")
-    p.set_defaults(fn=cmd_config)
+    p.add_argument("overrides", nargs="*", default=[])
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except USER_ERRORS as exc:
+        if args.debug:
+            raise
+        message = " ".join(str(exc).split())     # one line, whatever the message held
+        print(f"gigpo: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The command-line tool and the job's control channel (status out, scale commands in) on a real Redis."""
 import pytest
 
+from common.config import ConfigError
 from common.redis_server import EmbeddedRedis, connect
 from deploy import cli
 from deploy.control import ControlChannel, format_status, read_job_file, write_job_file
@@ -27,9 +28,9 @@ def test_status_and_scale_through_the_job_file(tmp_path, redis_url, capsys):
     assert job_channel.pop_commands() == []
 
 
-def test_status_without_a_job_says_what_to_pass(tmp_path):
-    with pytest.raises(SystemExit, match="--output-dir"):
-        cli.main(["status", "--output-dir", str(tmp_path / "nothing")])
+def test_status_without_a_job_says_what_to_pass(tmp_path, capsys):
+    assert cli.main(["status", "--output-dir", str(tmp_path / "nothing")]) == 2
+    assert "--output-dir" in capsys.readouterr().err
 
 
 def test_malformed_commands_are_dropped(redis_url):
@@ -51,14 +52,18 @@ def test_config_command_prints_fields_and_resolved_configs(capsys):
     assert "lr: 0.0003" in capsys.readouterr().out
 
 
-def test_config_errors_exit_with_the_reason():
-    with pytest.raises(SystemExit, match="did you mean 'omega'"):
-        cli.main(["config", "configs/embedded.yaml", "learner.omgea=2"])
+def test_config_errors_exit_with_the_reason(capsys):
+    assert cli.main(["config", "configs/embedded.yaml", "learner.omgea=2"]) == 2
+    assert capsys.readouterr().err == ("gigpo: override 'learner.omgea=2': unknown config field 'learner.omgea' "
+                                       "(did you mean 'omega'?)\n")
+    # --debug: the exception itself, with its traceback
+    with pytest.raises(ConfigError, match="did you mean 'omega'"):
+        cli.main(["config", "configs/embedded.yaml", "learner.omgea=2", "--debug"])
 
 
-def test_eval_of_a_directory_that_is_no_checkpoint_exits_with_the_reason(tmp_path):
+def test_eval_of_a_directory_that_is_no_checkpoint_exits_with_the_reason(tmp_path, capsys):
     # Before anything starts (no Ray, no engine): evaluating the initial model instead would mislead.
     not_a_checkpoint = tmp_path / "checkpoints" / "update_0000004"
     not_a_checkpoint.mkdir(parents=True)
-    with pytest.raises(SystemExit, match="update_0000004 is not a checkpoint directory"):
-        cli.main(["eval", "configs/embedded.yaml", "--checkpoint", str(not_a_checkpoint)])
+    assert cli.main(["eval", "configs/embedded.yaml", "--checkpoint", str(not_a_checkpoint)]) == 2
+    assert "update_0000004 is not a checkpoint directory" in capsys.readouterr().err

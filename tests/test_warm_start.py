@@ -71,6 +71,9 @@ def test_warm_start_learns_and_is_cached(tmp_path, model_path):
 
 
 def test_bad_settings_are_clear_errors(tmp_path, model_path):
-    cfg = _cfg(tmp_path, warm_start_steps=3, warm_start_games=0)
+    with pytest.raises(ValueError, match="warm_start_games"):     # the config refuses it at load ...
+        _cfg(tmp_path, warm_start_steps=3, warm_start_games=0)
+    cfg = _cfg(tmp_path, warm_start_steps=3)
+    cfg.model.warm_start_games = 0                                # ... and so does the warm start itself
     with pytest.raises(ValueError, match="warm_start_games"):
         warm_start(cfg, model_path)

@@ -1,0 +1,225 @@
+"""Checks of what a run needs outside its config, made before anything starts or is written.
+
+    run_checks(cfg)        # raises PreflightError("<what is wrong>; <how to fix>") at the first problem
+
+`gigpo train` and `gigpo eval` call it after loading the config and before deploy.system (whose System
+creates run.output_dir), so that a missing model, missing game data or a Redis that refuses the password
+fails in a second with one line, instead of minutes later with a traceback from inside an actor. The config
+itself (types, ranges, fields that contradict each other) is checked when it is loaded (common.config).
+
+Each check is a small function of the config; none of them writes anything or starts a process.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from common.config import ExperimentConfig
+
+
+class PreflightError(Exception):
+    """Something a run needs is missing or unreachable; the message says what, and how to fix it."""
+
+
+def check_output_dir(cfg: ExperimentConfig) -> None:
+    """run.output_dir is a directory, or can be created as one."""
+    out = Path(cfg.run.output_dir)
+    if out.exists():
+        if not out.is_dir():
+            raise PreflightError(f"run.output_dir {str(out)!r} is a file, not a directory; set run.output_dir to "
+                                 "a directory")
+        if not os.access(out, os.W_OK | os.X_OK):
+            raise PreflightError(f"run.output_dir {str(out)!r} is not writable; fix its permissions or set "
+                                 "another run.output_dir")
+        return
+    parent = out.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise PreflightError(f"run.output_dir {str(out)!r} cannot be created: {parent} is not a writable "
+                             "directory; set another run.output_dir")
+
+
+def _looks_like_local_path(path: str) -> bool:
+    """A hub id is `name` or `namespace/name`; anything else is meant as a path on this machine."""
+    return path.startswith(("/", "./", "../", "~")) or path.count("/") > 1 or (os.sep != "/" and os.sep in path)
+
+
+def check_model(cfg: ExperimentConfig, hub_cache: str | None = None) -> None:
+    """model.path: "tiny" (built at start); a local directory with a config.json; or a Hugging Face hub id,
+    which with HF_HUB_OFFLINE=1 must already be in the local cache (`hub_cache`: that cache's directory,
+    default the one huggingface_hub uses)."""
+    path = cfg.model.path
+    if path == "tiny":
+        return
+    local = Path(path).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise PreflightError(f"model.path {path!r} is a directory without a config.json, not a saved model; "
+                                 "point model.path at a directory written by save_pretrained")
+        return
+    if local.exists():
+        raise PreflightError(f"model.path {path!r} is a file; point it at a model directory or a hub id")
+    if _looks_like_local_path(path):
+        raise PreflightError(f"model.path {path!r}: no such directory; fix the path (or use a Hugging Face hub "
+                             'id, or "tiny")')
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+    try:
+        cached = try_to_load_from_cache(path, "config.json", cache_dir=hub_cache)
+    except HFValidationError:
+        raise PreflightError(f"model.path {path!r} is neither a local directory nor a Hugging Face hub id "
+                             "(namespace/name); fix the path") from None
+    if constants.HF_HUB_OFFLINE and not isinstance(cached, str):
+        raise PreflightError(
+            f"model.path {path!r} is not a local directory, and HF_HUB_OFFLINE=1 but the model is not in the "
+            f"Hugging Face cache ({hub_cache or constants.HF_HUB_CACHE}); download it first (HF_HUB_OFFLINE=0 "
+            f"hf download {path}), or point model.path at a local copy")
+
+
+def check_alfworld_games(cfg: ExperimentConfig) -> None:
+    """env.source=data: the standard game set under $ALFWORLD_DATA holds games of both configured splits."""
+    from env_servers.alfworld_env import (DATA_SPLITS, GAME_SET, MAKE_DATA_HINT, SPLIT_ALIASES, default_data_dir,
+                                          list_data_tasks)
+    game_root = os.path.join(default_data_dir(), GAME_SET)
+    for field in ("train_split", "eval_split"):
+        split = getattr(cfg.env, field)
+        if SPLIT_ALIASES.get(split, split) not in DATA_SPLITS:
+            raise PreflightError(f"env.{field} {split!r} is not an ALFWorld split; use one of "
+                                 f"{', '.join(DATA_SPLITS)} or eval (= valid_unseen)")
+        if not list_data_tasks(game_root, SPLIT_ALIASES.get(split, split)):
+            source = ("$ALFWORLD_DATA" if os.environ.get("ALFWORLD_DATA") else
+                      "$ALFWORLD_DATA is unset, so ./data/alfworld")
+            raise PreflightError(f"env.source=data, but there are no ALFWorld games of split {split!r} under "
+                                 f"{game_root} ({source}); {MAKE_DATA_HINT}, or set env.source=generated")
+
+
+def check_generator(cfg: ExperimentConfig) -> None:
+    """env.source=generated: the generator options are ones the game generator knows."""
+    from env_servers.alfworld_gen import GeneratorOptions
+    try:
+        GeneratorOptions.from_dict(cfg.env.generator)
+    except (ValueError, TypeError) as exc:
+        raise PreflightError(f"env.generator: {exc}") from None
+
+
+def check_webshop_catalog(cfg: ExperimentConfig) -> None:
+    """WebShop plays the catalog in $WEBSHOP_DATA, or the small sample shipped in the package when
+    WEBSHOP_DATA is unset or empty. A WEBSHOP_DATA without a catalog would silently fall back to the sample:
+    refused, since a run asked for the real catalog."""
+    from env_servers.webshop.catalog import ATTRIBUTE_FILES, PRODUCT_FILES, has_catalog
+    from env_servers.webshop.data import SAMPLE_DIR, resolve_data_dir
+    wanted = os.environ.get("WEBSHOP_DATA")
+    if wanted and not has_catalog(wanted):
+        raise PreflightError(f"env.name=webshop, but $WEBSHOP_DATA ({wanted}) holds no WebShop catalog (one of "
+                             f"{', '.join(PRODUCT_FILES)} and one of {', '.join(ATTRIBUTE_FILES)}); run `make "
+                             "data`, or set WEBSHOP_DATA= (empty) to play the small sample catalog")
+    if not has_catalog(resolve_data_dir(None)):
+        raise PreflightError(f"env.name=webshop, but the sample catalog in {SAMPLE_DIR} is missing; reinstall "
+                             "the package or set WEBSHOP_DATA to a catalog")
+
+
+def check_env_data(cfg: ExperimentConfig) -> None:
+    if cfg.env.name == "webshop":
+        check_webshop_catalog(cfg)
+    elif cfg.env.source == "data":
+        check_alfworld_games(cfg)
+    else:
+        check_generator(cfg)
+
+
+def redis_location(url: str) -> str:
+    """Where a Redis URL points, without its credentials (for messages: never print a password)."""
+    try:
+        parts = urlsplit(url)
+        if parts.scheme == "unix":
+            return f"unix://{parts.path}"
+        return f"{parts.scheme}://{parts.hostname or 'localhost'}:{parts.port or 6379}"
+    except ValueError:
+        return "(an unparsable URL)"
+
+
+def _password_of(url: str) -> str | None:
+    try:
+        return urlsplit(url).password
+    except ValueError:
+        return None
+
+
+def check_redis(cfg: ExperimentConfig, timeout_s: float = 3.0) -> None:
+    """stream.redis_url: one PING, no retries, short timeouts; a wrong password fails here, not in an actor.
+    With no URL the run starts its own redis-server: the binary must be there."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.exceptions import AuthenticationError, AuthorizationError, RedisError, ResponseError
+    from redis.retry import Retry
+
+    url = cfg.stream.redis_url
+    if not url:
+        from common.redis_server import find_redis_server
+        try:
+            find_redis_server()
+        except FileNotFoundError as exc:
+            raise PreflightError(f"stream.redis_url is empty (an embedded Redis), but {exc}") from None
+        return
+    where = redis_location(url)
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
+                                      retry=Retry(NoBackoff(), 0))
+    except ValueError:       # redis-py's message may quote the URL, with its password
+        raise PreflightError("stream.redis_url is not a valid Redis URL (redis://[[user]:password@]host:port/db"
+                             ")") from None
+    try:
+        client.ping()
+    except (AuthenticationError, AuthorizationError) as exc:
+        if _password_of(url) is None:
+            raise PreflightError(f"stream.redis_url: Redis at {where} needs a password; put it in the URL "
+                                 "(redis://:PASSWORD@host:port/db)") from None
+        raise PreflightError(f"stream.redis_url: Redis at {where} refused the credentials ({exc}); fix the "
+                             "password (or user) in the URL") from None
+    except ResponseError as exc:             # e.g. an ACL user without the PING permission
+        raise PreflightError(f"stream.redis_url: Redis at {where} answered PING with an error ({exc}); check "
+                             "the user's ACL permissions") from None
+    except RedisError as exc:                # connection refused, unknown host, timeout
+        raise PreflightError(f"stream.redis_url: cannot reach Redis at {where} ({exc}); start it or fix the "
+                             'host and port, or set stream.redis_url="" for an embedded one') from None
+    finally:
+        client.close()
+
+
+def check_gpus(cfg: ExperimentConfig) -> None:
+    """GPUs asked for on a local Ray need a GPU on this machine; otherwise the actors wait for them forever."""
+    if cfg.run.ray_address or os.environ.get("RAY_ADDRESS"):
+        return                                # a cluster: its nodes have the GPUs
+    asked = [name for name, value in (("inference.gpus_per_actor", cfg.inference.gpus_per_actor),
+                                      ("learner.gpus_per_process", cfg.learner.gpus_per_process)) if value > 0]
+    if asked and shutil.which("nvidia-smi") is None:
+        raise PreflightError(f"{' and '.join(asked)} ask for GPUs, but this machine has none (no nvidia-smi) and "
+                             "no Ray cluster is named; pass --address of a GPU cluster, or set "
+                             + " ".join(f"{name}=0" for name in asked))
+
+
+def check_resume_tag(cfg: ExperimentConfig) -> None:
+    """run.resume_tag names a complete checkpoint of run.output_dir."""
+    if not (cfg.run.resume and cfg.run.resume_tag):
+        return
+    from learner.trainer import checkpoint_dir_of, is_complete_checkpoint   # torch: only when a tag is named
+    root = checkpoint_dir_of(cfg)
+    if not is_complete_checkpoint(root / cfg.run.resume_tag):
+        have = sorted(p.name for p in root.glob("update_*") if is_complete_checkpoint(p)) if root.is_dir() else []
+        fix = f"use one of {', '.join(have)}" if have else "there is none there: drop run.resume_tag"
+        raise PreflightError(f"run.resume_tag {cfg.run.resume_tag!r} is not a complete checkpoint under {root}; "
+                             f"{fix}")
+
+
+CHECKS = (check_output_dir, check_model, check_env_data, check_resume_tag, check_gpus, check_redis)
+
+
+def run_checks(cfg: ExperimentConfig, stream: bool = True) -> None:
+    """Every check, in order; raises PreflightError at the first failure. stream=False leaves out the
+    Redis check (`gigpo eval` uses no stream)."""
+    for check in CHECKS:
+        if stream or check is not check_redis:
+            check(cfg)

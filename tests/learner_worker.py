@@ -1,6 +1,7 @@
 """Worker processes for the learner tests (not collected: the file name does not start with test_).
 
-    python tests/learner_worker.py train  MODEL OUT STAGE          # one train step, results to OUT
+    python tests/learner_worker.py train  MODEL OUT STAGE          # one train step (train_once), results
+                                                                  # to OUT
     python tests/learner_worker.py learn  MODEL OUT URL STREAM CKPT STEPS   # Learner.step() x STEPS, then
                                                                   # prints READY and waits to be killed
     python tests/learner_worker.py zero3  MODEL OUT URL STREAM CKPT STEPS   # Learner.step() x STEPS at
@@ -10,6 +11,7 @@ Rank and world come from torchrun-style env vars (RANK, WORLD_SIZE, MASTER_ADDR,
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -21,28 +23,97 @@ from learner.synthetic import synthetic_groups
 from learner.trainer import PolicyTrainer, teardown_distributed
 
 
+# The agreement tests (tests/test_learner_trainer.py) compare one update done in different ways; these
+# settings make the arithmetic of both ways the same up to the order of one sum (the derivation is there).
+ADAM_EPS = 1.0          # with |g| << 1, AdamW's first step lr * g / (|g| + eps) is ~lr * g, 1-Lipschitz in g
+AGREEMENT_LR = 1.0
+
+
 def train_config(stage: int) -> LearnerConfig:
-    return LearnerConfig(zero_stage=stage, lr=1e-3, mini_batch_rows=1024, micro_batch_tokens=600,
-                         recompute_old_logprobs=True)
+    """One row per micro-batch (micro_batch_tokens=1: every row exceeds it, so each is a micro-batch of its
+    own), no gradient clipping, the whole batch in one optimizer step."""
+    return LearnerConfig(zero_stage=stage, lr=AGREEMENT_LR, grad_clip=0.0, mini_batch_rows=1024,
+                         micro_batch_tokens=1, recompute_old_logprobs=True)
 
 
-def train_once(model_path: str, stage: int) -> dict:
-    """One update on the fixed synthetic batch; returns metrics, the batch's log-probs after the update
-    and a few full weights (same on every rank)."""
-    batch = build_batch(synthetic_groups(6, 4, vocab_size=1000, seed=11), LearnerConfig())
+def agreement_batch():
+    return build_batch(synthetic_groups(6, 4, vocab_size=1000, seed=11), LearnerConfig())
+
+
+def train_once(model_path: str, stage: int, term_sums: bool = False) -> dict:
+    """One update on the fixed synthetic batch with `train_config(stage)` and AdamW's eps = ADAM_EPS.
+    Returns the metrics, the log-probs the update started from (recomputed by the learner), every full
+    weight after the update, the batch's row and token counts and, with term_sums (in a world of one, where
+    this process sees every row, at ZeRO stage 1 or 2, where the parameters are whole), per weight:
+      row_sums    sum over rows of |the row's gradient|
+      token_sums  sum over token positions of |each position's term| in the weight's gradient, for the
+                  weights of linear and embedding layers (a linear weight's gradient is sum_t dy_t x_t^T,
+                  its bias's sum_t dy_t, an embedding row's the dy_t of the positions holding its token)."""
+    batch = agreement_batch()
     trainer = PolicyTrainer(model_path, train_config(stage), dtype="float32")
+    for group in trainer.engine.optimizer.param_groups:
+        group["eps"] = ADAM_EPS
+    row_sums: dict[str, torch.Tensor] = {}
+    token_sums: dict[str, torch.Tensor] = {}
+    handles = []
+    if term_sums:
+        handles = _track_gradient_terms(trainer.engine.module, row_sums, token_sums)
     metrics = trainer.train_step(batch, update=0)
-    after = trainer.compute_logprobs(batch)
-    weights = {n: w.clone() for n, w in trainer.named_weights() if "layers.0." in n or "norm" in n}
+    for handle in handles:
+        handle.remove()
+    weights = {n: w.clone() for n, w in trainer.named_weights()}
     trainer.close()
-    return {"metrics": metrics, "after": after, "weights": weights}
+    return {"metrics": metrics, "before": batch.old_logprobs, "weights": weights, "row_sums": row_sums,
+            "token_sums": token_sums, "rows": batch.num_rows, "tokens": int(batch.row_lengths().sum())}
+
+
+def _track_gradient_terms(module: torch.nn.Module, row_sums: dict, token_sums: dict) -> list:
+    """Hooks that add up, in float64, |each row's gradient| (a parameter's tensor hook sees one backward
+    pass's gradient before it is accumulated: here one row's) and |each token position's term|."""
+    names = {id(p): n for n, p in module.named_parameters()}    # tied weights: one name, the first
+    for name, p in module.named_parameters():
+        row_sums[name] = torch.zeros(p.shape, dtype=torch.float64)
+    handles = []
+
+    def token_sum(p: torch.Tensor) -> torch.Tensor:
+        return token_sums.setdefault(names[id(p)], torch.zeros(p.shape, dtype=torch.float64))
+
+    def add_abs(acc: torch.Tensor):
+        def hook(grad: torch.Tensor) -> None:     # returns None: the gradient goes on unchanged
+            acc.add_(grad.detach().abs().double())
+        return hook
+
+    for name, p in module.named_parameters():
+        handles.append(p.register_hook(add_abs(row_sums[name])))
+
+    def on_forward(layer, inputs, output) -> None:
+        if not output.requires_grad:              # log-probs without gradient (compute_logprobs)
+            return
+        x = inputs[0].detach()
+
+        def on_output_grad(grad: torch.Tensor) -> None:
+            dy = grad.detach().abs().double().reshape(-1, grad.shape[-1])
+            if isinstance(layer, torch.nn.Embedding):
+                token_sum(layer.weight).index_add_(0, x.reshape(-1), dy)
+                return
+            token_sum(layer.weight).add_(dy.t() @ x.abs().double().reshape(-1, x.shape[-1]))
+            if layer.bias is not None:
+                token_sum(layer.bias).add_(dy.sum(0))
+
+        output.register_hook(on_output_grad)
+
+    for layer in module.modules():
+        if isinstance(layer, (torch.nn.Linear, torch.nn.Embedding)):
+            handles.append(layer.register_forward_hook(on_forward))
+    return handles
 
 
 def main() -> None:
     mode, model_path, out = sys.argv[1:4]
     if mode == "train":
-        res = train_once(model_path, int(sys.argv[4]))
         import torch.distributed as dist
+        stage = int(sys.argv[4])
+        res = train_once(model_path, stage, term_sums=int(os.environ["WORLD_SIZE"]) == 1 and stage < 3)
         if dist.get_rank() == 0:
             torch.save(res, out)
         teardown_distributed()
@@ -85,7 +156,7 @@ def run_zero3(model_path, out, url, stream_key, ckpt, steps) -> None:
 
     cfg = learner_experiment(stream_key)
     cfg.learner.zero_stage = 3
-    rank = int(__import__("os").environ["RANK"])
+    rank = int(os.environ["RANK"])
     learner = Learner(cfg, model_path, url if rank == 0 else None, checkpoint_dir=ckpt,
                       publisher=BucketFilePublisher(out + ".d") if rank == 0 else None)
     log = []

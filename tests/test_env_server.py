@@ -113,33 +113,28 @@ def test_registry_dispatches_and_rejects_unknown(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_env_server_actor_steps_32_instances_in_batches():
-    ray = pytest.importorskip("ray")
-    ray.init(address="local", num_cpus=2, object_store_memory=100 * 1024 ** 2, include_dashboard=False,
-             log_to_driver=False)
-    try:
-        env_cfg = cfg(instances_per_server=32, instances_per_process=8, cpus_per_server=1.0)
-        (server,) = create_env_servers(env_cfg, num_servers=1, seed=0)
-        tasks = ray.get(server.task_ids.remote("train"))[:4]
-        # 4 episode groups of 8 instances, one task each.
-        requests = [(i, tasks[i // 8], 0) for i in range(32)]
-        results = ray.get(server.reset_batch.remote(requests))
-        assert all(isinstance(r, InstanceResult) and r.error is None for r in results)
-        for g in range(4):
-            assert len({json.dumps(r.report.__dict__, sort_keys=True) for r in results[g * 8:(g + 1) * 8]}) == 1
-        plans = [r.report.info["walkthrough"] for r in results]
-        won = [False] * 32
-        for k in range(max(map(len, plans))):
-            batch = [(i, plans[i][k]) for i in range(32) if k < len(plans[i])]
-            # Two half batches in flight at once: the actor overlaps them.
-            halves = [server.step_batch.remote(batch[:len(batch) // 2]),
-                      server.step_batch.remote(batch[len(batch) // 2:])]
-            for r in sum(ray.get(halves), []):
-                assert r.error is None
-                won[r.instance] = won[r.instance] or r.report.won
-        assert all(won)
-        stats = ray.get(server.stats.remote())
-        assert stats["instances"] == 32 and stats["workers"] == 4 and stats["restarts"] == 0
-        ray.get(server.close.remote())
-    finally:
-        ray.shutdown()
+def test_env_server_actor_steps_32_instances_in_batches(local_ray):
+    ray = local_ray
+    env_cfg = cfg(instances_per_server=32, instances_per_process=8, cpus_per_server=1.0)
+    (server,) = create_env_servers(env_cfg, num_servers=1, seed=0)
+    tasks = ray.get(server.task_ids.remote("train"))[:4]
+    # 4 episode groups of 8 instances, one task each.
+    requests = [(i, tasks[i // 8], 0) for i in range(32)]
+    results = ray.get(server.reset_batch.remote(requests))
+    assert all(isinstance(r, InstanceResult) and r.error is None for r in results)
+    for g in range(4):
+        assert len({json.dumps(r.report.__dict__, sort_keys=True) for r in results[g * 8:(g + 1) * 8]}) == 1
+    plans = [r.report.info["walkthrough"] for r in results]
+    won = [False] * 32
+    for k in range(max(map(len, plans))):
+        batch = [(i, plans[i][k]) for i in range(32) if k < len(plans[i])]
+        # Two half batches in flight at once: the actor overlaps them.
+        halves = [server.step_batch.remote(batch[:len(batch) // 2]),
+                  server.step_batch.remote(batch[len(batch) // 2:])]
+        for r in sum(ray.get(halves), []):
+            assert r.error is None
+            won[r.instance] = won[r.instance] or r.report.won
+    assert all(won)
+    stats = ray.get(server.stats.remote())
+    assert stats["instances"] == 32 and stats["workers"] == 4 and stats["restarts"] == 0
+    ray.get(server.close.remote())

@@ -2,18 +2,15 @@
 actions, in-place weight updates between requests. One engine for the whole module (start-up ~40 s)."""
 import asyncio
 import os
-from pathlib import Path
 
 import pytest
 import ray
 import torch
 
 from common.config import ExperimentConfig, to_dict
-from common.tiny_model import build_tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-REPO = Path(__file__).resolve().parents[1]
 PROMPT: list[int] = []     # a chat-formatted prompt in the tiny tokenizer (set by the fixture)
 LOGPROB_TOL = 1e-4      # fp32 on both sides; measured max |diff| ~1e-6
 
@@ -27,23 +24,39 @@ def _cfg(tmp_dir: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    from actors.inference import create_inference_actors
-
+def setup(tiny_model_path, local_ray, tmp_path_factory):
     from transformers import AutoTokenizer
 
-    path = build_tiny_model(str(REPO / ".cache" / "test-tiny-policy"))
-    tok = AutoTokenizer.from_pretrained(path)
+    from actors.inference import create_inference_actors, stop_inference_actors
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
     text = tok.apply_chat_template([{"role": "user", "content": "You arrive at cabinet 1. Go on."}],
                                    add_generation_prompt=True, tokenize=False)
     PROMPT[:] = tok.encode(text, add_special_tokens=False)
-    ray.init(address="local", num_cpus=2, object_store_memory=100 * 1024**2, include_dashboard=False)
     tmp = str(tmp_path_factory.mktemp("infer"))
-    actor = create_inference_actors(_cfg(tmp), path, num_actors=1)[0]
-    assert ray.get(actor.policy_version.remote(), timeout=180) == 0
-    yield path, actor
-    ray.get(actor.shutdown.remote())
-    ray.shutdown()
+    actor = create_inference_actors(_cfg(tmp), tiny_model_path, num_actors=1)[0]
+    try:
+        assert ray.get(actor.policy_version.remote(), timeout=180) == 0
+        yield tiny_model_path, actor
+    finally:
+        stop_inference_actors([actor])      # the engine's own shutdown: it removes its shared memory
+
+
+def _serve_initial_weights(actor, path) -> None:
+    """Put the tiny model's own weights back, as version 0: a test that pushed others leaves the engine as
+    every test expects it to start (whatever the order they run in)."""
+    from common.weight_sync import WeightPublisher
+
+    WeightPublisher([actor]).push(_hf_model(path).state_dict().items(), version=0)
+    assert ray.get(actor.policy_version.remote()) == 0
+
+
+def _perturbed(model, seed: int):
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for _, p in model.named_parameters():       # named_parameters: tied weights perturbed once
+            p.add_(0.05 * torch.randn_like(p))
+    return model
 
 
 def _hf_model(path):
@@ -108,7 +121,7 @@ def test_bad_requests_are_clear_errors(setup):
 
 
 def test_weight_update_in_place_between_requests(setup):
-    from common.weight_sync import WeightPublisher
+    from common.weight_sync import WeightPublisher, read_manifest
 
     path, actor = setup
     model = _hf_model(path)
@@ -117,31 +130,29 @@ def test_weight_update_in_place_between_requests(setup):
     greedy = {"temperature": 0.0, "max_tokens": n}
     assert ray.get(actor.generate.remote(PROMPT, greedy))["response_ids"] == old
 
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for _, p in model.named_parameters():       # named_parameters: tied weights perturbed once
-            p.add_(0.05 * torch.randn_like(p))
-    new = _hf_greedy(model, PROMPT, n)
+    new = _hf_greedy(_perturbed(model, seed=1), PROMPT, n)
     assert new != old
 
     publisher = WeightPublisher([actor], bucket_mb=1)     # tiny buckets: several files for 3 MB
-    inflight = [actor.generate.remote(PROMPT, greedy) for _ in range(6)]
-    timings = publisher.push(model.state_dict().items(), version=1)
-    late = [actor.generate.remote(PROMPT, greedy) for _ in range(3)]
-    assert timings["buckets"] >= 2 and timings["version"] == 1
-    for out in ray.get(inflight + late):
-        # every response comes from exactly one policy version, the one it reports
-        assert out["response_ids"] == (new if out["policy_version"] == 1 else old)
-    assert all(o["policy_version"] == 1 for o in ray.get(late))
-    assert ray.get(actor.policy_version.remote()) == 1
-    # the restart manifest points at the new weights
-    from common.weight_sync import read_manifest
-    manifest = read_manifest(ray.get(actor.weights_dir.remote()))
-    assert manifest["version"] == 1 and all(os.path.exists(f) for f in manifest["files"])
-    # log-probs after the update follow the new weights
-    out = ray.get(actor.generate.remote(PROMPT, {"temperature": 1.0, "max_tokens": 16}))
-    ref = _hf_logprobs(model, PROMPT, out["response_ids"])
-    assert max(abs(a - b) for a, b in zip(ref, out["logprobs"])) < LOGPROB_TOL
+    try:
+        inflight = [actor.generate.remote(PROMPT, greedy) for _ in range(6)]
+        timings = publisher.push(model.state_dict().items(), version=1)
+        late = [actor.generate.remote(PROMPT, greedy) for _ in range(3)]
+        assert timings["buckets"] >= 2 and timings["version"] == 1
+        for out in ray.get(inflight + late):
+            # every response comes from exactly one policy version, the one it reports
+            assert out["response_ids"] == (new if out["policy_version"] == 1 else old)
+        assert all(o["policy_version"] == 1 for o in ray.get(late))
+        assert ray.get(actor.policy_version.remote()) == 1
+        # the restart manifest points at the new weights
+        manifest = read_manifest(ray.get(actor.weights_dir.remote()))
+        assert manifest["version"] == 1 and all(os.path.exists(f) for f in manifest["files"])
+        # log-probs after the update follow the new weights
+        out = ray.get(actor.generate.remote(PROMPT, {"temperature": 1.0, "max_tokens": 16}))
+        ref = _hf_logprobs(model, PROMPT, out["response_ids"])
+        assert max(abs(a - b) for a, b in zip(ref, out["logprobs"])) < LOGPROB_TOL
+    finally:
+        _serve_initial_weights(actor, path)
 
 
 def test_many_concurrent_requests_batch(setup):
@@ -159,20 +170,29 @@ def test_many_concurrent_requests_batch(setup):
 
 def test_restarted_actor_resumes_with_the_newest_weights(setup):
     """A real crash (SIGKILL of the actor process): Ray restarts the actor, the constructor finds the
-    weight manifest, and the caller's retried request is answered by the newest weights."""
+    weight manifest, and the caller's retried request is answered by the newest weights. What the killed
+    engine left in /dev/shm (~400 MB) is removed by the restarted actor."""
     import signal
 
-    from common.weight_sync import read_manifest
+    from common import shm_cleanup
+    from common.weight_sync import WeightPublisher
 
-    _, actor = setup
-    manifest = read_manifest(ray.get(actor.weights_dir.remote()))
-    assert manifest is not None, "runs after the weight-update test"
+    path, actor = setup
     greedy = {"temperature": 0.0, "max_tokens": 24}
-    before = ray.get(actor.generate.remote(PROMPT, greedy))
-    assert before["policy_version"] == manifest["version"]
-    pid = ray.get(actor.pid.remote())
-    os.kill(pid, signal.SIGKILL)
-    after = ray.get(actor.generate.remote(PROMPT, greedy), timeout=180)    # retried by Ray after restart
-    assert ray.get(actor.pid.remote()) != pid
-    assert after["policy_version"] == manifest["version"]
-    assert after["response_ids"] == before["response_ids"]
+    try:
+        # Weights of its own, newer than the served ones, so that a restart that loaded no manifest shows.
+        version = ray.get(actor.policy_version.remote()) + 1
+        WeightPublisher([actor]).push(_perturbed(_hf_model(path), seed=2).state_dict().items(), version=version)
+        before = ray.get(actor.generate.remote(PROMPT, greedy))
+        assert before["policy_version"] == version
+        pid = ray.get(actor.pid.remote())
+        engine_shm = shm_cleanup.mapped_by(shm_cleanup.descendants(pid))
+        assert engine_shm, "the engine maps no shared memory: nothing to check the clean-up of"
+        os.kill(pid, signal.SIGKILL)
+        after = ray.get(actor.generate.remote(PROMPT, greedy), timeout=180)    # retried by Ray after restart
+        assert ray.get(actor.pid.remote()) != pid
+        assert after["policy_version"] == version
+        assert after["response_ids"] == before["response_ids"]
+        assert not [f for f in engine_shm if os.path.exists(f)], "the killed engine's shared memory is still there"
+    finally:
+        _serve_initial_weights(actor, path)

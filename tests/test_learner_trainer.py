@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,6 @@ import pytest
 import torch
 
 from common.config import LearnerConfig
-from common.tiny_model import build_tiny_model
 from learner.batching import build_batch
 from learner.loop import PUSHED_VERSION, Learner
 from learner.synthetic import synthetic_groups
@@ -25,12 +23,6 @@ from learner.trainer import PolicyTrainer
 from tests import learner_worker
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def model_path() -> str:
-    # Idempotent build in the (git-ignored) cache: later runs reuse it.
-    return build_tiny_model(str(REPO / ".cache" / "test-tiny-policy"))
 
 
 def _env(**extra) -> dict:
@@ -43,18 +35,12 @@ def _env(**extra) -> dict:
     return env
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run_ranks(args: list[str], world: int = 2, timeout_s: float = 300) -> None:
-    """Run tests/learner_worker.py with `args` as `world` torchrun-style ranks; kill them all on failure."""
-    port = str(_free_port())
+def _run_ranks(args: list[str], port: int, world: int = 2, timeout_s: float = 300) -> None:
+    """Run tests/learner_worker.py with `args` as `world` torchrun-style ranks (one thread each); kill them
+    all on failure."""
     procs = [subprocess.Popen([sys.executable, str(Path(__file__).parent / "learner_worker.py"), *args],
                               env=_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
-                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port),
+                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world)]
     try:
@@ -97,15 +83,15 @@ def fixed_batch():
     return build_batch(synthetic_groups(6, 4, vocab_size=1000, seed=11), LearnerConfig())
 
 
-def test_loss_on_fixed_batch_equals_plain_torch(model_path, fixed_batch):
+def test_loss_on_fixed_batch_equals_plain_torch(tiny_model_path, fixed_batch):
     # One mini-batch, several micro-batches: the reported loss is that of the initial weights.
     cfg = LearnerConfig(zero_stage=2, mini_batch_rows=1024, micro_batch_tokens=300, lr=1e-3)
-    trainer = PolicyTrainer(model_path, cfg, dtype="float32")
+    trainer = PolicyTrainer(tiny_model_path, cfg, dtype="float32")
     try:
         m = trainer.train_step(fixed_batch, update=0)
     finally:
         trainer.close()
-    loss, entropy = _reference_loss(model_path, fixed_batch, cfg)
+    loss, entropy = _reference_loss(tiny_model_path, fixed_batch, cfg)
     assert m["train/optimizer_steps"] == 1
     assert m["train/loss"] == pytest.approx(loss, rel=1e-5, abs=1e-6)
     assert m["train/entropy"] == pytest.approx(entropy, rel=1e-5)
@@ -113,12 +99,12 @@ def test_loss_on_fixed_batch_equals_plain_torch(model_path, fixed_batch):
     assert m["train/response_tokens"] == fixed_batch.response_lengths().sum()
 
 
-def test_update_moves_logprobs_with_the_sign_of_the_advantage(model_path):
+def test_update_moves_logprobs_with_the_sign_of_the_advantage(tiny_model_path):
     batch = build_batch(synthetic_groups(6, 4, vocab_size=1000, seed=11), LearnerConfig())
     batch.advantages = np.where(np.arange(batch.num_rows) % 2 == 0, 1.0, -1.0)
     cfg = LearnerConfig(zero_stage=2, mini_batch_rows=1024, micro_batch_tokens=600, lr=3e-4, kl_coef=0.0,
                         entropy_coef=0.0, recompute_old_logprobs=True)
-    trainer = PolicyTrainer(model_path, cfg, dtype="float32")
+    trainer = PolicyTrainer(tiny_model_path, cfg, dtype="float32")
     try:
         before = trainer.compute_logprobs(batch)
         m = trainer.train_step(batch, update=0)
@@ -132,10 +118,10 @@ def test_update_moves_logprobs_with_the_sign_of_the_advantage(model_path):
     assert np.mean(pos > 0) > 0.8 and np.mean(neg < 0) > 0.8
 
 
-def test_checkpoint_tag_loads_that_checkpoint_and_a_missing_tag_is_an_error(model_path, fixed_batch, tmp_path):
+def test_checkpoint_tag_loads_that_checkpoint_and_a_missing_tag_is_an_error(tiny_model_path, fixed_batch, tmp_path):
     cfg = LearnerConfig(zero_stage=2, mini_batch_rows=1024, micro_batch_tokens=600, lr=1e-3)
     weights = lambda t: {n: w.clone() for n, w in t.named_weights()}  # noqa: E731
-    trainer = PolicyTrainer(model_path, cfg, dtype="float32")
+    trainer = PolicyTrainer(tiny_model_path, cfg, dtype="float32")
     try:
         trainer.train_step(fixed_batch)
         first = trainer.save_checkpoint(tmp_path, {"policy_version": 1})
@@ -147,7 +133,7 @@ def test_checkpoint_tag_loads_that_checkpoint_and_a_missing_tag_is_an_error(mode
         trainer.close()
     assert any(not torch.equal(w1[n], w2[n]) for n in w1)
     for tag, want, version in ((Path(first).name, w1, 1), (None, w2, 2)):
-        trainer = PolicyTrainer(model_path, cfg, dtype="float32")
+        trainer = PolicyTrainer(tiny_model_path, cfg, dtype="float32")
         try:
             state = trainer.load_checkpoint(tmp_path, tag=tag)
             assert state["policy_version"] == version and trainer.updates == version
@@ -162,7 +148,7 @@ def test_checkpoint_tag_loads_that_checkpoint_and_a_missing_tag_is_an_error(mode
     exp = learner_worker.learner_experiment("unused")
     exp.learner = cfg
     exp.run.resume_tag = Path(first).name
-    learner = Learner(exp, model_path, checkpoint_dir=str(tmp_path), resume=True)
+    learner = Learner(exp, tiny_model_path, checkpoint_dir=str(tmp_path), resume=True)
     try:
         assert learner.policy_version == 1
         for n, w in weights(learner.trainer).items():
@@ -179,7 +165,7 @@ def test_checkpoint_tag_loads_that_checkpoint_and_a_missing_tag_is_an_error(mode
             pushes.append((version, {n: w.clone() for n, w in named_tensors}))
             return {}
 
-    learner = Learner(exp, model_path, publisher=Recorder(), checkpoint_dir=str(tmp_path), resume=True,
+    learner = Learner(exp, tiny_model_path, publisher=Recorder(), checkpoint_dir=str(tmp_path), resume=True,
                       read_only=True)
     try:
         assert learner.policy_version == 1 and not pushes
@@ -194,40 +180,86 @@ def test_checkpoint_tag_loads_that_checkpoint_and_a_missing_tag_is_an_error(mode
     assert sorted(p.name for p in tmp_path.glob("update_*")) == ["update_0000001", "update_0000002"]
 
 
+# Agreement of one update done two ways (two processes vs one; ZeRO-3 vs ZeRO-2), weight by weight.
+#
+# Why not the log-probs or weights after an ordinary AdamW step, to a tolerance: AdamW's first step moves a
+# weight by lr * g / (|g| + eps), with eps = 1e-8 that is ~lr * sign(g) whatever |g|. A gradient whose true
+# value is 0 (k_proj's bias: the attention softmax ignores a shift shared by all keys) is rounding noise,
+# and its step is +-lr depending on the order of a float32 sum. The map g -> step has slope 1/eps = 1e8
+# there: no tolerance follows from the arithmetic (a guessed 2e-5 on the log-probs failed on some machines).
+#
+# So the comparison runs where the arithmetic gives a bound (learner_worker.train_config, ADAM_EPS):
+# - one row per micro-batch, every run in processes of one thread: each row's forward and backward pass
+#   is the same computation in both runs (the log-probs the update starts from are bitwise equal: checked);
+# - loss * world_size / tokens and DeepSpeed's division by world_size scale by powers of two: exact;
+# - no gradient clipping; AdamW with lr = 1 and eps = 1: its (bias-corrected) first step is
+#   lr * g / (|g| + 1), 1-Lipschitz in g; weight decay scales the same weights by the same factor.
+# The runs then differ only in the order in which float32 gradient terms are summed. Any order of summing
+# n terms x_k is within gamma(n-1) * sum|x_k| of the exact sum (gamma(n) = n u / (1 - n u), u = 2^-24), so
+# per weight |g1 - g2| <= 2 gamma(n-1) S, with S = sum of the terms' |x_k|. The step has ~10 roundings of
+# its own in each run, relative to |step| <= lr |g| <= lr S, and the new weight one more, <= u |w|:
+#     |w1 - w2| <= lr (2 gamma(n-1) + 20 u) S + u (|w1| + |w2|)
+# Two processes vs one: the terms are the rows' gradients (n = rows, S = the worker's row_sums): each
+# process sums its rows, then DeepSpeed adds the two sums. ZeRO-3 vs ZeRO-2: ZeRO-3 runs the backward of
+# linear layers its own way, which sums over a row's token positions in another order; the terms are then
+# the positions' (n = tokens, S = token_sums for linear and embedding weights; the norms' arithmetic is
+# unchanged: row_sums).
+# The metrics are float64 sums of the same per-row values in another order (error ~ rows * 2^-53 relative
+# to their magnitudes: abs 1e-12 is ample); the gradient norm moves by at most the norm of the gradient
+# difference plus its own float32 rounding (a cascade sum over ~6.6e5 squares: < 64 u relative, both runs).
+
+U = 2.0 ** -24
+
+
+def _gamma(n: int) -> float:
+    return n * U / (1 - n * U)
+
+
+def _assert_same_update(a: dict, b: dict, sums: dict[str, torch.Tensor], terms: int) -> None:
+    """a and b: learner_worker.train_once results of the same update; sums: S per weight; terms: n."""
+    for ra, rb in zip(a["before"], b["before"]):
+        assert np.array_equal(ra, rb), "the runs' rows are not the same computation: the bound does not apply"
+    for k in ("train/loss", "train/pg_loss", "train/entropy", "train/clip_frac", "train/response_tokens"):
+        assert a["metrics"][k] == pytest.approx(b["metrics"][k], rel=0, abs=1e-12), k
+    grad_diff_norm = 2 * _gamma(terms - 1) * float(torch.sqrt(sum((s ** 2).sum() for s in sums.values())))
+    assert abs(a["metrics"]["train/grad_norm"] - b["metrics"]["train/grad_norm"]) <= \
+        grad_diff_norm + 64 * U * a["metrics"]["train/grad_norm"]
+    assert a["weights"].keys() == b["weights"].keys() == sums.keys()
+    lr = learner_worker.AGREEMENT_LR
+    for name, wa in a["weights"].items():
+        wa, wb = wa.double(), b["weights"][name].double()
+        bound = lr * (2 * _gamma(terms - 1) + 20 * U) * sums[name] + U * (wa.abs() + wb.abs())
+        excess = ((wa - wb).abs() - bound).max().item()
+        assert excess <= 0, f"{name}: differs by {excess:.3g} more than the bound"
+
+
 @pytest.fixture(scope="module")
-def one_process_stage2(model_path) -> dict:
-    """One update of the fixed batch in this process at ZeRO-2 (shared by two tests)."""
-    return learner_worker.train_once(model_path, 2)
+def one_process_stage2(tiny_model_path, tmp_path_factory, free_port) -> dict:
+    """One update of the fixed batch in a world of one at ZeRO-2, with the gradient terms' sums (shared by
+    two tests). In a process of its own, like the runs it is compared with."""
+    out = tmp_path_factory.mktemp("one") / "one.pt"
+    _run_ranks(["train", tiny_model_path, str(out), "2"], free_port(), world=1)
+    return torch.load(out, weights_only=False)
 
 
-def test_zero_stage_2_and_3_agree(model_path, one_process_stage2):
-    r2 = one_process_stage2
-    r3 = learner_worker.train_once(model_path, 3)
-    for k in ("train/loss", "train/pg_loss", "train/entropy", "train/grad_norm"):
-        assert r2["metrics"][k] == pytest.approx(r3["metrics"][k], rel=1e-5, abs=1e-7), k
-    for a, b in zip(r2["after"], r3["after"]):
-        np.testing.assert_allclose(a, b, atol=2e-5)
-    assert r2["weights"].keys() == r3["weights"].keys()
-    for name in r2["weights"]:
-        # Adam steps ~lr * sign(g): a gradient within float noise of 0 may step differently
-        torch.testing.assert_close(r2["weights"][name], r3["weights"][name], atol=1e-4, rtol=0)
-
-
-def test_two_learner_processes_agree_with_one(model_path, one_process_stage2, tmp_path):
+def test_zero_stage_2_and_3_agree(tiny_model_path, one_process_stage2, tmp_path, free_port):
     one = one_process_stage2
-    out = tmp_path / "two.pt"
-    _run_ranks(["train", model_path, str(out), "2"])
-    two = torch.load(out, weights_only=False)
-    # Same token-mean gradient: loss, metrics and (pre-clip) gradient norm match; a missing
-    # world-size factor would halve the gradient norm.
-    for k in ("train/loss", "train/entropy", "train/clip_frac", "train/grad_norm", "train/response_tokens"):
-        assert two["metrics"][k] == pytest.approx(one["metrics"][k], rel=1e-5, abs=1e-7), k
-    for a, b in zip(one["after"], two["after"]):
-        np.testing.assert_allclose(a, b, atol=2e-5)
+    # A process of its own also because ZeRO-3 replaces torch.nn.functional.linear for good.
+    _run_ranks(["train", tiny_model_path, str(tmp_path / "z3.pt"), "3"], free_port(), world=1)
+    three = torch.load(tmp_path / "z3.pt", weights_only=False)
+    sums = {name: one["token_sums"].get(name, rows) for name, rows in one["row_sums"].items()}
+    _assert_same_update(one, three, sums, terms=one["tokens"])
 
 
-def test_killed_learner_resumes_without_duplicate_or_gap(model_path, tmp_path):
-    from common.redis_server import EmbeddedRedis
+def test_two_learner_processes_agree_with_one(tiny_model_path, one_process_stage2, tmp_path, free_port):
+    # Same token-mean gradient in both: a missing world-size factor would double or halve every step.
+    one = one_process_stage2
+    _run_ranks(["train", tiny_model_path, str(tmp_path / "two.pt"), "2"], free_port(), world=2)
+    two = torch.load(tmp_path / "two.pt", weights_only=False)
+    _assert_same_update(one, two, one["row_sums"], terms=one["rows"])
+
+
+def test_killed_learner_resumes_without_duplicate_or_gap(tiny_model_path, tmp_path, redis_url):
     from common.stream import TrajectoryStream
     from learner.loop import Learner
 
@@ -236,91 +268,89 @@ def test_killed_learner_resumes_without_duplicate_or_gap(model_path, tmp_path):
     all_ids = {g.group_id for g in groups}
     ckpt = tmp_path / "ckpt"
     log1 = tmp_path / "run1.jsonl"
-    with EmbeddedRedis() as server:
-        producer = TrajectoryStream(server.url, cfg.stream, consumer_name="producer")
-        for g in groups:
-            producer.publish(g)
-        # Run 1: three updates (checkpoint after the 2nd), then SIGKILL while idle after the 3rd.
-        proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "learner_worker.py"), "learn",
-                                 model_path, str(log1), server.url, cfg.stream.stream, str(ckpt), "3"],
-                                env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            out = ""
-            deadline = time.monotonic() + 180
-            while "READY" not in out and proc.poll() is None and time.monotonic() < deadline:
-                out += proc.stdout.readline()
-            assert "READY" in out, out[-3000:] + (proc.stdout.read() if proc.poll() is not None else "")
-        finally:
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGKILL)    # the crash under test (or cleanup on failure)
-            proc.wait(timeout=30)
-        run1 = [json.loads(line) for line in log1.read_text().splitlines()]
-        assert [u["checkpointed"] for u in run1] == [False, True, False]
-        committed = {g for u in run1[:2] for g in u["groups"]}
-        lost = set(run1[2]["groups"])        # trained, but the process died before its checkpoint
-        assert len(committed) == 4 and len(lost) == 2 and producer.depth() == 8 - 4
+    producer = TrajectoryStream(redis_url, cfg.stream, consumer_name="producer")
+    for g in groups:
+        producer.publish(g)
+    # Run 1: three updates (checkpoint after the 2nd), then SIGKILL while idle after the 3rd.
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "learner_worker.py"), "learn",
+                             tiny_model_path, str(log1), redis_url, cfg.stream.stream, str(ckpt), "3"],
+                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out = ""
+        deadline = time.monotonic() + 180
+        while "READY" not in out and proc.poll() is None and time.monotonic() < deadline:
+            out += proc.stdout.readline()
+        assert "READY" in out, out[-3000:] + (proc.stdout.read() if proc.poll() is not None else "")
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)    # the crash under test (or cleanup on failure)
+        proc.wait(timeout=30)
+    run1 = [json.loads(line) for line in log1.read_text().splitlines()]
+    assert [u["checkpointed"] for u in run1] == [False, True, False]
+    committed = {g for u in run1[:2] for g in u["groups"]}
+    lost = set(run1[2]["groups"])        # trained, but the process died before its checkpoint
+    assert len(committed) == 4 and len(lost) == 2 and producer.depth() == 8 - 4
 
-        # Run 2 (here): resumes from the checkpoint, gets the lost groups back, drains the stream.
-        learner = Learner(cfg, model_path, server.url, checkpoint_dir=str(ckpt), resume=True)
-        assert learner.policy_version == 2 and learner.trained_group_ids == committed
-        run2 = []
-        while True:
-            m = learner.step(timeout_s=3)
-            if m is None:
-                break
-            run2.append(list(learner.last_group_ids))
-        version = learner.policy_version
-        learner.close()
-        trained2 = [g for u in run2 for g in u]
-        assert len(trained2) == len(set(trained2)), "a group was trained twice after resume"
-        assert not (set(trained2) & committed), "a checkpointed group was trained again"
-        assert committed | set(trained2) == all_ids, "a group was never trained"
-        assert lost <= set(trained2)
-        assert version == 2 + len(run2)
-        assert producer.depth() == 0 and producer.pending() == 0
-        state = json.loads(max(ckpt.glob("update_*")).joinpath("learner_state.json").read_text())
-        assert set(state["trained_group_ids"]) == all_ids and state["policy_version"] == version
-        producer.close()
+    # Run 2 (here): resumes from the checkpoint, gets the lost groups back, drains the stream.
+    learner = Learner(cfg, tiny_model_path, redis_url, checkpoint_dir=str(ckpt), resume=True)
+    assert learner.policy_version == 2 and learner.trained_group_ids == committed
+    run2 = []
+    while True:
+        m = learner.step(timeout_s=3)
+        if m is None:
+            break
+        run2.append(list(learner.last_group_ids))
+    version = learner.policy_version
+    learner.close()
+    trained2 = [g for u in run2 for g in u]
+    assert len(trained2) == len(set(trained2)), "a group was trained twice after resume"
+    assert not (set(trained2) & committed), "a checkpointed group was trained again"
+    assert committed | set(trained2) == all_ids, "a group was never trained"
+    assert lost <= set(trained2)
+    assert version == 2 + len(run2)
+    assert producer.depth() == 0 and producer.pending() == 0
+    state = json.loads(max(ckpt.glob("update_*")).joinpath("learner_state.json").read_text())
+    assert set(state["trained_group_ids"]) == all_ids and state["policy_version"] == version
+    producer.close()
 
 
-def test_two_process_learner_at_zero3_reads_trains_pushes_and_acks(model_path, tmp_path):
+def test_two_process_learner_at_zero3_reads_trains_pushes_and_acks(tiny_model_path, tmp_path, redis_url, free_port):
     """Rank 0 reads the stream and broadcasts the batch; both ranks train (ZeRO-3 partitions); the pushed
     weights are full tensors gathered across ranks; groups are acked once checkpointed."""
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    from common.redis_server import EmbeddedRedis
     from common.stream import TrajectoryStream
 
     cfg = learner_worker.learner_experiment("test:learner-zero3")
     groups = synthetic_groups(4, 3, vocab_size=1000, seed=31, max_steps=2)
     out = tmp_path / "z3"
-    with EmbeddedRedis() as server:
-        producer = TrajectoryStream(server.url, cfg.stream, consumer_name="producer")
-        for g in groups:
-            producer.publish(g)
-        _run_ranks(["zero3", model_path, str(out), server.url, cfg.stream.stream, str(tmp_path / "ck"), "2"])
-        assert producer.depth() == 0 and producer.pending() == 0
-        producer.close()
+    producer = TrajectoryStream(redis_url, cfg.stream, consumer_name="producer")
+    for g in groups:
+        producer.publish(g)
+    _run_ranks(["zero3", tiny_model_path, str(out), redis_url, cfg.stream.stream, str(tmp_path / "ck"), "2"],
+               free_port())
+    assert producer.depth() == 0 and producer.pending() == 0
+    producer.close()
     r0, r1 = (json.loads((tmp_path / f"z3.rank{r}.json").read_text()) for r in range(2))
     assert [u["train/loss"] for u in r0] == [u["train/loss"] for u in r1]
     assert [u["policy_version"] for u in r0] == [1, 2] and [u["checkpointed"] for u in r0] == [0, 1]
     assert sorted(g for u in r0 for g in u["groups"]) == sorted(g.group_id for g in groups)
-    mcfg = AutoConfig.from_pretrained(model_path)
+    mcfg = AutoConfig.from_pretrained(tiny_model_path)
     pushed = {}
     for f in sorted((tmp_path / "z3.d" / "v2").glob("*.safetensors")):
         pushed.update(load_file(str(f)))
     assert pushed["model.embed_tokens.weight"].shape == (mcfg.vocab_size, mcfg.hidden_size)
-    initial = load_file(str(Path(model_path) / "model.safetensors"))
+    initial = load_file(str(Path(tiny_model_path) / "model.safetensors"))
     assert set(pushed) <= set(initial)
     assert all(pushed[k].shape == initial[k].shape for k in pushed)
     assert not torch.equal(pushed["model.layers.0.mlp.up_proj.weight"], initial["model.layers.0.mlp.up_proj.weight"])
 
 
-def test_the_learner_keeps_the_newest_checkpoints(model_path, tmp_path):
+def test_the_learner_keeps_the_newest_checkpoints(tiny_model_path, tmp_path):
     cfg = learner_worker.learner_experiment("unused")
     cfg.learner.checkpoint_every, cfg.learner.keep_checkpoints = 1, 1
-    learner = Learner(cfg, model_path, checkpoint_dir=str(tmp_path), resume=False)
+    learner = Learner(cfg, tiny_model_path, checkpoint_dir=str(tmp_path), resume=False)
     try:
         for seed in (1, 2):
             assert learner.step(synthetic_groups(2, 3, vocab_size=1000, seed=seed, max_steps=2)) is not None

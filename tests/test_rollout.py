@@ -3,18 +3,15 @@ games in env worker processes, a real redis-server. One inference engine and one
 import os
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import ray
 
 from common.config import ExperimentConfig, to_dict
 from common.records import Termination
-from common.tiny_model import build_tiny_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-REPO = Path(__file__).resolve().parents[1]
 N = 3      # group size
 
 
@@ -27,25 +24,24 @@ def _cfg(model_path: str, stream: str, **rollout) -> dict:
     # which exercises the same plumbing at a fraction of the cost of grammar-constrained decoding.
     cfg["rollout"].update(group_size=N, groups_per_actor=2, cpus_per_actor=0.25, constrain_actions=False)
     cfg["rollout"].update(rollout)
+    # Constrained sampling's log-probs are under the grammar mask: the config requires the learner's own.
+    cfg["learner"]["recompute_old_logprobs"] = bool(cfg["rollout"]["constrain_actions"])
     cfg["stream"].update(stream=stream, max_stream_groups=1000)
     return cfg
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    from actors.inference import create_inference_actors
-    from common.redis_server import EmbeddedRedis
+def setup(tiny_model_path, local_ray, redis_url, tmp_path_factory):
+    from actors.inference import create_inference_actors, stop_inference_actors
 
-    path = build_tiny_model(str(REPO / ".cache" / "test-tiny-policy"))
-    ray.init(address="local", num_cpus=2, object_store_memory=100 * 1024**2, include_dashboard=False)
-    redis = EmbeddedRedis().start()
-    cfg = _cfg(path, "unused")
+    cfg = _cfg(tiny_model_path, "unused")
     cfg["inference"]["weights_dir"] = str(tmp_path_factory.mktemp("weights"))
-    inference = create_inference_actors(cfg, path, num_actors=1)
-    assert ray.get(inference[0].policy_version.remote(), timeout=180) == 0
-    yield path, inference, redis.url
-    ray.shutdown()
-    redis.stop(cleanup=True)
+    inference = create_inference_actors(cfg, tiny_model_path, num_actors=1)
+    try:
+        assert ray.get(inference[0].policy_version.remote(), timeout=180) == 0
+        yield tiny_model_path, inference, redis_url
+    finally:
+        stop_inference_actors(inference)      # the engine's own shutdown: it removes its shared memory
 
 
 def _read_all(url: str, cfg: dict, expect: int | None = None, timeout_s: float = 10.0):

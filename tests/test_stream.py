@@ -16,7 +16,7 @@ import pytest
 
 from common.codec import SCHEMA_VERSION, encode_group
 from common.config import StreamConfig
-from common.redis_server import EmbeddedRedis, connect, redis_for
+from common.redis_server import connect, redis_for
 from common.stream import TrajectoryStream
 from tests.stream_factory import assert_groups_equal, make_group
 
@@ -24,24 +24,20 @@ pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def server():
-    with EmbeddedRedis() as srv:
-        yield srv
-
-
 @pytest.fixture
 def cfg():
-    # A fresh stream key per test: tests share one server but never each other's data.
+    # A fresh stream key per test: tests share one server (conftest's redis_server) but never each other's data.
     return StreamConfig(stream=f"test:{uuid.uuid4().hex[:8]}", max_stream_groups=64, max_policy_lag=4,
                         reclaim_idle_s=0.3)
 
 
-def drain(stream: TrajectoryStream, policy_version: int = 0, trained: set | None = None) -> list[str]:
-    """Read + ack until the stream is empty; returns the group ids trained, in order."""
+def drain(stream: TrajectoryStream, policy_version: int = 0, trained: set | None = None,
+          timeout_s: float = 10.0) -> list[str]:
+    """Read + ack until the stream is empty (or `timeout_s` passed); returns the group ids trained, in order."""
     trained = set() if trained is None else trained
     order = []
-    for _ in range(100):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         got = stream.read(max_groups=8, block_ms=50, policy_version=policy_version, trained_ids=trained)
         if not got and stream.depth() == 0:
             break
@@ -52,17 +48,17 @@ def drain(stream: TrajectoryStream, policy_version: int = 0, trained: set | None
     return order
 
 
-def test_embedded_server_url_password_and_connect(server):
-    assert server.url.startswith("redis://:") and "@127.0.0.1:" in server.url
-    r = connect(server.url)
+def test_embedded_server_url_password_and_connect(redis_server):
+    assert redis_server.url.startswith("redis://:") and "@127.0.0.1:" in redis_server.url
+    r = connect(redis_server.url)
     assert r.ping()
     import redis
     t0 = time.monotonic()
     with pytest.raises(redis.AuthenticationError):   # a wrong password fails at once, without retries
-        connect(server.url.replace(server.password, "wrong")).ping()
+        connect(redis_server.url.replace(redis_server.password, "wrong")).ping()
     assert time.monotonic() - t0 < 1
-    url, started = redis_for(StreamConfig(redis_url=server.url))
-    assert (url, started) == (server.url, None)
+    url, started = redis_for(StreamConfig(redis_url=redis_server.url))
+    assert (url, started) == (redis_server.url, None)
 
 
 def test_redis_for_starts_a_server_when_no_url(tmp_path):
@@ -77,8 +73,8 @@ def test_redis_for_starts_a_server_when_no_url(tmp_path):
     assert not srv.running
 
 
-def test_publish_read_ack_round_trip(server, cfg):
-    stream = TrajectoryStream(server.url, cfg)
+def test_publish_read_ack_round_trip(redis_server, cfg):
+    stream = TrajectoryStream(redis_server.url, cfg)
     groups = [make_group(f"g{i}", version=3, seed=i) for i in range(5)]
     ids = [stream.publish(g) for g in groups]
     assert len(set(ids)) == 5 and stream.depth() == 5
@@ -96,9 +92,9 @@ def test_publish_read_ack_round_trip(server, cfg):
     assert stream.stats["published"] == 5 and stream.stats["consumed"] == 5 and stream.stats["acked"] == 5
 
 
-def test_read_blocks_until_a_group_arrives(server, cfg):
-    consumer = TrajectoryStream(server.url, cfg)
-    producer = TrajectoryStream(server.url, cfg, consumer_name="producer")
+def test_read_blocks_until_a_group_arrives(redis_server, cfg):
+    consumer = TrajectoryStream(redis_server.url, cfg)
+    producer = TrajectoryStream(redis_server.url, cfg, consumer_name="producer")
     t0 = time.monotonic()
     assert consumer.read(4, block_ms=200, policy_version=0, trained_ids=set()) == []
     assert time.monotonic() - t0 >= 0.15
@@ -109,8 +105,8 @@ def test_read_blocks_until_a_group_arrives(server, cfg):
     assert [r.group.group_id for r in got] == ["late"]
 
 
-def test_publish_refuses_bad_groups(server, cfg):
-    stream = TrajectoryStream(server.url, cfg)
+def test_publish_refuses_bad_groups(redis_server, cfg):
+    stream = TrajectoryStream(redis_server.url, cfg)
     with pytest.raises(ValueError, match="no steps"):
         stream.publish(make_group("empty", num_steps=0))
     group = make_group("mixed")
@@ -120,8 +116,8 @@ def test_publish_refuses_bad_groups(server, cfg):
     assert stream.depth() == 0
 
 
-def test_trained_and_duplicate_groups_are_skipped_and_acked(server, cfg):
-    stream = TrajectoryStream(server.url, cfg)
+def test_trained_and_duplicate_groups_are_skipped_and_acked(redis_server, cfg):
+    stream = TrajectoryStream(redis_server.url, cfg)
     for gid in ["a", "b", "b", "c", "a"]:          # a retried publish duplicates an entry
         stream.publish(make_group(gid))
     got = stream.read(max_groups=10, block_ms=100, policy_version=0, trained_ids={"c"})
@@ -131,8 +127,8 @@ def test_trained_and_duplicate_groups_are_skipped_and_acked(server, cfg):
     assert stream.depth() == 0 and stream.pending() == 0
 
 
-def test_groups_in_flight_are_not_handed_out_twice(server, cfg):
-    stream = TrajectoryStream(server.url, cfg)
+def test_groups_in_flight_are_not_handed_out_twice(redis_server, cfg):
+    stream = TrajectoryStream(redis_server.url, cfg)
     stream.publish(make_group("x"))
     first = stream.read(4, 100, 0, set())
     stream.publish(make_group("x"))                 # the same group again while "x" is being trained
@@ -142,9 +138,9 @@ def test_groups_in_flight_are_not_handed_out_twice(server, cfg):
     assert stream.depth() == 0
 
 
-def test_malformed_entries_go_to_dead_letter_and_consumer_keeps_going(server, cfg):
-    stream = TrajectoryStream(server.url, cfg)
-    r = connect(server.url)
+def test_malformed_entries_go_to_dead_letter_and_consumer_keeps_going(redis_server, cfg):
+    stream = TrajectoryStream(redis_server.url, cfg)
+    r = connect(redis_server.url)
     good = make_group("good")
     bad_payload = b"\x92\x01\x02"                  # msgpack, but not a group
     r.xadd(cfg.stream, {"v": SCHEMA_VERSION, "g": "m1", "p0": 0, "p1": 0, "d": b"\xc1garbage"})
@@ -171,8 +167,8 @@ def test_malformed_entries_go_to_dead_letter_and_consumer_keeps_going(server, cf
     assert dead[3][b"orig.d"] == bad_payload and dead[2][b"orig.hello"] == b"world"
 
 
-def test_stale_groups_are_dropped_acked_and_counted(server, cfg):
-    stream = TrajectoryStream(server.url, cfg)       # max_policy_lag 4
+def test_stale_groups_are_dropped_acked_and_counted(redis_server, cfg):
+    stream = TrajectoryStream(redis_server.url, cfg)       # max_policy_lag 4
     for gid, version in [("v0", 0), ("v5", 5), ("v6", 6), ("v9", 9)]:
         stream.publish(make_group(gid, version=version))   # steps span version and version + 1
     got = stream.read(max_groups=10, block_ms=100, policy_version=10, trained_ids=set())
@@ -182,14 +178,30 @@ def test_stale_groups_are_dropped_acked_and_counted(server, cfg):
     assert stream.depth() == 0
 
 
-def test_backpressure_blocks_the_producer_and_resumes(server, cfg):
+def refusals(stream: TrajectoryStream) -> threading.Semaphore:
+    """Released each time `stream` is refused a slot in the full stream (it then waits and asks again)."""
+    refused = threading.Semaphore(0)
+    reserve = stream._reserve
+
+    def counting_reserve(*args, **kwargs):
+        granted = reserve(*args, **kwargs)
+        if not granted:
+            refused.release()
+        return granted
+
+    stream._reserve = counting_reserve
+    return refused
+
+
+def test_backpressure_blocks_the_producer_and_resumes(redis_server, cfg):
     cfg.max_stream_groups = 3
-    consumer = TrajectoryStream(server.url, cfg)
-    producer = TrajectoryStream(server.url, cfg, consumer_name="producer")
+    consumer = TrajectoryStream(redis_server.url, cfg)
+    producer = TrajectoryStream(redis_server.url, cfg, consumer_name="producer")
     for i in range(3):
         producer.publish(make_group(f"p{i}"))
     done = threading.Event()
     depths = []
+    refused = refusals(producer)
 
     def publish_more():
         for i in range(3, 6):
@@ -198,7 +210,7 @@ def test_backpressure_blocks_the_producer_and_resumes(server, cfg):
 
     thread = threading.Thread(target=publish_more)
     thread.start()
-    time.sleep(0.4)
+    assert refused.acquire(timeout=10) and refused.acquire(timeout=10)    # refused, and refused again
     assert not done.is_set() and consumer.depth() == 3     # blocked, nothing added past the bound
     trained = []
     while len(trained) < 6:
@@ -213,9 +225,9 @@ def test_backpressure_blocks_the_producer_and_resumes(server, cfg):
     assert producer.stats["publish_waits"] >= 1
 
 
-def test_backpressure_timeout_is_a_clear_error_and_adds_nothing(server, cfg):
+def test_backpressure_timeout_is_a_clear_error_and_adds_nothing(redis_server, cfg):
     cfg.max_stream_groups = 1
-    stream = TrajectoryStream(server.url, cfg)
+    stream = TrajectoryStream(redis_server.url, cfg)
     stream.publish(make_group("first"))
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match="still holds >= 1 untrained groups.*'second' was not published"):
@@ -224,18 +236,16 @@ def test_backpressure_timeout_is_a_clear_error_and_adds_nothing(server, cfg):
     assert stream.depth() == 1
 
 
-def test_concurrent_producers_never_overshoot_the_bound(server, cfg):
+def test_concurrent_producers_never_overshoot_the_bound(redis_server, cfg):
     cfg.max_stream_groups = 3
-    consumer = TrajectoryStream(server.url, cfg)
-    producers = [TrajectoryStream(server.url, cfg, consumer_name=f"p{k}") for k in range(4)]
+    consumer = TrajectoryStream(redis_server.url, cfg)
+    producers = [TrajectoryStream(redis_server.url, cfg, consumer_name=f"p{k}") for k in range(4)]
+    refused = [refusals(p) for p in producers]
     threads = [threading.Thread(target=lambda p=p, k=k: [p.publish(make_group(f"c{k}-{i}"), timeout_s=20)
                                                          for i in range(5)]) for k, p in enumerate(producers)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 10
-    while consumer.depth() < 3 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.3)                                   # four producers are now waiting on a full stream
+    assert all(r.acquire(timeout=10) for r in refused)    # all four are now waiting on a full stream
     trained, depths = [], [consumer.depth()]
     while len(trained) < 20:
         got = consumer.read(max_groups=1, block_ms=200, policy_version=0, trained_ids=set())
@@ -248,11 +258,11 @@ def test_concurrent_producers_never_overshoot_the_bound(server, cfg):
     assert depths[0] == 3 and max(depths) <= 3
 
 
-def test_a_producer_that_dies_after_reserving_frees_its_slot(server, cfg, monkeypatch):
+def test_a_producer_that_dies_after_reserving_frees_its_slot(redis_server, cfg, monkeypatch):
     import common.stream as stream_module
     monkeypatch.setattr(stream_module, "_RESERVATION_TTL_S", 0.5)
     cfg.max_stream_groups = 1
-    stream = TrajectoryStream(server.url, cfg)
+    stream = TrajectoryStream(redis_server.url, cfg)
     # What a producer killed between reserving a slot and appending its group leaves behind:
     assert stream._reserve(keys=[stream.key, stream.reserved_key], args=[1, "dead-producer", 0.5]) == 1
     t0 = time.monotonic()
@@ -261,9 +271,9 @@ def test_a_producer_that_dies_after_reserving_frees_its_slot(server, cfg, monkey
     assert stream.depth() == 1 and stream.redis.zcard(stream.reserved_key) == 0
 
 
-def test_a_draining_producer_publishes_over_the_bound(server, cfg):
+def test_a_draining_producer_publishes_over_the_bound(redis_server, cfg):
     cfg.max_stream_groups = 1
-    stream = TrajectoryStream(server.url, cfg)
+    stream = TrajectoryStream(redis_server.url, cfg)
     stream.publish(make_group("first"))
     stream.publish(make_group("last-of-a-removed-actor"), timeout_s=0.1, over_bound=True)
     assert stream.depth() == 2
@@ -271,15 +281,15 @@ def test_a_draining_producer_publishes_over_the_bound(server, cfg):
         stream.publish(make_group("third"), timeout_s=0.1)
 
 
-def test_restarted_consumer_gets_its_own_pending_groups_back(server, cfg):
+def test_restarted_consumer_gets_its_own_pending_groups_back(redis_server, cfg):
     cfg.reclaim_idle_s = 60                          # no reclaim: this is the same consumer name coming back
-    first = TrajectoryStream(server.url, cfg, consumer_name="learner-0")
+    first = TrajectoryStream(redis_server.url, cfg, consumer_name="learner-0")
     for i in range(4):
         first.publish(make_group(f"r{i}"))
     got = first.read(max_groups=3, block_ms=100, policy_version=0, trained_ids=set())
     assert len(got) == 3
     first.close()                                    # "crashed" after committing r0 but before any ack
-    second = TrajectoryStream(server.url, cfg, consumer_name="learner-0")
+    second = TrajectoryStream(redis_server.url, cfg, consumer_name="learner-0")
     trained = {"r0"}
     order = drain(second, trained=trained)
     assert sorted(order) == ["r1", "r2", "r3"]
@@ -299,12 +309,12 @@ time.sleep(120)   # "training": killed with SIGKILL before it acks
 """
 
 
-def test_consumer_killed_before_ack_groups_trained_exactly_once(server, cfg):
-    producer = TrajectoryStream(server.url, cfg, consumer_name="producer")
+def test_consumer_killed_before_ack_groups_trained_exactly_once(redis_server, cfg):
+    producer = TrajectoryStream(redis_server.url, cfg, consumer_name="producer")
     for i in range(6):
         producer.publish(make_group(f"k{i}"))
     env = dict(os.environ, PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}")
-    proc = subprocess.Popen([sys.executable, "-c", _DOOMED_CONSUMER, server.url, cfg.stream],
+    proc = subprocess.Popen([sys.executable, "-c", _DOOMED_CONSUMER, redis_server.url, cfg.stream],
                             stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     try:
         taken = proc.stdout.readline().split()
@@ -313,7 +323,7 @@ def test_consumer_killed_before_ack_groups_trained_exactly_once(server, cfg):
         proc.wait(10)
         proc.stdout.close()
     assert taken == ["k0", "k1", "k2"]
-    survivor = TrajectoryStream(server.url, cfg, consumer_name="learner-1")
+    survivor = TrajectoryStream(redis_server.url, cfg, consumer_name="learner-1")
     trained = Counter()
     deadline = time.monotonic() + 10
     while sum(trained.values()) < 6 and time.monotonic() < deadline:
@@ -325,26 +335,28 @@ def test_consumer_killed_before_ack_groups_trained_exactly_once(server, cfg):
     assert survivor.depth() == 0 and survivor.pending() == 0
 
 
-def test_live_consumer_keeps_its_groups_while_it_keeps_reading(server, cfg):
+def test_live_consumer_keeps_its_groups_while_it_keeps_reading(redis_server, cfg):
     cfg.reclaim_idle_s = 0.6
-    producer = TrajectoryStream(server.url, cfg, consumer_name="producer")
-    a = TrajectoryStream(server.url, cfg, consumer_name="a")
-    b = TrajectoryStream(server.url, cfg, consumer_name="b")
+    producer = TrajectoryStream(redis_server.url, cfg, consumer_name="producer")
+    a = TrajectoryStream(redis_server.url, cfg, consumer_name="a")
+    b = TrajectoryStream(redis_server.url, cfg, consumer_name="b")
     producer.publish(make_group("held"))
     held = a.read(1, 100, 0, set())
-    for _ in range(4):                               # a trains for longer than reclaim_idle_s but keeps reading
-        time.sleep(0.25)
-        assert a.read(1, 0, 0, set()) == []
-        assert b.read(1, 0, 0, set()) == []
+    assert len(held) == 1
+    # a trains for longer than reclaim_idle_s but keeps reading (each read waits up to 100 ms for a group)
+    until = time.monotonic() + 2 * cfg.reclaim_idle_s
+    while time.monotonic() < until:
+        assert a.read(1, 100, 0, set()) == []
+        assert b.read(1, 100, 0, set()) == []
     a.ack(held)
     assert b.stats["reclaimed"] == 0 and a.depth() == 0
 
 
-def test_acl_user_url_works_and_wrong_permissions_fail_fast(server, cfg):
-    admin = connect(server.url)
+def test_acl_user_url_works_and_wrong_permissions_fail_fast(redis_server, cfg):
+    admin = connect(redis_server.url)
     admin.execute_command("ACL", "SETUSER", "rollout", "on", ">s3cret", "~test:*", "+@all")
     admin.execute_command("ACL", "SETUSER", "nobody", "on", ">pw", "~other:*", "+@all")
-    url = f"redis://rollout:s3cret@127.0.0.1:{server.port}/0"
+    url = f"redis://rollout:s3cret@127.0.0.1:{redis_server.port}/0"
     stream = TrajectoryStream(url, cfg)
     stream.publish(make_group("acl"))
     got = stream.read(4, 100, 0, set())
@@ -353,20 +365,19 @@ def test_acl_user_url_works_and_wrong_permissions_fail_fast(server, cfg):
     import redis
     t0 = time.monotonic()
     with pytest.raises(redis.exceptions.NoPermissionError):
-        TrajectoryStream(f"redis://nobody:pw@127.0.0.1:{server.port}/0", cfg)
+        TrajectoryStream(f"redis://nobody:pw@127.0.0.1:{redis_server.port}/0", cfg)
     assert time.monotonic() - t0 < 1
 
 
-def test_entry_deleted_while_pending_is_cleaned_up(server, cfg):
-    stream = TrajectoryStream(server.url, cfg, consumer_name="a")
+def test_entry_deleted_while_pending_is_cleaned_up(redis_server, cfg):
+    stream = TrajectoryStream(redis_server.url, cfg, consumer_name="a")
     for gid in ("d0", "d1"):
         stream.publish(make_group(gid))
     held = stream.read(2, 100, 0, set())
     stream.close()                                    # consumer "a" dies holding both
-    connect(server.url).xdel(cfg.stream, held[0].entry_id)   # someone deletes one of them
-    time.sleep(cfg.reclaim_idle_s + 0.1)
-    other = TrajectoryStream(server.url, cfg, consumer_name="b")
-    trained = drain(other)
+    connect(redis_server.url).xdel(cfg.stream, held[0].entry_id)   # someone deletes one of them
+    other = TrajectoryStream(redis_server.url, cfg, consumer_name="b")
+    trained = drain(other)                            # reclaims d1 once idle for reclaim_idle_s
     assert trained == ["d1"]
     deadline = time.monotonic() + 5                   # the vanished entry's pending slot is released too
     while other.pending() and time.monotonic() < deadline:   # (by a later pending-list scan)
@@ -374,10 +385,10 @@ def test_entry_deleted_while_pending_is_cleaned_up(server, cfg):
     assert other.pending() == 0 and other.depth() == 0
 
 
-def test_publish_from_asyncio_does_not_block_the_event_loop(server, cfg):
+def test_publish_from_asyncio_does_not_block_the_event_loop(redis_server, cfg):
     import asyncio
     cfg.max_stream_groups = 1
-    stream = TrajectoryStream(server.url, cfg)
+    stream = TrajectoryStream(redis_server.url, cfg)
     stream.publish(make_group("full"))
 
     async def main():

@@ -7,7 +7,6 @@ import pytest
 
 from actors import prompts
 from common.config import load_config
-from common.tiny_model import build_tiny_model
 from deploy.warm_start import WARM_DIR, collect_examples, warm_start
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -21,14 +20,9 @@ def _cfg(out: Path, **model):
     return load_config(REPO / "configs" / "embedded.yaml", overrides)
 
 
-@pytest.fixture(scope="module")
-def model_path():
-    return build_tiny_model(str(REPO / ".cache" / "test-tiny-policy"))
-
-
-def test_rows_are_what_constrained_rollouts_produce(tmp_path, model_path):
+def test_rows_are_what_constrained_rollouts_produce(tmp_path, tiny_model_path):
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(model_path)
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
     cfg = _cfg(tmp_path)
     examples, counts = collect_examples(cfg, tok)
     assert counts["games"] == 3 and counts["games_skipped"] == 0
@@ -49,31 +43,31 @@ def test_rows_are_what_constrained_rollouts_produce(tmp_path, model_path):
         assert re.fullmatch(prompts.action_regex(admissible, 8), text)
 
 
-def test_warm_start_learns_and_is_cached(tmp_path, model_path):
+def test_warm_start_learns_and_is_cached(tmp_path, tiny_model_path):
     cfg = _cfg(tmp_path, warm_start_steps=0)
-    assert warm_start(cfg, model_path) == model_path           # disabled: the initial model itself
+    assert warm_start(cfg, tiny_model_path) == tiny_model_path           # disabled: the initial model itself
 
     cfg = _cfg(tmp_path, warm_start_steps=6, warm_start_batch=4, warm_start_lr=3e-3)
-    out = warm_start(cfg, model_path)
+    out = warm_start(cfg, tiny_model_path)
     assert Path(out) == tmp_path / WARM_DIR
     import json
     record = json.loads((Path(out) / "warm_start.json").read_text())
     assert record["loss_last"] < record["loss_first"]
     stamp = (Path(out) / "model.safetensors").stat().st_mtime_ns
-    assert warm_start(cfg, model_path) == out                   # same settings: reused, not retrained
+    assert warm_start(cfg, tiny_model_path) == out                   # same settings: reused, not retrained
     assert (Path(out) / "model.safetensors").stat().st_mtime_ns == stamp
     cfg.model.warm_start_steps = 7                              # other settings: rebuilt
-    warm_start(cfg, model_path)
+    warm_start(cfg, tiny_model_path)
     assert json.loads((Path(out) / "warm_start.json").read_text())["settings"]["steps"] == 7
 
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(out)                   # loadable like any HF model
 
 
-def test_bad_settings_are_clear_errors(tmp_path, model_path):
+def test_bad_settings_are_clear_errors(tmp_path, tiny_model_path):
     with pytest.raises(ValueError, match="warm_start_games"):     # the config refuses it at load ...
         _cfg(tmp_path, warm_start_steps=3, warm_start_games=0)
     cfg = _cfg(tmp_path, warm_start_steps=3)
     cfg.model.warm_start_games = 0                                # ... and so does the warm start itself
     with pytest.raises(ValueError, match="warm_start_games"):
-        warm_start(cfg, model_path)
+        warm_start(cfg, tiny_model_path)

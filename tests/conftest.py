@@ -1,0 +1,136 @@
+"""Shared fixtures, and a guard that fails the session if it leaves files behind.
+
+Fixtures:
+    tiny_model_path   (session)  the tiny Qwen2 policy, built once into .cache/test-tiny-policy and reused
+    free_port         (session)  a function returning a free TCP port on 127.0.0.1
+    redis_server      (module)   a real redis-server (EmbeddedRedis), stopped and its directory removed after
+    redis_url         (module)   its URL
+    local_ray         (module)   a local Ray of 2 CPUs, shut down after the module
+
+The guard: what a run leaves behind piles up on a machine (embedded Redis data directories in /tmp, vLLM's
+shared-memory rings in /dev/shm, ~400 MB each), so the session notes what exists when it starts and, when it
+ends, fails if anything new is still there, listing it. Ray's own object store file in /dev/shm is unlinked
+as soon as it is mapped, so it never shows. A file that a process outside this session still maps, holds
+open or works in is not counted; what another session on the machine creates and leaves meanwhile is (an
+engine's semaphore is mapped by nobody): GIGPO_LEAK_CHECK=0 turns the guard off for concurrent sessions.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_MODEL_DIR = REPO / ".cache" / "test-tiny-policy"
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> str:
+    from common.tiny_model import build_tiny_model
+
+    return build_tiny_model(str(TINY_MODEL_DIR))     # idempotent: a later session reuses the build
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def free_port():
+    """Call it for a free port (free when asked: bind it soon)."""
+    return _free_port
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    from common.redis_server import EmbeddedRedis
+
+    with EmbeddedRedis() as server:       # leaving the block stops it and removes its temporary directory
+        yield server
+
+
+@pytest.fixture(scope="module")
+def redis_url(redis_server) -> str:
+    return redis_server.url
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    import ray
+
+    ray.init(address="local", num_cpus=2, object_store_memory=100 * 1024**2, include_dashboard=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+# -- the leftovers guard -----------------------------------------------------------------------------------
+
+SHM_DIR = "/dev/shm"
+_BASELINE = pytest.StashKey[set]()      # what existed when the session started
+
+
+def leftover_candidates() -> set[str]:
+    """Embedded Redis directories in the temp dir, and every entry of /dev/shm."""
+    found = set(glob.glob(os.path.join(tempfile.gettempdir(), "gigpo-redis-*")))
+    if os.path.isdir(SHM_DIR):
+        found |= {os.path.join(SHM_DIR, name) for name in os.listdir(SHM_DIR)}
+    return found
+
+
+def _used_by_others(paths: set[str]) -> set[str]:
+    """Those of `paths` that a live process outside this session maps, holds open or works in."""
+    import psutil
+
+    mine = {os.getpid()} | {p.pid for p in psutil.Process().children(recursive=True)}
+    used: set[str] = set()
+    for proc in psutil.process_iter():
+        if proc.pid in mine:
+            continue
+        try:
+            held = {m.path for m in proc.memory_maps()} | {f.path for f in proc.open_files()} | {proc.cwd()}
+        except (psutil.Error, OSError):
+            continue
+        used |= {p for p in paths if any(h == p or h.startswith(p + os.sep) for h in held)}
+    return used
+
+
+def _size(path: str) -> int:
+    try:
+        if os.path.isdir(path):
+            return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def pytest_sessionstart(session) -> None:
+    session.config.stash[_BASELINE] = leftover_candidates()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    if os.environ.get("GIGPO_LEAK_CHECK", "1") == "0" or _BASELINE not in session.config.stash:
+        return
+    new = leftover_candidates() - session.config.stash[_BASELINE]
+    new -= _used_by_others(new)
+    if not new:
+        return
+    lines = ["", "LEFT BEHIND by this test session (tests/conftest.py fails the session for it):"]
+    for path in sorted(new):
+        lines.append(f"  {path}  ({_size(path) / 2**20:.1f} MiB)")
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    for line in lines:
+        if reporter is not None:
+            reporter.write_line(line, red=True)
+        else:
+            print(line)
+    if session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+

@@ -84,9 +84,20 @@ def prompt_ids(tokenizer, user_message: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+# The characters that are operators in a regex outside a character class. Only these get a backslash:
+# re.escape also escapes spaces, '-', '#', '&' and '~', and vLLM's structured-output backend (xgrammar)
+# warns once per request about every such unneeded escape ("Escape sequence '\ ' is not recognized").
+_REGEX_OPERATORS = frozenset("\\^$.*+?()[]{}|")
+
+
+def regex_literal(text: str) -> str:
+    """`text` as a regex that matches exactly it, in the syntax Python's re and xgrammar share."""
+    return "".join("\\" + c if c in _REGEX_OPERATORS else c for c in text)
+
+
 def action_regex(admissible: list[str], max_think_chars: int = 200) -> str:
     """For `rollout.constrain_actions`: a short free-text think section, then exactly one admissible
     action; the format tags stay, so parsing and validity work unchanged."""
-    choices = "|".join(re.escape(a) for a in admissible if a != "help") or "look"
+    choices = "|".join(regex_literal(a) for a in admissible if a != "help") or "look"
     # Printable ASCII except < and >: no stray tags, and no CJK (which would make the response invalid).
     return rf"<think>[ -;=?-~]{{0,{max_think_chars}}}</think> <action>({choices})</action>"

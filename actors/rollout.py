@@ -33,6 +33,7 @@ import ray
 from actors import prompts
 from common.config import ExperimentConfig, from_dict
 from common.cpu_placement import place_this_process
+from common.log_files import send_output_to
 from common.metrics import ActorMetrics
 from common.records import EpisodeGroup, StepRow, Termination, Trajectory
 
@@ -77,7 +78,8 @@ class Rollout:
     """The actor's body (a plain class so that tests and benches can also drive it in-process)."""
 
     def __init__(self, cfg: dict, actor_id: str, inference_actors: list, stream_url: str | None,
-                 env_servers: list | None = None, cpus: str = "", nice: int = 0):
+                 env_servers: list | None = None, cpus: str = "", nice: int = 0, log_dir: str = ""):
+        send_output_to(log_dir, actor_id)    # <log_dir>/<actor_id>.log, before env workers inherit the fds
         place_this_process(cpus, nice)    # run.rollout_cpus / rollout_nice, before env workers are forked
         self.cfg: ExperimentConfig = from_dict(cfg) if isinstance(cfg, dict) else cfg
         self.actor_id = actor_id
@@ -392,10 +394,10 @@ RolloutActor = ray.remote(Rollout)
 
 
 def create_rollout_actor(cfg: dict, actor_id: str, inference_actors: list, stream_url: str | None,
-                         env_servers: list | None = None):
+                         env_servers: list | None = None, log_dir: str = ""):
     """A rollout actor with the CPU share the config asks for (its env instances live inside it unless
-    env servers are given)."""
+    env servers are given); log_dir: its output goes to <log_dir>/<actor_id>.log."""
     return RolloutActor.options(num_cpus=cfg["rollout"]["cpus_per_actor"], name=None,
                                 max_concurrency=1000).remote(cfg, actor_id, inference_actors, stream_url,
                                                              env_servers, cfg["run"].get("rollout_cpus", ""),
-                                                             int(cfg["run"].get("rollout_nice", 0)))
+                                                             int(cfg["run"].get("rollout_nice", 0)), log_dir)

@@ -214,11 +214,23 @@ def build_tiny_model(out_dir: str, corpus: list[str] | None = None, *, vocab_siz
     return str(out)
 
 
-def resolve_model_path(path: str, output_dir: str) -> str:
-    """ModelConfig.path -> a loadable path: "tiny" builds (or reuses) the tiny model under output_dir."""
-    if path == "tiny":
-        return build_tiny_model(os.path.join(output_dir, "tiny_model"))
-    return path
+TINY_DIR = "tiny_model"
+
+
+def resolve_model_path(path: str, output_dir: str, build_dir: str | None = None) -> str:
+    """ModelConfig.path -> a loadable path: "tiny" builds (or reuses) the tiny model under output_dir.
+
+    build_dir (read-only use of a run, `gigpo eval`): the run's tiny model is used as it is when it exists
+    (whatever it was built with: it is what the run trained), else one is built under build_dir; nothing
+    is written under output_dir."""
+    if path != "tiny":
+        return path
+    if build_dir is None:
+        return build_tiny_model(os.path.join(output_dir, TINY_DIR))
+    existing = os.path.join(output_dir, TINY_DIR)
+    if os.path.isfile(os.path.join(existing, _BUILD_INFO)):
+        return existing
+    return build_tiny_model(os.path.join(build_dir, TINY_DIR))
 
 
 def main() -> None:

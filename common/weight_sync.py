@@ -104,6 +104,14 @@ def load_buckets_into_worker(worker, files: list[str]) -> int:
                 count += 1
                 yield item
 
+    # vLLM 0.32's layer-wise reload logs "RotaryEmbedding: Failed to load weights" and "ParallelLMHead:
+    # Failed to load weights" on every call. Nothing pushed can prevent it: it expects every layer holding
+    # tensors to receive some, but the rotary layer's only tensor is a cache derived from the config (a
+    # non-persistent buffer, in no checkpoint), and with tie_word_embeddings lm_head.weight is the
+    # embedding itself (AutoWeightsLoader skips that name as an alias). For both it puts the layer's own
+    # tensors back, which is right: the cache is unchanged, and the tied head shares the new embedding's
+    # storage (tests/test_inference.py checks log-probs after a push). vLLM's main branch binds such layers
+    # in place and no longer warns. The warnings land in the inference actor's log file.
     worker.reload_weights(weights_iterator=chain(tensors()), is_checkpoint_format=True)
     return count
 

@@ -178,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
+    except KeyboardInterrupt:     # Ctrl-C: the run has been closed (deploy.system); no traceback
+        print("gigpo: interrupted", file=sys.stderr)
+        return 130
     except USER_ERRORS as exc:
         if args.debug:
             raise

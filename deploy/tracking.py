@@ -12,12 +12,14 @@ log = logging.getLogger("gigpo")
 
 
 class Tracker:
-    def __init__(self, output_dir: str, run_name: str, config: dict):
+    def __init__(self, output_dir: str, run_name: str, config: dict, resume: bool = False):
+        """resume: append to the run's metrics.jsonl; otherwise it starts anew (a run.overwrite run must not
+        mix its lines with the deleted run's)."""
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         from torch.utils.tensorboard import SummaryWriter
         self.tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"))
-        self.jsonl = open(self.dir / "metrics.jsonl", "a")
+        self.jsonl = open(self.dir / "metrics.jsonl", "a" if resume else "w")
         self.wandb = None
         if os.environ.get("WANDB_API_KEY"):
             try:

@@ -18,8 +18,9 @@ How, so that the supervised rows look exactly like rollout rows:
 - the loss is the cross-entropy of the response tokens only (the prompt is context).
 
 The warmed model is saved as `<run.output_dir>/warm_model` with a record of what made it; a second call
-with the same settings (a resumed run, `gigpo eval`) reuses it. It is written to a temporary directory
-and renamed, so a crash never leaves a half-written model behind.
+with the same settings (a resumed run) reuses it. `gigpo eval` never builds one there: it uses the run's
+own as it is (`existing_warm_model`). It is written to a temporary directory and renamed, so a crash never
+leaves a half-written model behind.
 """
 from __future__ import annotations
 
@@ -161,9 +162,16 @@ def _settings(cfg: ExperimentConfig, model_path: str) -> dict:
             "initial_model": hashlib.sha256(fingerprint.encode()).hexdigest()[:16]}
 
 
-def warm_start(cfg: ExperimentConfig, model_path: str) -> str:
+def existing_warm_model(output_dir: str) -> str | None:
+    """The warm model a run made (`<output_dir>/warm_model`, complete), whatever its settings; or None."""
+    out = Path(output_dir) / WARM_DIR
+    return str(out) if (out / _INFO).is_file() else None
+
+
+def warm_start(cfg: ExperimentConfig, model_path: str, out_dir: str | None = None) -> str:
     """The run's initial model: `model_path` itself when `model.warm_start_steps` is 0, else the warmed
-    copy under `<run.output_dir>/warm_model` (built once, reused while the settings are unchanged)."""
+    copy in `out_dir` (default `<run.output_dir>/warm_model`; built once, reused while the settings are
+    unchanged)."""
     m = cfg.model
     if m.warm_start_steps <= 0:
         return model_path
@@ -171,7 +179,7 @@ def warm_start(cfg: ExperimentConfig, model_path: str) -> str:
         raise ValueError(f"warm start needs model.warm_start_games >= 1 (got {m.warm_start_games}), "
                          f"model.warm_start_batch >= 1 (got {m.warm_start_batch}) and model.warm_start_lr > 0 "
                          f"(got {m.warm_start_lr})")
-    out = Path(cfg.run.output_dir) / WARM_DIR
+    out = Path(out_dir) if out_dir else Path(cfg.run.output_dir) / WARM_DIR
     settings = _settings(cfg, model_path)
     try:
         if json.loads((out / _INFO).read_text())["settings"] == settings:

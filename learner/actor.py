@@ -12,13 +12,16 @@ import ray
 
 from common.config import ExperimentConfig, from_dict, to_dict
 from common.cpu_placement import place_this_process
+from common.log_files import send_output_to
 
 
 class LearnerWorker:
     """One learner process. Sets the torch.distributed rank variables, then builds `learner.loop.Learner`."""
 
     def __init__(self, cfg: dict, model_path: str, stream_url: str | None, inference_actors: list,
-                 rank: int, world_size: int, master_addr: str, master_port: int, read_only: bool = False):
+                 rank: int, world_size: int, master_addr: str, master_port: int, read_only: bool = False,
+                 log_dir: str = ""):
+        send_output_to(log_dir, f"learner-{rank}")     # DeepSpeed's and torch's output too
         os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
                            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
         if world_size > 1:
@@ -56,16 +59,17 @@ def _free_port() -> int:
 
 
 def create_learner_workers(cfg: ExperimentConfig, model_path: str, stream_url: str | None, inference_actors: list,
-                           read_only: bool = False) -> list:
+                           read_only: bool = False, log_dir: str = "") -> list:
     """`learner.num_processes` actors, each reserving one process's share of GPUs (or one CPU); read_only:
-    they serve a checkpoint for evaluation (see `Learner`)."""
+    they serve a checkpoint for evaluation (see `Learner`); log_dir: rank r's output goes to
+    <log_dir>/learner-<r>.log."""
     n = cfg.learner.num_processes
     gpus = cfg.learner.gpus_per_process
     actor_cls = ray.remote(LearnerWorker)
     master_addr = ray.util.get_node_ip_address()
     port = _free_port()
     return [actor_cls.options(num_cpus=1, num_gpus=gpus, name=None).remote(
-        to_dict(cfg), model_path, stream_url, inference_actors, rank, n, master_addr, port, read_only)
+        to_dict(cfg), model_path, stream_url, inference_actors, rank, n, master_addr, port, read_only, log_dir)
         for rank in range(n)]
 
 

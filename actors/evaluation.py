@@ -23,7 +23,24 @@ def eval_config(cfg: ExperimentConfig) -> ExperimentConfig:
     return ev
 
 
+def episode_record(t: Trajectory) -> dict:
+    """One episode of an evaluation, JSON-ready, for comparing runs game by game. policy_version: the
+    version of the weights that played it (its rows'; -1 without a row: ended at reset); should the rows
+    disagree (weights pushed while it played), the oldest, and policy_version_max says up to which."""
+    versions = [s.policy_version for s in t.steps]
+    record = {
+        "task_id": str(t.task_id), "task_type": t.task_type, "success": bool(t.success),
+        "steps": t.num_steps, "return": float(t.episode_return), "score": float(t.score),
+        "termination": t.termination.value, "policy_version": int(min(versions)) if versions else -1,
+    }
+    if versions and max(versions) != min(versions):
+        record["policy_version_max"] = int(max(versions))
+    return record
+
+
 def summarize(trajectories: list[Trajectory]) -> dict:
+    """Success overall and per task type, mean steps (and WebShop's mean score), and `episodes_detail`:
+    one `episode_record` per episode, in the order played."""
     per_type: dict[str, list[bool]] = defaultdict(list)
     for t in trajectories:
         per_type[t.task_type or "all"].append(t.success)
@@ -36,15 +53,17 @@ def summarize(trajectories: list[Trajectory]) -> dict:
     }
     if any(t.score for t in trajectories) or (trajectories and trajectories[0].task_type == "webshop"):
         out["score"] = sum(t.score for t in trajectories) / n
+    out["episodes_detail"] = [episode_record(t) for t in trajectories]
     return out
 
 
-def evaluate_tasks(cfg: ExperimentConfig, inference_actors: list) -> dict:
-    """Evaluate in a short-lived Ray actor (its env instances are freed afterwards)."""
+def evaluate_tasks(cfg: ExperimentConfig, inference_actors: list, log_dir: str = "") -> dict:
+    """Evaluate in a short-lived Ray actor (its env instances are freed afterwards); log_dir: its output
+    goes to <log_dir>/eval.log."""
     ev = eval_config(cfg)
     # num_cpus=0: a short-lived actor that mostly waits on inference; it borrows the rollout actors' CPUs.
     actor = RolloutActor.options(num_cpus=0, max_concurrency=1000).remote(
-        to_dict(ev), "eval", inference_actors, None)
+        to_dict(ev), "eval", inference_actors, None, log_dir=log_dir)
     try:
         task_ids = ray.get(actor.__ray_call__.remote(lambda self: list(self.task_ids)))
         if cfg.run.eval_episodes:

@@ -67,7 +67,7 @@ class MetricSpec:
 
 
 _PHASES = ("wait_data", "train", "push_weights")
-_DROP_REASONS = ("stale", "duplicate", "dead_letter", "dynamic_sampling")
+_DROP_REASONS = ("stale", "duplicate", "dead_letter", "dynamic_sampling", "env_error")
 _TERMINATIONS = ("done", "max_steps", "truncated", "env_error")
 _STATS = ("min", "avg", "max")
 _SPLITS = ("train", "eval")
@@ -111,6 +111,20 @@ _SPECS = [
     MetricSpec("anchor_large_share", "gauge", "share of step-level anchor groups of size >= 10 (last batch)"),
     MetricSpec("anchor_mean_size", "gauge", "mean size of the step-level anchor groups (last batch)"),
     MetricSpec("step_adv_nonzero_share", "gauge", "share of rows whose step advantage is non-zero (last batch)"),
+    # --- does GiGPO do what it claims (learner/batching.py build_batch) ---------------------------------
+    MetricSpec("adv_cosine_vs_grpo", "gauge",
+               "cosine between the trained advantages and GRPO's (episode advantage only) over the rows of "
+               "the last batch; 1 for GRPO"),
+    MetricSpec("adv_sign_differs_share", "gauge",
+               "share of rows of the last batch whose advantage sign (-, 0, +) differs from GRPO's"),
+    MetricSpec("groups_all_success_share", "gauge",
+               "share of the last batch's groups whose rollouts all succeeded (no GRPO signal there)"),
+    # Two counters, not a gauge of the batch mean: a batch without a success has no mean, and their
+    # rates' ratio is the mean length over any window.
+    MetricSpec("successful_episodes", "counter",
+               "successful trajectories in the groups the learner received (env errors left out)"),
+    MetricSpec("successful_episode_steps", "counter",
+               "steps of those successful trajectories; / successful_episodes = their mean length"),
     # --- health ----------------------------------------------------------------------------------------
     MetricSpec("env_errors", "counter", "environment calls that failed or hung"),
     MetricSpec("env_restarts", "counter", "environment instances restarted after an error"),
@@ -146,6 +160,40 @@ def _ray_active() -> bool:
     except ImportError:
         return False
     return ray.is_initialized()
+
+
+# Ray 2.60 drops a gauge series from the scrape ~20 s after its last `set` (measured; its metrics agent
+# evicts gauge observations that were not refreshed), so a learner gauge would vanish between two slow
+# updates and a dashboard would show gaps. Every gauge value set in this process is therefore recorded
+# again every GAUGE_REFRESH_S by one daemon thread: a gauge holds its last value for as long as its
+# process lives, as Prometheus gauges do.
+GAUGE_REFRESH_S = 2.0
+_LIVE_GAUGES: dict[tuple, tuple[MetricSpec, float, dict]] = {}   # (name, tags) -> (spec, last value, tags)
+_LIVE_GAUGES_LOCK = threading.Lock()
+_refresher: threading.Thread | None = None
+
+
+def _remember_gauge(spec: MetricSpec, value: float, tags: dict[str, str]) -> None:
+    global _refresher
+    with _LIVE_GAUGES_LOCK:
+        _LIVE_GAUGES[(spec.name, tuple(sorted(tags.items())))] = (spec, value, tags)
+        if _refresher is None:
+            _refresher = threading.Thread(target=_refresh_gauges, name="gauge-refresh", daemon=True)
+            _refresher.start()
+
+
+def _refresh_gauges() -> None:
+    while True:
+        time.sleep(GAUGE_REFRESH_S)
+        if not _ray_active():
+            continue
+        with _LIVE_GAUGES_LOCK:
+            live = list(_LIVE_GAUGES.values())
+        for spec, value, tags in live:
+            try:
+                _ray_metric(spec).set(value, tags=tags)
+            except Exception:  # noqa: BLE001 - a refresh must never take the process down
+                pass
 
 
 def _ray_metric(spec: MetricSpec):
@@ -243,6 +291,7 @@ class ActorMetrics:
             metric.inc(float(value), tags=tags)
         elif spec.type == "gauge":
             metric.set(float(value), tags=tags)
+            _remember_gauge(spec, float(value), tags)
         else:
             metric.observe(float(value), tags=tags)
 

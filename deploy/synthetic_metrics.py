@@ -23,7 +23,8 @@ EMITTED_BY: dict[str, tuple[str, ...]] = {
     "learner": ("groups_consumed", "groups_dropped", "learner_seconds", "stream_depth", "stream_lag_seconds",
                 "policy_lag", "policy_version", "learner_loss", "learner_kl", "learner_entropy",
                 "anchor_singleton_share", "anchor_large_share", "anchor_mean_size", "step_adv_nonzero_share",
-                "success_rate"),
+                "adv_cosine_vs_grpo", "adv_sign_differs_share", "groups_all_success_share",
+                "successful_episodes", "successful_episode_steps", "success_rate"),
     "driver": ("success_rate",),
 }
 
@@ -64,6 +65,11 @@ def record_tick(m: ActorMetrics, tick: int) -> None:
         m.set("anchor_large_share", 0.1)
         m.set("anchor_mean_size", 3.5)
         m.set("step_adv_nonzero_share", 0.6)
+        m.set("adv_cosine_vs_grpo", 0.9)
+        m.set("adv_sign_differs_share", 0.2)
+        m.set("groups_all_success_share", 0.25)
+        m.inc("successful_episodes", 2)
+        m.inc("successful_episode_steps", 24)
         m.set("success_rate", min(1.0, 0.1 * t), split="train")
     elif m.kind == "driver":
         m.set("success_rate", 0.25, split="eval")
@@ -111,6 +117,11 @@ def expected_after(ticks: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], 
     put(exported_name("anchor_large_share"), "learner", 0.1)
     put(exported_name("anchor_mean_size"), "learner", 3.5)
     put(exported_name("step_adv_nonzero_share"), "learner", 0.6)
+    put(exported_name("adv_cosine_vs_grpo"), "learner", 0.9)
+    put(exported_name("adv_sign_differs_share"), "learner", 0.2)
+    put(exported_name("groups_all_success_share"), "learner", 0.25)
+    put(exported_name("successful_episodes"), "learner", 2 * n)
+    put(exported_name("successful_episode_steps"), "learner", 24 * n)
     put(exported_name("success_rate"), "driver", 0.25, split="eval")
     return want
 

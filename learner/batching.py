@@ -14,13 +14,14 @@ so that only the response window's logits are computed (see `MicroBatch`).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from common.config import LearnerConfig
-from common.records import EpisodeGroup
+from common.records import EpisodeGroup, Termination
 from learner.advantages import (anchor_group_summary, gigpo_parts, grpo_advantages, rloo_advantages)
 
 ALGORITHMS = ("gigpo", "grpo", "rloo")
@@ -38,6 +39,10 @@ class TrainBatch:
     group_ids: list[str]                  # every group consumed by this batch, kept or skipped
     skipped_group_ids: list[str]          # groups dropped by dynamic sampling (all returns equal)
     metrics: dict[str, float] = field(default_factory=dict)
+    env_error_group_ids: list[str] = field(default_factory=list)  # too few trajectories without env error
+    # per row, bool: which response tokens take part in the loss (False: forced by the action grammar,
+    # see learner/loss.py); None: all of them
+    token_masks: list[np.ndarray] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -49,6 +54,18 @@ class TrainBatch:
 
     def response_lengths(self) -> np.ndarray:
         return np.array([len(r) for r in self.response_ids], dtype=np.int64)
+
+    def token_mask(self, row: int) -> np.ndarray:
+        """The loss mask of one row's response tokens (all True without token_masks)."""
+        if self.token_masks is None:
+            return np.ones(len(self.response_ids[row]), dtype=bool)
+        return self.token_masks[row]
+
+    def trained_token_counts(self) -> np.ndarray:
+        """Response tokens per row that take part in the loss (the loss normalizer counts these)."""
+        if self.token_masks is None:
+            return self.response_lengths()
+        return np.array([int(m.sum()) for m in self.token_masks], dtype=np.int64)
 
 
 def _check_group(group: EpisodeGroup) -> None:
@@ -66,6 +83,24 @@ def _check_group(group: EpisodeGroup) -> None:
                 raise ValueError(f"{where}: empty prompt")
 
 
+MIN_TRAJECTORIES = 2   # a group needs two trajectories to compare: with one, every advantage is its own score
+
+
+def forced_token_mask(logprobs: np.ndarray) -> np.ndarray:
+    """True where the sampler had a single choice: behaviour log-prob exactly 0 (p = 1). Such tokens are
+    left out of the loss (see learner/loss.py: "Forced tokens")."""
+    return np.asarray(logprobs) == 0.0
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    """Cosine of two advantage vectors. Two zero vectors are the same vector (1); a zero vector against a
+    non-zero one shares no direction with it (0)."""
+    na, nb = float(np.linalg.norm(a)), float(np.linalg.norm(b))
+    if na == 0.0 or nb == 0.0:
+        return 1.0 if na == nb else 0.0
+    return float(np.clip(np.dot(a, b) / (na * nb), -1.0, 1.0))
+
+
 def build_batch(groups: list[EpisodeGroup], cfg: LearnerConfig, *, invalid_action_penalty: float = 0.1
                 ) -> TrainBatch:
     """Flatten groups into rows and compute the advantage of every row with cfg.algorithm.
@@ -73,6 +108,22 @@ def build_batch(groups: list[EpisodeGroup], cfg: LearnerConfig, *, invalid_actio
     Rows with an empty response carry no token to train on and are left out after the advantages are
     computed (they still count in the group statistics: they are steps the agent took). With
     cfg.dynamic_sampling, groups whose episode returns are all equal are skipped (and counted).
+
+    Trajectories ended by an environment error (Termination.ENV_ERROR: the env crashed or hung, the
+    episode's outcome is unknown) are not failures of the policy: they are left out before any statistic,
+    and a group left with fewer than MIN_TRAJECTORIES trajectories is left out whole (both counted in
+    `batch/trajectories_env_error` and `batch/groups_dropped_env_error`; the group is still consumed).
+
+    Tokens whose behaviour log-prob is exactly 0 (forced by the action grammar) get mask False in
+    `token_masks`: they are left out of the loss (see learner/loss.py), and counted in `batch/forced_tokens`.
+
+    Diagnostics of the advantages (metrics `diag/*`), over the trained rows: the cosine between the
+    trained advantages and GRPO's (the episode advantage alone, same normalization and penalties), and
+    the share of rows where their signs differ (np.sign: a zero is a sign of its own, so a row that only
+    GiGPO's step advantage trains counts). For cfg.algorithm="grpo" they are 1 and 0. Over the groups
+    received (env-error trajectories left out, before dynamic sampling): the share of groups whose
+    rollouts all succeeded (GRPO has no signal there, GiGPO's step advantage can), and the mean length of
+    the successful trajectories (NaN when none succeeded; shorter is what GiGPO's step signal rewards).
     """
     if cfg.algorithm not in ALGORITHMS:
         raise ValueError(f"learner.algorithm must be one of {ALGORITHMS}, got {cfg.algorithm!r}")
@@ -83,8 +134,22 @@ def build_batch(groups: list[EpisodeGroup], cfg: LearnerConfig, *, invalid_actio
         seen.add(g.group_id)
         _check_group(g)
 
-    kept, skipped = [], []
+    # Environment errors out first: everything below sees only trajectories with a known outcome.
+    usable: list[EpisodeGroup] = []
+    env_error_trajs = 0
+    env_error_groups: list[str] = []
     for g in groups:
+        good = [t for t in g.trajectories if t.termination != Termination.ENV_ERROR]
+        env_error_trajs += len(g.trajectories) - len(good)
+        if len(good) < len(g.trajectories):
+            if len(good) < MIN_TRAJECTORIES:
+                env_error_groups.append(g.group_id)
+                continue
+            g = dataclasses.replace(g, trajectories=good)
+        usable.append(g)
+
+    kept, skipped = [], []
+    for g in usable:
         returns = g.returns()
         if cfg.dynamic_sampling and len(returns) and np.all(returns == returns[0]):
             skipped.append(g.group_id)
@@ -110,6 +175,9 @@ def build_batch(groups: list[EpisodeGroup], cfg: LearnerConfig, *, invalid_actio
                 logps.append(s.response_logprobs)
     steps_arr = np.asarray(steps, dtype=np.int64)
     metrics: dict[str, float] = {}
+    # GRPO's advantages of the same rows: the baseline the diagnostics compare with (and GRPO's own).
+    grpo = grpo_advantages(gid, tid, steps_arr, rewards, normalize_std=cfg.normalize_std,
+                           episode_stats=cfg.episode_stats, penalties=pens)
     if cfg.algorithm == "gigpo":
         parts = gigpo_parts(gid, tid, steps_arr, rewards, anchors, gamma=cfg.gamma,
                             normalize_std=cfg.normalize_std, episode_stats=cfg.episode_stats,
@@ -120,8 +188,7 @@ def build_batch(groups: list[EpisodeGroup], cfg: LearnerConfig, *, invalid_actio
             metrics["adv/episode_abs_mean"] = float(np.abs(parts.episode).mean())
             metrics["adv/step_abs_mean"] = float(np.abs(parts.step).mean())
     elif cfg.algorithm == "grpo":
-        adv = grpo_advantages(gid, tid, steps_arr, rewards, normalize_std=cfg.normalize_std,
-                              episode_stats=cfg.episode_stats, penalties=pens)
+        adv = grpo
     else:
         adv = rloo_advantages(gid, tid, steps_arr, rewards, penalties=pens)
 
@@ -131,15 +198,23 @@ def build_batch(groups: list[EpisodeGroup], cfg: LearnerConfig, *, invalid_actio
         prompt_ids=[prompts[i] for i in idx], response_ids=[responses[i] for i in idx],
         old_logprobs=[logps[i] for i in idx], advantages=np.asarray(adv, dtype=np.float64)[idx],
         row_group=[gid[i] for i in idx], group_ids=[g.group_id for g in groups], skipped_group_ids=skipped,
+        env_error_group_ids=env_error_groups,
+        token_masks=[~forced_token_mask(logps[i]) for i in idx],
     )
     a = batch.advantages
+    base = np.asarray(grpo, dtype=np.float64)[idx]
+    forced = sum(int((~m).sum()) for m in batch.token_masks)
+    success_lengths = [t.num_steps for g in usable for t in g.trajectories if t.success]
     metrics.update({
         "batch/groups": float(len(groups)),
         "batch/groups_skipped_equal_returns": float(len(skipped)),
+        "batch/groups_dropped_env_error": float(len(env_error_groups)),
+        "batch/trajectories_env_error": float(env_error_trajs),
         "batch/rows": float(batch.num_rows),
         "batch/rows_empty_response": float((~keep).sum()),
         "batch/invalid_action_share": float(np.mean(np.asarray(pens) > 0)) if pens else 0.0,
         "batch/response_tokens": float(batch.response_lengths().sum()),
+        "batch/forced_tokens": float(forced),
         "batch/episode_return_mean": float(np.mean(episode_returns)) if episode_returns else 0.0,
         "batch/success_rate": float(np.mean(successes)) if successes else 0.0,
         "adv/mean": float(a.mean()) if len(a) else 0.0,
@@ -147,6 +222,13 @@ def build_batch(groups: list[EpisodeGroup], cfg: LearnerConfig, *, invalid_actio
         "adv/min": float(a.min()) if len(a) else 0.0,
         "adv/max": float(a.max()) if len(a) else 0.0,
         "adv/zero_share": float(np.mean(a == 0.0)) if len(a) else 0.0,
+        "diag/adv_cosine_vs_grpo": _cosine(a, base),
+        "diag/adv_sign_differs_share": float(np.mean(np.sign(a) != np.sign(base))) if len(a) else 0.0,
+        "diag/groups_all_success_share": (float(np.mean([all(t.success for t in g.trajectories)
+                                                         for g in usable])) if usable else 0.0),
+        "diag/success_episode_length_mean": float(np.mean(success_lengths)) if success_lengths else float("nan"),
+        "diag/successful_trajectories": float(len(success_lengths)),
+        "diag/successful_trajectory_steps": float(sum(success_lengths)),
     })
     batch.metrics = metrics
     return batch
@@ -165,7 +247,8 @@ def mini_batches(num_rows: int, mini_batch_rows: int, seed: int) -> list[np.ndar
 class MicroBatchPlan:
     """The micro-batches of one mini-batch, per learner process. All processes get the same number of
     micro-batches (an empty list is a do-nothing micro-batch that still joins the collectives), and
-    `response_tokens` is the token count of the whole mini-batch, the loss normalizer on every process."""
+    `response_tokens` is the count of the whole mini-batch's response tokens that take part in the loss
+    (forced tokens left out), the loss normalizer on every process."""
 
     per_rank: list[list[np.ndarray]]
     response_tokens: int
@@ -211,7 +294,7 @@ def plan_micro_batches(batch: TrainBatch, rows: np.ndarray, micro_batch_tokens: 
     most = max(len(p) for p in per_rank)
     for p in per_rank:
         p.extend(np.zeros(0, dtype=np.int64) for _ in range(most - len(p)))
-    resp = int(batch.response_lengths()[rows].sum())
+    resp = int(batch.trained_token_counts()[rows].sum())
     return MicroBatchPlan(per_rank=per_rank, response_tokens=resp)
 
 
@@ -223,7 +306,7 @@ class MicroBatch:
     tokens then all lie in the last `window` positions, and the model is asked for those only
     (`logits_to_keep`), never for the [rows x length x vocab] logits of the prompts. `target_mask[r, j]`
     says whether logits position L - window + j of row r predicts a response token; logits[:, :-1] of that
-    window, masked, line up with targets / old_logprobs / advantages.
+    window, masked, line up with targets / old_logprobs / advantages / loss_mask.
     """
 
     input_ids: torch.Tensor        # long [R, L], left-padded
@@ -235,6 +318,7 @@ class MicroBatch:
     old_logprobs: torch.Tensor     # float32 [N]
     advantages: torch.Tensor       # float32 [N]
     rows: np.ndarray               # batch row indices, in order
+    loss_mask: torch.Tensor        # float32 [N]: 1 for tokens in the loss, 0 for forced ones
 
     @property
     def num_tokens(self) -> int:
@@ -268,4 +352,6 @@ def collate(batch: TrainBatch, rows: np.ndarray, pad_id: int = 0) -> MicroBatch:
         targets=torch.from_numpy(flat(batch.response_ids, np.int64)),
         old_logprobs=torch.from_numpy(flat(batch.old_logprobs, np.float32)),
         advantages=torch.from_numpy(adv.astype(np.float32)), rows=np.asarray(rows, dtype=np.int64),
+        loss_mask=torch.from_numpy(np.concatenate([batch.token_mask(r) for r in rows]).astype(np.float32)
+                                   if len(rows) else np.zeros(0, dtype=np.float32)),
     )

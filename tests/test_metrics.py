@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import socket
 import tempfile
 import time
 
@@ -76,22 +75,20 @@ def test_parse_prometheus_text_unescapes_labels():
         parse_prometheus_text("this is not {prometheus")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def local_ray():
+def metrics_ray(free_port):
+    """A local Ray like conftest's local_ray, exporting metrics on a port of its own (and with a session
+    directory of its own, removed after)."""
     import ray
-    port = _free_port()
+    port = free_port()
     temp_dir = tempfile.mkdtemp(prefix="ray-metrics-")
     ray.init(address="local", num_cpus=2, object_store_memory=100 * 1024**2, include_dashboard=False,
              _temp_dir=temp_dir, **ray_init_metrics_options(port))
-    yield port
-    ray.shutdown()
-    shutil.rmtree(temp_dir, ignore_errors=True)
+    try:
+        yield port
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _relevant(samples, want_keys):
@@ -107,10 +104,10 @@ def _relevant(samples, want_keys):
 
 
 @pytest.mark.timeout(120)
-def test_every_metric_is_scraped_from_ray_with_its_values(local_ray):
+def test_every_metric_is_scraped_from_ray_with_its_values(metrics_ray):
     import ray
     url = metrics_url()
-    assert url.endswith(f":{local_ray}/metrics") and url in metrics_urls()
+    assert url.endswith(f":{metrics_ray}/metrics") and url in metrics_urls()
 
     actors = synthetic_metrics.start_actors()
     ticks = ray.get([a.tick.remote(3) for a in actors])
@@ -148,3 +145,35 @@ def test_every_metric_is_scraped_from_ray_with_its_values(local_ray):
     assert sample.labels["SessionName"].startswith("session_")
     for a in actors:
         ray.kill(a)
+
+
+@pytest.mark.timeout(120)
+def test_a_gauge_holds_its_value_between_slow_updates(metrics_ray):
+    """Ray 2.60 evicts a gauge series ~20 s after its last set; a learner update can take longer than
+    that (the paper's: ~90 s), so common.metrics re-records every gauge it set. Set once, the gauge must
+    be scraped at every look for longer than Ray's eviction age."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class OneGauge:
+        def set(self) -> None:
+            from common.metrics import ActorMetrics
+            ActorMetrics("learner", "gauge-test").set("policy_version", 7)
+
+    actor = OneGauge.remote()
+    ray.get(actor.set.remote())
+    url = metrics_url()
+
+    def value():
+        return [s.value for s in scrape(url) if s.name == exported_name("policy_version")
+                and s.labels.get("actor_id") == "gauge-test"]
+
+    deadline = time.monotonic() + 30
+    while not value() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert value() == [7]
+    held_until = time.monotonic() + 30        # past Ray's eviction of an un-refreshed gauge (~20 s)
+    while time.monotonic() < held_until:
+        assert value() == [7]
+        time.sleep(1)
+    ray.kill(actor)

@@ -39,7 +39,9 @@ def run_one(config: str, algorithm: str, seed: int, iterations: int, run_dir: Pa
                 shutil.copytree(reuse_from / name, run_dir / name)
     cmd = [sys.executable, "-m", "deploy.cli", "train", config, f"run.output_dir={run_dir}",
            f"run.seed={seed}", f"learner.algorithm={algorithm}", f"run.iterations={iterations}",
-           "run.eval_every=0", f"run.name={algorithm}-s{seed}", *overrides]
+           "run.eval_every=0", f"run.name={algorithm}-s{seed}",
+           "run.overwrite=true",       # a re-run of the experiment starts each run afresh
+           *overrides]
     log_path = run_dir / "train.log"
     t0 = time.perf_counter()
     with open(log_path, "w") as log:

@@ -20,6 +20,9 @@ the stream's bound (stream.max_stream_groups), so a checkpoint is forced wheneve
 producers no room for the next batch. Without a checkpoint directory, or with
 learner.ack_on_checkpoint=false, groups are acked right after their update (a crash then loses the
 updates since the last checkpoint together with their groups).
+
+After a crash the lost updates' groups come back and are trained again, none dropped as stale, and the
+policy lag is measured in the learner's own history: see `Learner._resume`.
 """
 from __future__ import annotations
 
@@ -34,11 +37,10 @@ from common.config import ExperimentConfig
 from common.metrics import ActorMetrics
 from common.records import EpisodeGroup
 from learner.batching import build_batch
-from learner.trainer import PolicyTrainer
+from learner.trainer import (PUSHED_VERSION, PolicyTrainer, checkpoint_dir_of, prepare_checkpoint_dir,
+                             setup_distributed)
 
 log = logging.getLogger(__name__)
-
-PUSHED_VERSION = "pushed_version"   # file beside the checkpoints: highest policy version ever pushed
 
 
 def _read_int(path: Path) -> int | None:
@@ -64,6 +66,8 @@ class Learner:
                 `common.weight_sync.WeightPublisher` over `inference_actors` when those are given.
             checkpoint_dir: where checkpoints go (default: <run.output_dir>/checkpoints); "" disables them.
             resume: load the latest checkpoint there, or cfg.run.resume_tag (default: cfg.run.resume).
+                Without it, a checkpoint_dir that holds checkpoints is refused (ValueError) unless
+                cfg.run.overwrite, which deletes them (`learner.trainer.prepare_checkpoint_dir`).
             consumer_name: Redis consumer name; keep it stable across restarts of the same learner.
             read_only: serve a checkpoint without touching the run (`gigpo eval`, possibly while the run
                 still trains): nothing is written under checkpoint_dir, `step` is refused, and the weights
@@ -72,12 +76,17 @@ class Learner:
 
         self.cfg = cfg
         self.read_only = read_only
-        self.trainer = PolicyTrainer(model_path, cfg.learner, dtype=cfg.model.dtype, seed=cfg.run.seed)
+        resume = cfg.run.resume if resume is None else resume
+        if checkpoint_dir is None:
+            checkpoint_dir = str(checkpoint_dir_of(cfg))
+        self.checkpoint_dir = checkpoint_dir or None
+        if self.checkpoint_dir and not read_only:     # before the (slow) engine start: a clear error at once
+            prepare_checkpoint_dir(self.checkpoint_dir, resume=resume, overwrite=cfg.run.overwrite,
+                                   rank=setup_distributed()[0])
+        self.trainer = PolicyTrainer(model_path, cfg.learner, dtype=cfg.model.dtype, seed=cfg.run.seed,
+                                     temperature=cfg.rollout.temperature)
         self.rank, self.world_size = self.trainer.rank, self.trainer.world_size
         self.read_block_ms = read_block_ms
-        if checkpoint_dir is None:
-            checkpoint_dir = str(Path(cfg.run.output_dir) / "checkpoints")
-        self.checkpoint_dir = checkpoint_dir or None
         self.stream = None
         if self.rank == 0 and stream_url:
             from common.stream import TrajectoryStream
@@ -90,6 +99,8 @@ class Learner:
         self._pushes = bool(self._broadcast(self.publisher is not None))
 
         self.policy_version = 0                    # version of the weights the actors have (0 = initial)
+        # (checkpoint version, version of the resumed weights) of the last resume: see policy_lag
+        self._resumed_versions: tuple[int, int] | None = None
         self.trained_group_ids: set[str] = set()   # groups whose update is done (committed or not)
         self.committed_group_ids: set[str] = set() # ... of those, the ones inside the last checkpoint
         self._unacked: list = []                   # stream entries trained on, not yet acked
@@ -104,7 +115,7 @@ class Learner:
         if self.metrics is not None:
             for reason in ("stale", "duplicate", "dead_letter", "dynamic_sampling"):
                 self.metrics.zero("groups_dropped", reason=reason)
-        if resume if resume is not None else cfg.run.resume:
+        if resume:
             self._resume()
         if self.metrics is not None:
             self.metrics.set("policy_version", self.policy_version)
@@ -112,31 +123,66 @@ class Learner:
     # ------------------------------------------------------------------------------------------------
 
     def _resume(self) -> None:
+        """Continue the run in checkpoint_dir from its latest checkpoint (or run.resume_tag): weights,
+        optimizer, update count, trained group ids and policy version.
+
+        Versions. The updates after the checkpoint (at version c) were lost, but their weights may have
+        reached the actors as versions c+1..P, P the highest version pushed (PUSHED_VERSION; written before
+        each push). A version number never names two different weights, so the resumed learner continues
+        above P: with a publisher it pushes the checkpoint's weights at once, as P+1, so that the actors
+        stop sampling from lost weights. That is the only push of a resume (the orchestrator adds none).
+
+        Lost groups. The groups of the lost updates were never acked: the stream hands them back first, in
+        the order they were first read (this consumer's own pending entries, or reclaimed from a dead
+        consumer), and the resumed learner redoes the lost updates on them. They are not judged stale
+        again (they passed when first delivered, sampled by versions in [c - max_policy_lag, P]): judged
+        against the resumed version P+1, every one sampled more than max_policy_lag versions before the
+        crash would be acked and deleted untrained -- with checkpoints rarer than the lag, most of them.
+
+        Lag. The version numbers jump from P to P+1 while the weights go back to those of c, so the stream
+        measures lag in the learner's own history (`policy_lag`): the resumed weights stand where version c
+        stood, each later version one step further, and a lost version v stands at v, since the redo
+        retraces the lost updates on the same groups in the same order. Hence the groups sampled just
+        before the crash, unread then, are as fresh when the redo reaches them as they would have been
+        without the crash, and groups sampled by the resumed weights age as usual.
+        """
         if not self.checkpoint_dir:
             return
         state = self.trainer.load_checkpoint(self.checkpoint_dir, tag=self.cfg.run.resume_tag or None)
-        if state is None:
-            log.info("no checkpoint under %s: starting fresh", self.checkpoint_dir)
-            return
-        self.trained_group_ids = set(state.get("trained_group_ids", []))
-        self.committed_group_ids = set(self.trained_group_ids)
-        self.policy_version = int(state.get("policy_version", 0))
-        self.updates = int(state.get("updates", 0))
+        if state is not None:
+            self.trained_group_ids = set(state.get("trained_group_ids", []))
+            self.committed_group_ids = set(self.trained_group_ids)
+            self.policy_version = int(state.get("policy_version", 0))
+            self.updates = int(state.get("updates", 0))
         if self.read_only:
             log.info("loaded update %d, policy version %d (read-only)", self.updates, self.policy_version)
             return
-        # Updates after the checkpoint were lost, but their weights may have reached the actors under
-        # versions above the checkpoint's: continue above the highest version pushed, and push the resumed
-        # weights at once so the actors stop sampling from the lost ones.
         pushed = self._broadcast(_read_int(Path(self.checkpoint_dir) / PUSHED_VERSION)
                                  if self.rank == 0 else None)
-        lost = pushed is not None and pushed > self.policy_version
-        if lost:
-            self.policy_version = pushed
-        if self._pushes and lost:
+        if state is None and pushed is None:
+            log.info("no checkpoint under %s: starting fresh", self.checkpoint_dir)
+            return
+        # Also without a checkpoint (a crash before the first one): the initial weights, above P.
+        checkpoint_version = self.policy_version
+        self.policy_version = max(self.policy_version, pushed or 0)
+        if self._pushes:
             self.publish_weights()
-        log.info("resumed at update %d, policy version %d, %d trained groups", self.updates,
+        self._resumed_versions = (checkpoint_version, self.policy_version)
+        log.info("resumed at update %d (checkpoint %s), policy version %d, %d trained groups", self.updates,
+                 "none" if state is None else f"at version {state.get('policy_version', 0)}",
                  self.policy_version, len(self.trained_group_ids))
+
+    def policy_lag(self, version: int) -> int:
+        """Versions of this learner's own history between the weights that sampled `version` and the
+        current ones (the stream drops groups whose lag exceeds stream.max_policy_lag). Without a resume
+        it is policy_version - version. After one from a checkpoint at version c whose weights went out
+        as version r (P+1, see `_resume`), version r + k stands at c + k, and a version v < r (before the
+        checkpoint, or a lost one redone by this learner) at v."""
+        if self._resumed_versions is None:
+            return self.policy_version - version
+        checkpoint, resumed = self._resumed_versions
+        here = checkpoint + (self.policy_version - resumed)
+        return here - version if version < resumed else self.policy_version - version
 
     def _read_groups(self, timeout_s: float | None) -> list | None:
         """Rank 0: stream entries until groups_per_batch are in hand (None on timeout; what was read
@@ -145,7 +191,7 @@ class Learner:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while len(self._pending) < need:
             got = self.stream.read(need - len(self._pending), self.read_block_ms, self.policy_version,
-                                   self.trained_group_ids)
+                                   self.trained_group_ids, policy_lag=self.policy_lag)
             have = {r.group.group_id for r in self._pending}
             self._pending.extend(r for r in got if r.group.group_id not in have)
             if deadline is not None and time.monotonic() > deadline and len(self._pending) < need:
@@ -202,12 +248,13 @@ class Learner:
             batch.group_ids = [g.group_id for g in groups]
         build_s = time.perf_counter() - t_build
 
-        lag_base = self.policy_version       # the version the actors had while this batch was read
+        lags = [self.policy_lag(g.policy_versions[0]) for g in groups   # of each group, as read
+                if g.policy_versions[0] >= 0]
         train = self.trainer.train_step(batch, update=self.updates)
         self.updates += 1
         self.trained_group_ids.update(batch.group_ids)
         self.last_group_ids = list(batch.group_ids)
-        self.stats["groups_trained"] += len(groups) - len(batch.skipped_group_ids)
+        self.stats["groups_trained"] += len(groups) - len(batch.skipped_group_ids) - len(batch.env_error_group_ids)
         self.stats["groups_skipped_equal_returns"] += len(batch.skipped_group_ids)
 
         t_push = time.perf_counter()
@@ -235,8 +282,6 @@ class Learner:
             self._ack()
         ckpt_s = time.perf_counter() - t_ckpt
 
-        versions = [g.policy_versions[0] for g in groups if g.policy_versions[0] >= 0]
-        lags = [lag_base - v for v in versions]       # policy lag of each group of this batch
         now = time.time()
         metrics: dict[str, float] = dict(batch.metrics)
         metrics.update(train)
@@ -276,6 +321,14 @@ class Learner:
         m.inc("learner_seconds", max(step_s - wait_s - push_s, 0.0), phase="train")
         m.inc("groups_consumed", len(groups))
         m.inc("groups_dropped", len(skipped_ids), reason="dynamic_sampling")
+        # Counters that can stay at 0 for long: zero() makes their series exist from the first update on.
+        for name, key, labels in (("groups_dropped", "batch/groups_dropped_env_error", {"reason": "env_error"}),
+                                  ("successful_episodes", "diag/successful_trajectories", {}),
+                                  ("successful_episode_steps", "diag/successful_trajectory_steps", {})):
+            if metrics.get(key):
+                m.inc(name, metrics[key], **labels)
+            else:
+                m.zero(name, **labels)
         if has_lags:
             for stat, key in (("min", "min"), ("avg", "mean"), ("max", "max")):
                 m.set("policy_lag", metrics[f"lag/policy_versions_{key}"], stat=stat)
@@ -285,7 +338,10 @@ class Learner:
                           ("anchor_singleton_share", "anchor/singleton_share"),
                           ("anchor_large_share", "anchor/size_ge_10_share"),
                           ("anchor_mean_size", "anchor/mean_group_size"),
-                          ("step_adv_nonzero_share", "anchor/nonzero_step_adv_share")):
+                          ("step_adv_nonzero_share", "anchor/nonzero_step_adv_share"),
+                          ("adv_cosine_vs_grpo", "diag/adv_cosine_vs_grpo"),
+                          ("adv_sign_differs_share", "diag/adv_sign_differs_share"),
+                          ("groups_all_success_share", "diag/groups_all_success_share")):
             value = metrics.get(key)
             # Absent (no KL term when learner.kl_coef=0; no anchors for GRPO) or NaN (nothing trained):
             # the gauge keeps its last value rather than showing a made-up one.
@@ -314,23 +370,23 @@ class Learner:
 
     def publish_weights(self) -> dict:
         """Push the current weights as the next policy version (all processes call this; rank 0 sends).
-        The highest version ever pushed is recorded beside the checkpoints, so that a resumed learner
-        never reuses a version number for different weights. Read-only: the checkpoint's own version,
-        and nothing recorded."""
+        The version is recorded beside the checkpoints before the push (a crash in between skips a number,
+        never reuses one), so that a resumed learner never reuses a version number for different weights.
+        Read-only: the checkpoint's own version, and nothing recorded."""
         version = self.policy_version + (0 if self.read_only else 1)
         info: dict = {}
         if self._pushes:
-            if self.rank == 0:
-                info = self.publisher.push(self.trainer.named_weights(), version) or {}
-            elif self.cfg.learner.zero_stage == 3:
-                for _ in self.trainer.named_weights():   # join rank 0's (collective) gathers
-                    pass
             if self.rank == 0 and self.checkpoint_dir and not self.read_only:
                 path = Path(self.checkpoint_dir) / PUSHED_VERSION
                 path.parent.mkdir(parents=True, exist_ok=True)
                 tmp = path.with_suffix(".tmp")
                 tmp.write_text(str(version))
                 tmp.replace(path)
+            if self.rank == 0:
+                info = self.publisher.push(self.trainer.named_weights(), version) or {}
+            elif self.cfg.learner.zero_stage == 3:
+                for _ in self.trainer.named_weights():   # join rank 0's (collective) gathers
+                    pass
         self.policy_version = version
         if self.metrics is not None:
             self.metrics.set("policy_version", version)

@@ -37,10 +37,84 @@ from learner.loss import LossSettings, policy_loss, token_logprobs_and_entropy
 LEARNER_STATE = "learner_state.json"   # written next to each DeepSpeed checkpoint tag, for humans and tools
 
 
+LATEST = "latest"                      # DeepSpeed's file naming the newest checkpoint tag
+PUSHED_VERSION = "pushed_version"      # file beside the checkpoints: highest policy version ever pushed
+_TAG_PREFIX = "update_"
+
+
+def checkpoint_tag(update: int) -> str:
+    return f"{_TAG_PREFIX}{update:07d}"
+
+
+def tag_update(name: str) -> int | None:
+    """The update number of a checkpoint directory name (update_0000012 -> 12); None for other names."""
+    digits = name[len(_TAG_PREFIX):]
+    return int(digits) if name.startswith(_TAG_PREFIX) and digits.isdigit() else None
+
+
+def checkpoint_tags(root: str | os.PathLike) -> list[Path]:
+    """The checkpoint directories under `root`, oldest update first. By number, not by name: the names are
+    zero-padded to 7 digits, so update_10000000 sorts before update_9999999 as a string."""
+    tags = [p for p in Path(root).glob(_TAG_PREFIX + "*") if p.is_dir() and tag_update(p.name) is not None]
+    return sorted(tags, key=lambda p: tag_update(p.name))
+
+
 def is_complete_checkpoint(tag_dir: str | os.PathLike) -> bool:
     """Whether `tag_dir` (<checkpoints>/update_*) is a whole checkpoint: its LEARNER_STATE is written last,
     after DeepSpeed's files."""
     return (Path(tag_dir) / LEARNER_STATE).is_file()
+
+
+def prune_checkpoints(root: str | os.PathLike, keep: int, just_written: str) -> list[str]:
+    """Delete all but the `keep` newest checkpoints (by update number) under `root`; returns the deleted
+    names. The one `just_written` is always kept: `latest` names it, and the groups of its updates are
+    acked on the strength of it. Checkpoints numbered above it are left alone: they belong to a history
+    this run branched off (resumed from an older run.resume_tag) and are overwritten as the run reaches
+    their numbers. keep <= 0 keeps everything."""
+    if keep <= 0:
+        return []
+    newest = tag_update(just_written)
+    older = [p for p in checkpoint_tags(root) if tag_update(p.name) < newest]
+    doomed = older[:max(len(older) - (keep - 1), 0)]
+    for path in doomed:
+        shutil.rmtree(path, ignore_errors=True)
+    return [p.name for p in doomed]
+
+
+def checkpoint_dir_of(cfg) -> Path:
+    """Where a run's checkpoints go: <run.output_dir>/checkpoints."""
+    return Path(cfg.run.output_dir) / "checkpoints"
+
+
+def prepare_checkpoint_dir(checkpoint_dir: str | os.PathLike, *, resume: bool, overwrite: bool,
+                           rank: int = 0) -> None:
+    """Before a learner starts: refuse (ValueError, one line) to start a fresh run in a directory holding
+    another run's checkpoints, which it would mix with its own (pruning, `latest`, resume); with
+    `overwrite`, delete them instead (on rank 0 only). Resuming uses what is there and changes nothing."""
+    if resume and overwrite:
+        raise ValueError("run.resume=true continues the run in run.output_dir, run.overwrite=true deletes its "
+                         "checkpoints: set one of them")
+    root = Path(checkpoint_dir)
+    if resume or not root.is_dir():
+        return
+    tags = checkpoint_tags(root)
+    if not tags and not (root / LATEST).exists():
+        return
+    if not overwrite:
+        newest = f" (newest: {tags[-1].name})" if tags else ""
+        raise ValueError(f"{root} holds another run's checkpoints{newest}: continue that run with "
+                         f"run.resume=true, delete them with run.overwrite=true, or set another run.output_dir")
+    if rank == 0:
+        for path in tags:
+            shutil.rmtree(path)
+        for name in (LATEST, PUSHED_VERSION, PUSHED_VERSION + ".tmp"):
+            (root / name).unlink(missing_ok=True)
+
+
+def prepare_output_dir(cfg) -> None:
+    """`prepare_checkpoint_dir` for a run's own checkpoint directory, from run.resume and run.overwrite
+    (call it before anything of the run is started)."""
+    prepare_checkpoint_dir(checkpoint_dir_of(cfg), resume=cfg.run.resume, overwrite=cfg.run.overwrite)
 
 
 def _free_port() -> int:
@@ -100,12 +174,21 @@ class PolicyTrainer:
     """DeepSpeed engine + frozen reference + the PPO train step. One per learner process."""
 
     def __init__(self, model_path: str, cfg: LearnerConfig, *, dtype: str = "auto", seed: int = 0,
-                 pad_id: int | None = None):
+                 pad_id: int | None = None, temperature: float = 1.0):
+        """temperature: the sampling temperature of the rollouts (rollout.temperature). Every log-prob
+        the learner computes is of softmax(logits / temperature), the distribution the tokens were drawn
+        from, which is also what the inference actors report (vLLM's processed log-probs): both sides of
+        the PPO ratio are then the same function of the weights. The KL to the reference and the entropy
+        are those of the tempered distributions too."""
         import deepspeed
         from transformers import AutoModelForCausalLM
 
         if cfg.zero_stage not in (1, 2, 3):
             raise ValueError(f"learner.zero_stage must be 1, 2 or 3, got {cfg.zero_stage}")
+        if not (np.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"the sampling temperature (rollout.temperature) must be > 0 to train on what was "
+                             f"sampled, got {temperature!r}: greedy decoding has no distribution to train")
+        self.temperature = float(temperature)
         self.cfg = cfg
         self.rank, self.world_size = setup_distributed()
         cuda = torch.cuda.is_available()
@@ -141,13 +224,15 @@ class PolicyTrainer:
 
     def _forward_logprobs(self, model, mb: MicroBatch, with_entropy: bool
                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """log p and entropy of the response tokens of `mb`, flat [N] in row-major order. The model
-        computes logits for the response window only, and only response positions go through the float32
-        log-softmax."""
+        """log p and entropy of the response tokens of `mb` under the sampling distribution
+        softmax(logits / temperature), flat [N] in row-major order. The model computes logits for the
+        response window only, and only response positions go through the float32 log-softmax."""
         logits = model(input_ids=mb.input_ids.to(self.device), attention_mask=mb.attention_mask.to(self.device),
                        position_ids=mb.position_ids.to(self.device), logits_to_keep=mb.window,
                        use_cache=False).logits
         picked = logits[:, :-1][mb.target_mask.to(self.device)]
+        if self.temperature != 1.0:
+            picked = picked.float() / self.temperature
         return token_logprobs_and_entropy(picked, mb.targets.to(self.device), with_entropy)
 
     def _plan_all(self, batch: TrainBatch, rows: np.ndarray):
@@ -202,8 +287,10 @@ class PolicyTrainer:
         if self.cfg.recompute_old_logprobs:
             t = time.perf_counter()
             new_old = self.compute_logprobs(batch)
-            drift = np.concatenate([a - b for a, b in zip(new_old, batch.old_logprobs)])
-            metrics["train/rollout_vs_learner_logprob_abs_diff"] = float(np.abs(drift).mean())
+            # Forced tokens (log-prob 0 under the constrained sampler) are not in the loss, nor here.
+            drift = np.concatenate([(a - b)[batch.token_mask(r)]
+                                    for r, (a, b) in enumerate(zip(new_old, batch.old_logprobs))])
+            metrics["train/rollout_vs_learner_logprob_abs_diff"] = float(np.abs(drift).mean()) if len(drift) else 0.0
             batch.old_logprobs = new_old
             metrics["time/recompute_s"] = time.perf_counter() - t
 
@@ -266,7 +353,7 @@ class PolicyTrainer:
             with torch.no_grad():
                 ref_logp, _ = self._forward_logprobs(self.ref_model, mb, with_entropy=False)
         loss, ms = policy_loss(logp, mb.old_logprobs.to(self.device), mb.advantages.to(self.device),
-                               torch.ones_like(logp), self.settings, token_normalizer=1.0,
+                               mb.loss_mask.to(self.device), self.settings, token_normalizer=1.0,
                                ref_logp=ref_logp, entropy=entropy)
         # token_normalizer=1 gives the plain sum; the scale applies the mini-batch normalizer.
         self.engine.backward(loss * scale, scale_wrt_gas=False)
@@ -296,20 +383,23 @@ class PolicyTrainer:
         """DeepSpeed checkpoint (model, optimizer, engine state) under root/<tag>, with `client_state`
         (e.g. trained group ids and policy version) stored inside it and as JSON beside it. DeepSpeed
         rewrites root/latest only after the tag is complete, so a learner killed mid-save resumes from
-        the previous checkpoint. Keeps the newest `keep` tags. All processes must call it."""
+        the previous checkpoint. Keeps the `keep` newest tags by update number (`prune_checkpoints`).
+        All processes must call it."""
         import torch.distributed as dist
 
         root = Path(root)
-        tag = f"update_{self.updates:07d}"
+        tag = checkpoint_tag(self.updates)
         state = dict(client_state, trainer_updates=self.updates)
+        if self.rank == 0:
+            # A tag of the same number from an abandoned history (see prune_checkpoints) is rewritten in
+            # place: unmark it first, so that it never looks complete with half of its files replaced.
+            (root / tag / LEARNER_STATE).unlink(missing_ok=True)
         self.engine.save_checkpoint(str(root), tag=tag, client_state={"learner": state})
         if self.rank == 0:
             tmp = root / tag / (LEARNER_STATE + ".tmp")
             tmp.write_text(json.dumps(state))
             tmp.replace(root / tag / LEARNER_STATE)
-            tags = sorted(p for p in root.glob("update_*") if p.is_dir())
-            for old in tags[:-keep] if keep > 0 else []:
-                shutil.rmtree(old, ignore_errors=True)
+            prune_checkpoints(root, keep, tag)
         if self.world_size > 1:
             dist.barrier()
         return str(root / tag)
@@ -321,10 +411,17 @@ class PolicyTrainer:
         root = Path(root)
         if tag is not None:
             if not is_complete_checkpoint(root / tag):
-                have = sorted(p.name for p in root.glob("update_*") if is_complete_checkpoint(p))
+                have = [p.name for p in checkpoint_tags(root) if is_complete_checkpoint(p)]
                 raise FileNotFoundError(f"no checkpoint {tag!r} under {root} (complete ones there: {have or 'none'})")
-        elif not (root / "latest").exists():
+        elif not (root / LATEST).exists():
             return None
+        else:
+            # DeepSpeed would fail on a missing tag with a bare AssertionError.
+            latest = (root / LATEST).read_text().strip()
+            if not (root / latest).is_dir():
+                have = [p.name for p in checkpoint_tags(root) if is_complete_checkpoint(p)]
+                raise FileNotFoundError(f"{root / LATEST} names {latest!r}, which is not there (complete "
+                                        f"checkpoints: {have or 'none'}); pick one with run.resume_tag")
         path, client = self.engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
                                                    load_lr_scheduler_states=True)
         if path is None:

@@ -8,8 +8,10 @@
 Design:
 - vLLM's AsyncLLM batches all concurrent `generate` calls continuously; the actor is an asyncio actor
   so thousands of requests can be in flight at once (rollout actors call it without waiting on each other).
-- Log-probs are vLLM's log-probs of the sampled tokens under the raw model distribution (temperature 1,
-  before any sampling transform), i.e. what the learner's forward pass computes for the same weights.
+- Log-probs are vLLM's log-probs of the sampled tokens under the distribution they were sampled from
+  ("processed_logprobs": softmax(logits / temperature), after the action grammar's mask and top-k/top-p),
+  i.e. what the learner's forward pass computes at rollout.temperature for the same weights (see
+  learner/loss.py). Raw log-probs (vLLM's default) would ignore the temperature.
 - Seeds: a request without a "seed" gets a fresh one from this actor's counter, so identical prompts (the
   N members of an episode group at step 0) never share a sampling stream; an explicit seed is honoured
   (rollout actors pass distinct per-trajectory seeds to make runs reproducible).
@@ -33,8 +35,9 @@ import uuid
 
 import ray
 
-from common import weight_sync
+from common import shm_cleanup, weight_sync
 from common.cpu_placement import place_this_process
+from common.log_files import send_output_to
 from common.metrics import ActorMetrics
 
 log = logging.getLogger(__name__)
@@ -52,7 +55,9 @@ class InferenceEngine:
     """The actor's body (kept as a plain class so that it can also run in-process)."""
 
     def __init__(self, model_path: str, model_cfg: dict, infer_cfg: dict, seed: int = 0, cpus: str = "",
-                 nice: int = 0):
+                 nice: int = 0, log_dir: str = "", name: str = "inference"):
+        # <log_dir>/<name>.log: vLLM's logs, and its engine core process's (it inherits the fds).
+        send_output_to(log_dir, name)
         # run.rollout_cpus / rollout_nice, before the engine starts its processes (they inherit both).
         place_this_process(cpus, nice)
         if cpus and not _on_gpu():
@@ -78,8 +83,11 @@ class InferenceEngine:
             model=model_path, dtype=dtype, seed=seed, max_model_len=self.max_model_len,
             gpu_memory_utilization=float(infer_cfg.get("gpu_memory_utilization", 0.9)),
             max_num_seqs=int(infer_cfg.get("max_num_seqs", 256)),
-            enable_prefix_caching=True, disable_log_stats=True, **extra,
+            enable_prefix_caching=True, disable_log_stats=True,
+            # Log-probs of the distribution sampled from (temperature applied), not the raw model's.
+            logprobs_mode="processed_logprobs", **extra,
         )
+        shm_before = shm_cleanup.entries()        # (for the note below)
         self.engine = AsyncLLM.from_engine_args(args)
         self.seed = seed
         self._seeds = itertools.count()
@@ -100,6 +108,12 @@ class InferenceEngine:
         self.metrics.set("inference_queue_depth", 0)
         self._weights_dir = infer_cfg.get("weights_dir") or weight_sync.default_weights_dir(_run_tag())
         self._pending_manifest = weight_sync.read_manifest(self._weights_dir)
+        # The shared memory this engine's processes map, noted beside the weights: if this actor is killed,
+        # its restarted self (here, now) or the driver at the end of the run removes it (common.shm_cleanup).
+        self._shm_note = os.path.join(self._weights_dir, f".engine-shm-{seed}.json")
+        shm_cleanup.remove_noted(self._shm_note, wait_s=10)     # a killed predecessor's
+        shm_cleanup.write_note(self._shm_note, shm_cleanup.mapped_by(shm_cleanup.descendants(os.getpid()))
+                               | shm_cleanup.new_semaphores(shm_before))
 
     # -- generation -------------------------------------------------------------------------------------
 
@@ -260,8 +274,13 @@ class InferenceEngine:
     def pid(self) -> int:
         return os.getpid()
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> list[str]:
+        """Stop the engine and remove the shared memory its processes leave in /dev/shm (vLLM's CPU engine
+        leaves a 160 MB ring buffer even when shut down cleanly: common.shm_cleanup). Returns the files
+        removed. Call it before `ray.kill`, which leaves ~400 MB there for the driver to find."""
+        shm_cleanup.write_note(self._shm_note, shm_cleanup.mapped_by(shm_cleanup.descendants(os.getpid())))
         self.engine.shutdown()
+        return shm_cleanup.remove_noted(self._shm_note, wait_s=10)
 
 
 def _run_tag() -> str:
@@ -274,24 +293,63 @@ def _run_tag() -> str:
 
 InferenceActor = ray.remote(InferenceEngine)
 
+# Weights directories that create_inference_actors made in this process.
+_MADE_WEIGHTS_DIRS: list[str] = []
+
+
+def remove_made_weights_dirs() -> None:
+    """Remove the weights directories create_inference_actors made in this process, with the shared memory
+    their notes list (of engines that were killed); call it once their actors are gone (it also runs when
+    the process exits)."""
+    while _MADE_WEIGHTS_DIRS:
+        weights_dir = _MADE_WEIGHTS_DIRS.pop()
+        shm_cleanup.remove_noted_in(weights_dir, wait_s=10)
+        shutil.rmtree(weights_dir, ignore_errors=True)
+
+
+atexit.register(remove_made_weights_dirs)
+
+
+def stop_inference_actors(actors: list, timeout_s: float = 60.0) -> None:
+    """End inference actors for good: each engine's own shutdown first (it removes the shared memory the
+    engine leaves), at most `timeout_s` for all of them, then `ray.kill`. An actor that has not answered by
+    then (still starting its engine, or hung) is killed anyway; where its processes run below this one (a
+    local Ray), the /dev/shm files they mapped are removed once they are gone (~400 MB per engine)."""
+    refs = [actor.shutdown.remote() for actor in actors]
+    done, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+    for ref in done:
+        try:
+            ray.get(ref)
+        except Exception as exc:  # noqa: BLE001 - a dead actor has no engine left to stop
+            log.warning("inference actor shutdown failed: %s", exc)
+    held: set[str] = set()
+    if late:
+        log.warning("%d inference actor(s) did not shut down within %.0f s: killed", len(late), timeout_s)
+        held = shm_cleanup.mapped_by(shm_cleanup.descendants(os.getpid()))
+    for actor in actors:
+        ray.kill(actor)
+    # Only files no live process maps go: those of the engines just killed, not of the actors still running.
+    shm_cleanup.remove_unused(held, wait_s=30)
+
 
 def create_inference_actors(cfg: dict, model_path: str, num_actors: int | None = None,
-                            max_restarts: int = 3) -> list:
-    """Start the inference actors of an experiment (cfg: ExperimentConfig as a dict)."""
+                            max_restarts: int = 3, log_dir: str = "") -> list:
+    """Start the inference actors of an experiment (cfg: ExperimentConfig as a dict); log_dir: actor i's
+    output goes to <log_dir>/inference-<i>.log."""
     infer = dict(cfg["inference"])
     n = infer["num_actors"] if num_actors is None else num_actors
     if not infer.get("weights_dir"):
         # One directory per run, fixed here so that restarted actors (same args) find the manifest.
         infer["weights_dir"] = weight_sync.default_weights_dir(f"{_run_tag()}-{uuid.uuid4().hex[:8]}")
-        # The driver that made the directory removes it when it exits (it lives in RAM under /dev/shm);
-        # the actors only need it while the driver, and so the run, lives.
-        atexit.register(shutil.rmtree, infer["weights_dir"], ignore_errors=True)
+        # The driver that made the directory removes it (it lives in RAM under /dev/shm): System.close,
+        # else at exit. The actors only need it while the driver, and so the run, lives.
+        _MADE_WEIGHTS_DIRS.append(infer["weights_dir"])
     seed = int(cfg["run"]["seed"])
     return [
         InferenceActor.options(
             num_cpus=infer["cpus_per_actor"], num_gpus=infer["gpus_per_actor"],
             max_restarts=max_restarts, max_task_retries=max_restarts, max_concurrency=100_000,
         ).remote(model_path, dict(cfg["model"]), infer, seed * 1000 + i, cfg["run"].get("rollout_cpus", ""),
-                 int(cfg["run"].get("rollout_nice", 0)))
+                 int(cfg["run"].get("rollout_nice", 0)), log_dir, f"inference-{i}")
         for i in range(n)
     ]

@@ -19,15 +19,24 @@ import json
 import logging
 import os
 import shutil
+import signal
+import sys
+import tempfile
+import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from pathlib import Path
 
 import ray
 
 from common.config import ExperimentConfig, to_dict
+from common.log_files import Terminal, run_log_dir, run_output
 
 log = logging.getLogger("gigpo")
+
+LEARNER_CLOSE_S = 300    # a learner's close may save a checkpoint (of a large model: minutes)
+ROLLOUT_STOP_S = 30      # rollout actors told to stop without draining (they discard what is in flight)
+RATE_WINDOW = 8      # updates the progress bar's env steps/s is measured over
 
 
 def start_ray(cfg: ExperimentConfig) -> str:
@@ -39,12 +48,33 @@ def start_ray(cfg: ExperimentConfig) -> str:
                         if k.startswith(("DS_", "VLLM_", "HF_", "TOKENIZERS_", "ALFWORLD_", "WEBSHOP_",
                                          "TORCH_EXTENSIONS_DIR", "PYTHONPATH", "OMP_NUM_THREADS"))}}
     if address:
+        # Actors on other nodes write their log files there; streaming their output to the driver (into
+        # its driver.log, see common.log_files) keeps one copy of everything where the run was started.
         ray.init(address=address, runtime_env=env, namespace="gigpo", log_to_driver=True)
     else:
         from common.metrics import ray_init_metrics_options
+        # log_to_driver=False: every actor writes its own log file under the run's logs/ already.
         ray.init(address="local", num_cpus=os.cpu_count() or 1, runtime_env=env, namespace="gigpo",
-                 object_store_memory=200 * 1024**2, include_dashboard=False, **ray_init_metrics_options())
+                 object_store_memory=200 * 1024**2, include_dashboard=False, log_to_driver=False,
+                 **ray_init_metrics_options())
     return ray.get_runtime_context().gcs_address
+
+
+def link_ray_logs(log_dir: str) -> None:
+    """<log_dir>/ray -> this node's Ray session logs (raylet, GCS, and each worker's output before its actor
+    took over its own log file). Best effort: Ray does not publish the path through a public API."""
+    try:
+        ray_logs = ray._private.worker._global_node.get_logs_dir_path()
+    except Exception:  # noqa: BLE001 - no local node (a client connection) or Ray moved it
+        return
+    link = Path(log_dir) / "ray"
+    try:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(ray_logs, target_is_directory=True)
+    except OSError as exc:
+        log.info("could not link Ray's logs %s into %s: %s", ray_logs, log_dir, exc)
 
 
 class System:
@@ -65,15 +95,22 @@ class System:
         self.channel = None
         self.last_eval: dict | None = None
         self._rollout_totals: dict[str, dict] = {}
+        self._closing = False                       # close() is running: further signals are ignored
+        self._stopped_by: int | None = None         # the signal that stopped the run
+        self._saved_handlers: dict | None = None    # SIGINT/SIGTERM handlers before this System's own
+        # Each actor's log file goes here (`gigpo eval` points it into the eval's own directory).
+        self.log_dir = run_log_dir(cfg.run.output_dir)
+        self.terminal: Terminal | None = None     # where the bar and eval lines go (None: stdout/stderr)
 
     # -- start and stop --------------------------------------------------------------------------------
 
-    def start(self, eval_only: bool = False) -> None:
+    def start(self, eval_only: bool = False, scratch_dir: str = "") -> None:
         """Start every part. eval_only: inference actors and a read-only learner that serves the resumed
-        checkpoint, nothing else; nothing is written into run.output_dir (no job file, no logs), so a
-        run that is still training is not disturbed."""
+        checkpoint, nothing else; nothing is written into run.output_dir (no job file, no metrics, no
+        model builds; the actors' logs go to self.log_dir), so a run that is still training is not
+        disturbed. What such an evaluation must build (a model the run does not have) goes into
+        `scratch_dir`, which the caller removes."""
         from common.redis_server import connect, redis_for
-        from common.tiny_model import resolve_model_path
         from deploy.control import ControlChannel, write_job_file
         from deploy.tracking import Tracker
 
@@ -85,26 +122,33 @@ class System:
                 parse_cpu_list(getattr(cfg.run, name))
             except ValueError as exc:
                 raise ValueError(f"run.{name}: {exc}") from None
+        if not eval_only:      # another run's checkpoints: refused (deleted with run.overwrite) before anything starts
+            from learner.trainer import prepare_output_dir
+            prepare_output_dir(cfg)
         address = start_ray(cfg)
-        self.model_path = resolve_model_path(cfg.model.path, cfg.run.output_dir)
-        if cfg.model.warm_start_steps > 0:    # supervised warm start on training walkthroughs (cached)
-            from deploy.warm_start import warm_start
-            self.model_path = warm_start(cfg, self.model_path)
+        self._trap_signals()          # again: ray.init replaced the SIGTERM handler
+        link_ray_logs(self.log_dir)
+        self.model_path = self._eval_model(scratch_dir) if eval_only else self._initial_model()
+        if eval_only:
+            # The actors load exactly this model (the rollout side its tokenizer): none of them may build
+            # one under run.output_dir.
+            cfg.model.path = self.model_path
         self.redis_url = None
         if not eval_only:
             self.redis_url, self.redis = redis_for(cfg.stream)
             self.channel = ControlChannel(connect(self.redis_url), cfg.run.name)
             write_job_file(cfg.run.output_dir, cfg.run.name, self.redis_url, address)
-            self.tracker = Tracker(cfg.run.output_dir, cfg.run.name, to_dict(cfg))
+            self.tracker = Tracker(cfg.run.output_dir, cfg.run.name, to_dict(cfg), resume=cfg.run.resume)
 
         from actors.inference import create_inference_actors
         from learner.actor import create_learner_workers
-        self.inference = create_inference_actors(to_dict(cfg), self.model_path)
+        self.inference = create_inference_actors(to_dict(cfg), self.model_path, log_dir=self.log_dir)
         self.learners = create_learner_workers(cfg, self.model_path, self.redis_url, self.inference,
-                                               read_only=eval_only)
+                                               read_only=eval_only, log_dir=self.log_dir)
         state = ray.get(self.learners[0].state.remote())
-        if state["policy_version"] > 0:
-            # Resumed: the inference actors must serve the checkpoint's weights, not the initial ones.
+        if eval_only and state["policy_version"] > 0:
+            # The inference actors must serve the checkpoint's weights, not the initial ones. (A resumed
+            # training learner has pushed them itself, as a new version: Learner._resume.)
             ray.get([w.sync_weights.remote() for w in self.learners])
         self.update = state["updates"]       # learner updates done (more than 0 after a resume)
         self.scale_rollout(0 if eval_only else cfg.rollout.num_actors)
@@ -112,28 +156,148 @@ class System:
                  time.perf_counter() - t0, len(self.inference), len(self.learners), len(self.rollouts),
                  self.out.resolve())
 
+    def _initial_model(self) -> str:
+        """The policy a training run starts from: model.path ("tiny": built under run.output_dir), then the
+        supervised warm start on training walkthroughs (cached under run.output_dir)."""
+        from common.tiny_model import resolve_model_path
+        path = resolve_model_path(self.cfg.model.path, self.cfg.run.output_dir)
+        if self.cfg.model.warm_start_steps > 0:
+            from deploy.warm_start import warm_start
+            path = warm_start(self.cfg, path)
+        return path
+
+    def _eval_model(self, scratch_dir: str) -> str:
+        """The model `gigpo eval` starts its learner and actors from, without writing into the run: the run's
+        own warm model or tiny model as they are (the settings they were made with are the run's, whatever
+        this evaluation's config says); with a checkpoint to load, that model only supplies the architecture
+        and tokenizer. What the run lacks is built in `scratch_dir`."""
+        from common.tiny_model import resolve_model_path
+        from deploy.warm_start import existing_warm_model, warm_start
+        cfg = self.cfg
+        if cfg.model.warm_start_steps > 0:
+            warm = existing_warm_model(cfg.run.output_dir)
+            if warm:
+                return warm
+        path = resolve_model_path(cfg.model.path, cfg.run.output_dir, build_dir=scratch_dir or None)
+        has_checkpoint = bool(cfg.run.resume_tag) or (Path(cfg.run.output_dir) / "checkpoints" / "latest").exists()
+        if cfg.model.warm_start_steps > 0 and not has_checkpoint:
+            if not scratch_dir:
+                raise ValueError(f"{cfg.run.output_dir} has neither a checkpoint nor a warm model to evaluate")
+            log.warning("%s has no checkpoint and no warm model: evaluating a warm start built for this "
+                        "evaluation only", cfg.run.output_dir)
+            path = warm_start(cfg, path, out_dir=str(Path(scratch_dir) / "warm_model"))
+        return path
+
     def close(self) -> None:
-        self.scale_rollout(0, drain=False)
-        self.reap_retired(timeout_s=60)
-        for worker in self.learners:
+        """Stop every part and leave nothing behind, whatever state the run is in (also after Ctrl-C or
+        SIGTERM, and half-way through start()): rollout actors, learners (they checkpoint uncommitted
+        updates), the vLLM engines (their own shutdown, which removes their shared memory, then ray.kill),
+        the embedded Redis with its temporary directory, the weights directory made for this run, Ray, and
+        last the /dev/shm files that processes of this run mapped and nobody maps any more. Each step has a
+        deadline; a step that fails is logged and the next one still runs. While it runs, another Ctrl-C
+        or SIGTERM is noted and ignored."""
+        from actors.inference import remove_made_weights_dirs, stop_inference_actors
+        from common import shm_cleanup
+
+        self._closing = True
+
+        def stop_rollouts() -> None:
+            self.scale_rollout(0, drain=False)
+            # One deadline for all (an actor still waiting for CPUs never answers), then the rest is killed.
+            refs = [stop_ref for _, stop_ref in self.retiring.values()]
+            if refs:
+                ray.wait(refs, num_returns=len(refs), timeout=ROLLOUT_STOP_S)
+            self.reap_retired(timeout_s=0)
+            for actor_id, (actor, _) in list(self.retiring.items()):
+                log.warning("rollout actor %s did not stop within %d s: killed", actor_id, ROLLOUT_STOP_S)
+                ray.kill(actor)
+                del self.retiring[actor_id]
+
+        def stop_redis() -> None:
+            if self.redis is not None:
+                self.redis.stop(cleanup=True)      # removes its data directory if it is a temporary one
+
+        def stop_ray() -> None:
+            if ray.is_initialized():
+                ray.shutdown()
+
+        steps = [("rollout actors", stop_rollouts), ("learners", self._close_learners),
+                 ("inference actors", lambda: stop_inference_actors(self.inference, timeout_s=60)),
+                 # What killed engines noted in a weights directory of the config's; one made for this run
+                 # goes with its notes.
+                 ("engine shared memory", lambda: shm_cleanup.remove_noted_in(self.cfg.inference.weights_dir)),
+                 ("weights directory", remove_made_weights_dirs),
+                 ("tracker", lambda: self.tracker and self.tracker.close()), ("redis", stop_redis)]
+        try:
+            for name, step in steps:
+                try:
+                    step()
+                except Exception as exc:  # noqa: BLE001 - the next parts must still be stopped
+                    log.warning("closing %s failed: %s", name, exc)
+            # What this run's processes still map (a local Ray's are all below this process), before Ray
+            # ends them: what is left of it afterwards, nobody else could remove.
+            held = shm_cleanup.mapped_by(shm_cleanup.descendants(os.getpid()))
             try:
-                ray.get(worker.close.remote())
-            except Exception as exc:          # a dead learner has nothing left to save
+                stop_ray()
+            finally:
+                removed = shm_cleanup.remove_unused(held, wait_s=30)
+                if removed:
+                    log.info("removed shared memory left by ended processes: %s", removed)
+        finally:
+            self.inference, self.learners, self.redis, self.tracker = [], [], None, None
+            self._restore_signals()
+
+    def _close_learners(self) -> None:
+        refs = [worker.close.remote() for worker in self.learners]
+        done, late = ray.wait(refs, num_returns=len(refs), timeout=LEARNER_CLOSE_S) if refs else ([], [])
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception as exc:  # noqa: BLE001 - a dead learner has nothing left to save
                 log.warning("learner close failed: %s", exc)
-        for actor in self.inference:
-            ray.kill(actor)
-        if self.tracker is not None:
-            self.tracker.close()
-        if self.redis is not None:
-            self.redis.stop()
-        if ray.is_initialized():
-            ray.shutdown()
+        if late:
+            log.warning("%d learner(s) did not close within %d s", len(late), LEARNER_CLOSE_S)
+        for worker in self.learners:
+            ray.kill(worker)
+
+    # -- signals: SIGTERM ends a run like Ctrl-C, through close() ---------------------------------------------
+
+    def _trap_signals(self) -> None:
+        """SIGTERM (`kill`, a scheduler stopping the job) raises KeyboardInterrupt in the main thread, as Ctrl-C
+        does, so that the `with System(...)` block runs close(); __exit__ then turns it into SystemExit(143).
+        (KeyboardInterrupt because it is the one exception a blocked ray.get passes on unchanged: Ray turns a
+        SystemExit raised there into SystemExit(1).) Called again after ray.init, which installs a SIGTERM
+        handler of its own that kills Ray's processes before anything could be closed."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if self._saved_handlers is None:
+            self._saved_handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        if self._closing:
+            log.warning("%s while shutting down: ignored, the run is being closed (every step has a deadline)",
+                        signal.Signals(signum).name)
+            return
+        self._stopped_by = signum
+        log.warning("%s: stopping the run", signal.Signals(signum).name)
+        raise KeyboardInterrupt
+
+    def _restore_signals(self) -> None:
+        if self._saved_handlers is not None and threading.current_thread() is threading.main_thread():
+            for sig, handler in self._saved_handlers.items():
+                signal.signal(sig, handler)
+            self._saved_handlers = None
 
     def __enter__(self) -> "System":
+        self._trap_signals()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
         self.close()
+        if self._stopped_by == signal.SIGTERM:
+            raise SystemExit(128 + signal.SIGTERM) from None     # the usual exit status of a terminated job
 
     # -- rollout actors --------------------------------------------------------------------------------
 
@@ -145,7 +309,8 @@ class System:
         while len(self.rollouts) < num_actors:
             actor_id = f"rollout-{self._next_rollout}"
             self._next_rollout += 1
-            actor = create_rollout_actor(to_dict(self.cfg), actor_id, self.inference, self.redis_url)
+            actor = create_rollout_actor(to_dict(self.cfg), actor_id, self.inference, self.redis_url,
+                                         log_dir=self.log_dir)
             self.rollouts[actor_id] = actor
             if not self.cfg.run.sync:
                 self.rollout_runs[actor_id] = actor.run.remote()
@@ -200,8 +365,13 @@ class System:
         history: list[dict] = []
         prev = self.rollout_stats()
         prev_t = time.perf_counter()
-        bar = tqdm(initial=self.update, total=cfg.run.iterations, desc="training", unit="update",
-                   dynamic_ncols=True)
+        # The bar's env steps/s: over the last RATE_WINDOW updates, not the last one alone. The rollout side
+        # plays in bursts (it waits whenever the stream is full), so one update's delta swings between 0
+        # and twice the mean; the window always spans some playing.
+        samples = deque([(prev_t, prev.get("env_steps", 0.0))], maxlen=RATE_WINDOW + 1)
+        terminal = self.terminal or Terminal(sys.stdout, sys.stderr)
+        bar = terminal.bar = tqdm(initial=self.update, total=cfg.run.iterations, desc="training",
+                                  unit="update", dynamic_ncols=True, file=terminal.err)
         while self.update < cfg.run.iterations:
             self._apply_commands()
             self.reap_retired()
@@ -226,18 +396,23 @@ class System:
                 "rollout/invalid_action_share": (delta.get("invalid_actions", 0.0) / delta["env_steps"]
                                                  if delta.get("env_steps") else 0.0),
             })
+            samples.append((now, stats.get("env_steps", 0.0)))
+            (t_first, steps_first), (t_last, steps_last) = samples[0], samples[-1]
+            steps_per_s = (steps_last - steps_first) / max(t_last - t_first, 1e-9)
             update = self.update = int(metrics["update"])
             if cfg.run.eval_every and update % cfg.run.eval_every == 0 and update < cfg.run.iterations:
                 self.last_eval = self.evaluate()
                 metrics.update({f"eval/{k}": v for k, v in self.last_eval.items() if isinstance(v, float)})
+                terminal.print(eval_line(f"after update {update}", self.last_eval))
             self.tracker.log(metrics, step=update)
             history.append(metrics)
             self._publish_status(metrics, state="training")
             bar.update(1)
             bar.set_postfix(success=f"{metrics.get('batch/success_rate', 0.0):.2f}",
-                            steps_s=f"{metrics['rollout/env_steps_per_s']:.1f}",
+                            steps_s=f"{steps_per_s:.1f}",
                             lag=f"{metrics.get('lag/policy_versions_mean', 0.0):.1f}")
         bar.close()
+        terminal.bar = None
         return history
 
     def _check_rollouts_alive(self) -> None:
@@ -288,31 +463,37 @@ class System:
         """Play the eval split once per task (group size 1, eval temperature) with the current weights."""
         from actors.evaluation import evaluate_tasks
         from common.metrics import ActorMetrics
-        result = evaluate_tasks(self.cfg, self.inference)
+        result = evaluate_tasks(self.cfg, self.inference, log_dir=self.log_dir)
         if result.get("episodes"):
             ActorMetrics("driver", self.cfg.run.name).set("success_rate", float(result["success"]), split="eval")
         return result
 
 
 def train(cfg: ExperimentConfig) -> dict:
-    """`gigpo train`: start, evaluate, train, evaluate, print a summary."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    with System(cfg) as system:
+    """`gigpo train`: start, evaluate, train, evaluate, print a summary. The terminal shows a progress bar,
+    one line per evaluation, warnings and the summary; every component's logs (the driver's included) go
+    to <run.output_dir>/logs/."""
+    log_dir = run_log_dir(cfg.run.output_dir)
+    with run_output(log_dir) as terminal, System(cfg) as system:
+        system.terminal = terminal
+        terminal.print(f"run {cfg.run.name}: starting (logs in {log_dir})")
         system.start()
         before = system.evaluate() if cfg.run.eval_every else None
         if before:
-            print(format_eval("before training", before), flush=True)
+            terminal.print(eval_line("before training", before))
         t0 = time.perf_counter()
         history = system.train()
         train_s = time.perf_counter() - t0
         ray.get([w.save_checkpoint.remote() for w in system.learners])
         after = system.evaluate() if cfg.run.eval_every else None
+        if after:
+            terminal.print(eval_line("after training", after))
         system._publish_status(history[-1] if history else {}, state="finished")
         stats = system.rollout_stats()
         summary = {"ok": True, "updates": len(history), "train_s": train_s,
                    "env_steps": stats.get("env_steps", 0.0), "before": before, "after": after,
                    "outputs": str(system.out.resolve())}
-        print(format_summary(summary), flush=True)
+        terminal.print(format_summary(summary))
         return summary
 
 
@@ -331,29 +512,49 @@ def checkpoint_location(checkpoint: str) -> tuple[str, str]:
 def evaluate_only(cfg: ExperimentConfig, checkpoint: str = "") -> dict:
     """`gigpo eval`: the weights of `checkpoint` (a checkpoint directory), else of the latest checkpoint
     in run.output_dir, else the initial model. The result, with the update and policy version evaluated,
-    is printed and saved as <output_dir>/eval/update_<N>.json; nothing else in the run is touched (it may
-    still be training)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    is printed and saved as <output_dir>/eval/update_<N>.json, its logs go to <output_dir>/eval/logs/;
+    nothing else in the run is touched (it may still be training). The run's own tiny / warm model is used
+    as it is, whatever this config's settings for them; one the run lacks is built in a temporary
+    directory, removed afterwards."""
     cfg.run.resume = True
     if checkpoint:
         cfg.run.output_dir, cfg.run.resume_tag = checkpoint_location(checkpoint)
+    if not Path(cfg.run.output_dir).is_dir():
+        from deploy.preflight import PreflightError
+        raise PreflightError(f"no run to evaluate in {cfg.run.output_dir!r}: train one there first, or set "
+                             f"run.output_dir (or --checkpoint) to a run's directory")
+    eval_dir = Path(cfg.run.output_dir).resolve() / "eval"
     shared_dir = cfg.inference.weights_dir
     if shared_dir:      # the run's actors may be reading this directory: publish to a private one inside it
         cfg.inference.weights_dir = os.path.join(shared_dir, f"eval-{os.getpid()}-{int(time.time())}")
+    scratch = tempfile.mkdtemp(prefix="gigpo-eval-")
     try:
-        with System(cfg) as system:
-            system.start(eval_only=True)
+        with run_output(eval_dir / "logs") as terminal, System(cfg) as system:
+            system.log_dir, system.terminal = str(eval_dir / "logs"), terminal
+            system.start(eval_only=True, scratch_dir=scratch)
             served = ray.get(system.inference[0].policy_version.remote())
             result = {**system.evaluate(), "update": system.update, "policy_version": served}
+            path = eval_dir / f"update_{result['update']:07d}.json"
+            path.write_text(json.dumps(result, indent=2))
+            terminal.print(format_eval(f"evaluation ({cfg.env.eval_split}) of update {result['update']}", result))
+            terminal.print(f"saved to {path}")
     finally:
+        shutil.rmtree(scratch, ignore_errors=True)
         if shared_dir:
             shutil.rmtree(cfg.inference.weights_dir, ignore_errors=True)
-    path = Path(cfg.run.output_dir) / "eval" / f"update_{result['update']:07d}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
-    print(format_eval(f"evaluation ({cfg.env.eval_split}) of update {result['update']}", result), flush=True)
-    print(f"saved to {path}", flush=True)
     return result
+
+
+def eval_line(when: str, result: dict) -> str:
+    """One evaluation in one line: overall success, then per task type (full names), WebShop's score."""
+    parts = [f"eval {when}: success {100 * result.get('success', 0.0):.1f}% over {result.get('episodes', 0)} "
+             f"episodes"]
+    per_type = result.get("per_task_type", {})
+    if per_type and set(per_type) != {"all"}:
+        parts.append(", ".join(f"{name} {100 * value:.1f}%" for name, value in sorted(per_type.items())))
+    if "score" in result:
+        parts.append(f"score {100 * result['score']:.1f}")
+    return " | ".join(parts)
 
 
 def format_eval(title: str, result: dict) -> str:
@@ -362,8 +563,10 @@ def format_eval(title: str, result: dict) -> str:
     per_type = result.get("per_task_type", {})
     if per_type:
         names = sorted(per_type)
-        lines.append(" | ".join(f"{n[:12]:>12}" for n in names) + " |          All")
-        lines.append(" | ".join(f"{100 * per_type[n]:12.1f}" for n in names) + f" | {100 * result['success']:12.1f}")
+        widths = [max(len(n), 6) for n in names]      # whole task names: the paper's column headers
+        lines.append(" | ".join(f"{n:>{w}}" for n, w in zip(names, widths)) + " |    All")
+        lines.append(" | ".join(f"{100 * per_type[n]:{w}.1f}" for n, w in zip(names, widths))
+                     + f" | {100 * result['success']:6.1f}")
     else:
         lines.append(f"success {100 * result.get('success', 0.0):.1f}%")
     if "score" in result:

@@ -2,9 +2,12 @@
 actor, a rollout actor stepping generated ALFWorld games, and the DeepSpeed learner. The same run checks
 the Prometheus endpoint of the local Ray: every declared metric is served, by the actor kind that owns
 it, with values that follow from what the run did (one system start serves both checks)."""
+import hashlib
 import json
 import math
+import os
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -25,8 +28,9 @@ OVERRIDES = [
     "rollout.groups_per_actor=2", "rollout.group_size=2", "learner.groups_per_batch=2",
     "env.max_steps=4", "env.num_generated_games=4", "learner.checkpoint_every=1",
     "rollout.cpus_per_actor=0.25",     # two rollout actors must fit beside the others on 2 cores
-    "model.warm_start_steps=2", "model.warm_start_games=2", "run.eval_episodes=2",
-    "model.warm_start_steps=0",   # the warm start has its own test (test_warm_start.py)
+    # A short warm start (its learning has its own test, test_warm_start.py): the run then has a warm model,
+    # which the evaluation below must use as it is.
+    "model.warm_start_steps=2", "model.warm_start_games=2", "model.warm_start_batch=2", "run.eval_episodes=2",
     "learner.kl_coef=0.001",      # a KL term, so that the learner_kl gauge has a value to export
 ]
 
@@ -63,27 +67,46 @@ def test_two_iterations_of_the_full_system(tmp_path):
         assert len(system.rollouts) == 1 and stats.get("groups_discarded", 0) == 0
         check_metrics_endpoint(system)     # (the evaluation above fed the driver's eval success rate)
     run = tmp_path / "run"
+    # Each actor has its own log file (vLLM's, DeepSpeed's and the env engines' output go there).
+    for name in ("inference-0", "learner-0", "rollout-0", "rollout-1", "eval"):
+        assert (run / "logs" / f"{name}.log").is_file(), name
+    assert "Reloading weights" in (run / "logs" / "inference-0.log").read_text()     # vLLM's own log lines
     lines = (run / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2]
     assert any(p.name.startswith("events") for p in (run / "tensorboard").iterdir())
     check_eval_of_an_older_checkpoint(run)
 
 
+def run_files(run: Path) -> dict[str, str]:
+    """sha256 of every file under `run` by relative path (a symlink: its target, not followed)."""
+    out = {}
+    for folder, _, names in os.walk(run):
+        for name in names:
+            path = Path(folder) / name
+            rel = str(path.relative_to(run))
+            out[rel] = ("-> " + os.readlink(path) if path.is_symlink()
+                        else hashlib.sha256(path.read_bytes()).hexdigest())
+    return dict(sorted(out.items()))
+
+
 def check_eval_of_an_older_checkpoint(run):
     """`gigpo eval --checkpoint` of update 1 while update 2 is the latest: the inference actor serves that
     checkpoint (its policy version), the result is saved beside the run, and nothing else of the run
-    changes (a run being evaluated may still be training: its job file and version record must stay)."""
+    changes (a run being evaluated may still be training): every file outside eval/ stays byte for byte,
+    even with an env setting that would make a training run rebuild its warm model."""
     ckpt = run / "checkpoints" / "update_0000001"
     assert (run / "checkpoints" / "update_0000002").is_dir()
-    untouched = {p: p.read_bytes() for p in (run / JOB_FILE, run / "checkpoints" / PUSHED_VERSION,
-                                             run / "metrics.jsonl")}
-    tensorboard = sorted((run / "tensorboard").iterdir())
-    result = evaluate_only(load_config("configs/embedded.yaml", OVERRIDES), checkpoint=str(ckpt))
+    assert (run / "warm_model" / "warm_start.json").is_file() and (run / "tiny_model").is_dir()
+    before = run_files(run)
+    assert JOB_FILE in before and f"checkpoints/{PUSHED_VERSION}" in before and "metrics.jsonl" in before
+    cfg = load_config("configs/embedded.yaml", [*OVERRIDES, "env.max_steps=5"])     # warm start key differs
+    result = evaluate_only(cfg, checkpoint=str(ckpt))
     want_version = json.loads((ckpt / LEARNER_STATE).read_text())["policy_version"]
     assert result["update"] == 1 and result["policy_version"] == want_version and result["episodes"] == 2
     assert json.loads((run / "eval" / "update_0000001.json").read_text()) == result
-    assert {p: p.read_bytes() for p in untouched} == untouched
-    assert sorted((run / "tensorboard").iterdir()) == tensorboard
+    after = run_files(run)
+    assert {k: v for k, v in after.items() if not k.startswith("eval/")} == before
+    assert "eval/logs/eval.log" in after
 
 
 def _scrape_ours(url: str) -> dict[str, list]:

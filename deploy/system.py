@@ -179,7 +179,8 @@ class System:
             if warm:
                 return warm
         path = resolve_model_path(cfg.model.path, cfg.run.output_dir, build_dir=scratch_dir or None)
-        has_checkpoint = bool(cfg.run.resume_tag) or (Path(cfg.run.output_dir) / "checkpoints" / "latest").exists()
+        from learner.trainer import LATEST, checkpoint_dir_of
+        has_checkpoint = bool(cfg.run.resume_tag) or (checkpoint_dir_of(cfg) / LATEST).exists()
         if cfg.model.warm_start_steps > 0 and not has_checkpoint:
             if not scratch_dir:
                 raise ValueError(f"{cfg.run.output_dir} has neither a checkpoint nor a warm model to evaluate")

@@ -38,6 +38,8 @@ class ModelConfig:
     max_response_tokens: int = F(512, "longest response per step")
     dtype: Literal["auto", "bfloat16", "float32"] = F(
         "auto", 'weights dtype: "auto" (bf16 on GPU, fp32 on CPU), "bfloat16", "float32"')
+    ship_max_mb: float = F(2048.0, "a local model of at most this size travels through Ray to nodes that "
+                                   "cannot see its path (no shared filesystem needed); 0 never ships it")
     warm_start_steps: int = F(0, "supervised warm start before RL: optimizer steps of fine-tuning on the "
                                  "solutions (walkthroughs) of training games, replayed through the env with "
                                  "the rollout's prompts; 0 disables. Kept short so RL has room to improve")
@@ -83,6 +85,7 @@ class RolloutConfig:
     invalid_action_penalty: float = F(0.1, "penalty for an invalid action, on that row only")
     success_reward: float = F(10.0, "reward on the winning step")
     cpus_per_actor: float = F(0.5, "CPUs Ray reserves for one rollout actor")
+    resources: dict = F({}, 'Ray custom resources each rollout actor needs, e.g. {"cpu_node": 1}')
 
 
 @dataclass
@@ -94,8 +97,17 @@ class InferenceConfig:
                                            "share for KV cache; keep it small)")
     max_num_seqs: int = F(256, "most sequences vLLM batches at once")
     weight_bucket_mb: int = F(512, "size of the buckets weights travel in on update")
-    weights_dir: str = F("", 'shared-memory directory of the weight buckets + manifest (CPU sync path); '
+    weights_dir: str = F("", 'shared-memory directory of the weight buckets + manifest (shm transfer); '
                              '"" picks /dev/shm/gigpo-weights-<run>')
+    weight_transfer: Literal["auto", "shm", "collective", "ipc"] = F(
+        "auto", 'how weights reach the inference actors: "shm" (buckets in the node\'s /dev/shm: one node), '
+                '"collective" (a process group between learner rank 0 and the vLLM workers: gloo on CPU, NCCL '
+                'on GPU; any nodes), "ipc" (CUDA IPC: learner and vLLM on one GPU); "auto": shm when learner '
+                'rank 0 and every inference actor share a node, else collective')
+    transfer_timeout_s: float = F(600.0, "deadline of one weight push (and of the collective's rendezvous): "
+                                         "past it the push fails with an error instead of hanging")
+    resources: dict = F({}, 'Ray custom resources each inference actor needs, e.g. {"gpu_node": 1} (the '
+                            "node kinds it may run on: `ray start --resources`)")
 
 
 @dataclass
@@ -139,6 +151,7 @@ class LearnerConfig:
     offload: bool = F(False, "ZeRO CPU offload of optimizer state (and params at stage 3)")
     num_processes: int = F(1, "learner processes (one per device)")
     gpus_per_process: float = F(0.0, "GPUs per learner process (0 on CPU-only machines)")
+    resources: dict = F({}, 'Ray custom resources each learner process needs, e.g. {"learner_node": 1}')
     checkpoint_every: int = F(10, "updates between checkpoints")
     keep_checkpoints: int = F(2, "newest checkpoints kept, older ones deleted (each holds the optimizer state "
                                  "too: several times the model's size); 0 keeps all")

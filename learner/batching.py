@@ -68,11 +68,22 @@ class TrainBatch:
         return np.array([int(m.sum()) for m in self.token_masks], dtype=np.int64)
 
 
-def _check_group(group: EpisodeGroup) -> None:
-    """Raise a ValueError naming the group and step when a row cannot be trained on."""
+def check_group(group: EpisodeGroup, vocab_size: int | None = None) -> None:
+    """Raise a ValueError naming the group and step when a row cannot be trained on: non-finite or positive
+    log-probs or rewards, an empty prompt, log-probs that do not match the response, token ids outside
+    [0, vocab_size) (an id past the embedding table would crash the learner's forward pass)."""
     for traj in group.trajectories:
         for s in traj.steps:
             where = f"group {group.group_id} trajectory {traj.traj_id} step {s.step}"
+            if len(s.response_logprobs) != len(s.response_ids):
+                raise ValueError(f"{where}: {len(s.response_logprobs)} log-probs for {len(s.response_ids)} "
+                                 "response tokens")
+            if vocab_size is not None:
+                for name, ids in (("prompt", s.prompt_ids), ("response", s.response_ids)):
+                    low, high = (int(np.min(ids)), int(np.max(ids))) if len(ids) else (0, 0)
+                    if low < 0 or high >= vocab_size:
+                        raise ValueError(f"{where}: {name} token id {low if low < 0 else high} outside the "
+                                         f"vocabulary [0, {vocab_size})")
             if not np.all(np.isfinite(s.response_logprobs)):
                 raise ValueError(f"{where}: non-finite behaviour log-probs")
             if np.any(s.response_logprobs > 1e-4):
@@ -132,7 +143,7 @@ def build_batch(groups: list[EpisodeGroup], cfg: LearnerConfig, *, invalid_actio
         if g.group_id in seen:
             raise ValueError(f"group {g.group_id} appears twice in one batch")
         seen.add(g.group_id)
-        _check_group(g)
+        check_group(g)
 
     # Environment errors out first: everything below sees only trajectories with a known outcome.
     usable: list[EpisodeGroup] = []

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -111,10 +113,30 @@ def prepare_checkpoint_dir(checkpoint_dir: str | os.PathLike, *, resume: bool, o
             (root / name).unlink(missing_ok=True)
 
 
-def prepare_output_dir(cfg) -> None:
+RUN_ID_FILE = "run_id"
+
+
+def prepare_output_dir(cfg) -> str:
     """`prepare_checkpoint_dir` for a run's own checkpoint directory, from run.resume and run.overwrite
-    (call it before anything of the run is started)."""
+    (call it before anything of the run is started); then the run's id (`run_id_of`), set in the config."""
     prepare_checkpoint_dir(checkpoint_dir_of(cfg), resume=cfg.run.resume, overwrite=cfg.run.overwrite)
+    return run_id_of(cfg)
+
+
+def run_id_of(cfg) -> str:
+    """The run's id (stream.run_id): the configured one; else, resuming, the one in <output_dir>/run_id;
+    else a new one (the run name and 8 random hex digits), written there. Stream, consumer-group and
+    control keys and every record carry it, so runs that share a Redis never mix."""
+    if not cfg.stream.run_id:
+        path = Path(cfg.run.output_dir) / RUN_ID_FILE
+        known = path.read_text().strip() if cfg.run.resume and path.is_file() else ""
+        if not known:
+            slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", cfg.run.name).strip("-") or "run"
+            known = f"{slug}-{uuid.uuid4().hex[:8]}"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(known + "\n")
+        cfg.stream.run_id = known
+    return cfg.stream.run_id
 
 
 def _free_port() -> int:

@@ -180,3 +180,28 @@ def test_groups_of_lost_updates_are_retrained_after_a_crash_not_dropped_stale(
     assert second_stats["recovered_own" if second_consumer == "learner-0" else "reclaimed"] == len(lost)
     # A version number never names two different weights: each push took a new one.
     assert actors.versions == list(range(1, len(actors.versions) + 1))
+
+
+def test_run_id_is_new_for_a_fresh_run_and_kept_on_resume(tmp_path):
+    """Runs sharing one Redis are kept apart by their run id (stream key, consumer group, control keys,
+    records): a fresh run gets a new one, a resumed run continues with its own."""
+    from common.config import ExperimentConfig
+    from common.stream import stream_key
+    from learner.trainer import RUN_ID_FILE, prepare_output_dir
+
+    def cfg_for(**run):
+        cfg = ExperimentConfig()
+        cfg.run.output_dir, cfg.run.name = str(tmp_path / "run"), "my run"
+        for k, v in run.items():
+            setattr(cfg.run, k, v)
+        return cfg
+
+    first = cfg_for()
+    run_id = prepare_output_dir(first)
+    assert run_id.startswith("my-run-") and first.stream.run_id == run_id
+    assert (tmp_path / "run" / RUN_ID_FILE).read_text().strip() == run_id
+    assert run_id in stream_key(first.stream)
+    resumed = cfg_for(resume=True)
+    assert prepare_output_dir(resumed) == run_id
+    fresh = cfg_for(overwrite=True)
+    assert prepare_output_dir(fresh) not in ("", run_id)

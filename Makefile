@@ -17,14 +17,12 @@ PINNED := -c $(LOCK) --build-constraint $(TOOLS_LOCK)
 CONFIG ?= configs/embedded.yaml
 PYTEST_ARGS ?=
 
-# Offline, CPU-friendly defaults; all can be overridden from the environment.
-export DS_ACCELERATOR ?= $(if $(filter cpu,$(EXTRA)),cpu,)
+# This machine's choices; all can be overridden from the environment: DeepSpeed installed without
+# pre-built ops (DS_BUILD_OPS is read by its setup only), models from disk (no internet here), compiled ops
+# cached in the checkout. What the project needs (vLLM's, DeepSpeed's and the tokenizers' variables) it sets
+# itself in every process it starts: common/process_env.py.
 export DS_BUILD_OPS ?= 0
 export HF_HUB_OFFLINE ?= 1
-export TOKENIZERS_PARALLELISM ?= false
-export RAY_USAGE_STATS_ENABLED ?= 0
-export VLLM_ALLOW_INSECURE_SERIALIZATION ?= 1
-export VLLM_CPU_KVCACHE_SPACE ?= 1
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export ALFWORLD_DATA ?= $(CURDIR)/data/alfworld
 export WEBSHOP_DATA ?= $(CURDIR)/data/webshop
@@ -89,8 +87,15 @@ lock:
 data: $(STAMP)
 	$(PY) -m env_servers.data prepare
 
+# `make run ENV=webshop`: the embedded WebShop run (configs/webshop-embedded.yaml) on the 1,000-product
+# catalog, copied into $WEBSHOP_DATA first when it is not there yet. Any other ENV: $(CONFIG).
 run: $(STAMP)
+ifeq ($(ENV),webshop)
+	$(PY) -m env_servers.webshop.data
+	$(VENV)/bin/gigpo train configs/webshop-embedded.yaml
+else
 	$(VENV)/bin/gigpo train $(CONFIG)
+endif
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -7,9 +7,12 @@ import copy
 from collections import defaultdict
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.rollout import RolloutActor
 from common.config import ExperimentConfig, to_dict
+from common.model_files import ModelSource
+from common.placement import actor_need, pinned_node
 from common.records import Trajectory
 
 
@@ -57,13 +60,22 @@ def summarize(trajectories: list[Trajectory]) -> dict:
     return out
 
 
-def evaluate_tasks(cfg: ExperimentConfig, inference_actors: list, log_dir: str = "") -> dict:
+def evaluate_tasks(cfg: ExperimentConfig, inference_actors: list, log_dir: str = "",
+                   model: ModelSource | None = None) -> dict:
     """Evaluate in a short-lived Ray actor (its env instances are freed afterwards); log_dir: its output
-    goes to <log_dir>/eval.log."""
+    goes to <log_dir>/eval.log; model: see `actors.rollout.Rollout`.
+
+    The actor runs on a node that could run a rollout actor (rollout.cpus_per_actor CPUs and
+    rollout.resources: where the env's data and settings are), the same one every time (`pinned_node`: the
+    driver's own node when it qualifies), so that evaluations of one run, and of runs on one cluster, are
+    played on the same machine. It reserves nothing there (num_cpus=0, no custom resources): it mostly waits
+    on inference and borrows the rollout actors' share, which it could otherwise wait for forever."""
     ev = eval_config(cfg)
-    # num_cpus=0: a short-lived actor that mostly waits on inference; it borrows the rollout actors' CPUs.
-    actor = RolloutActor.options(num_cpus=0, max_concurrency=1000).remote(
-        to_dict(ev), "eval", inference_actors, None, log_dir=log_dir)
+    node_id = pinned_node(actor_need(cfg.rollout.cpus_per_actor, 0, cfg.rollout.resources))
+    actor = RolloutActor.options(
+        num_cpus=0, max_concurrency=1000,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+    ).remote(to_dict(ev), "eval", inference_actors, None, log_dir=log_dir, model=model)
     try:
         task_ids = ray.get(actor.__ray_call__.remote(lambda self: list(self.task_ids)))
         if cfg.run.eval_episodes:

@@ -1,6 +1,6 @@
 """The rollout actor: plays episode groups against its env instances and publishes them to the stream.
 
-    actor = RolloutActor.remote(to_dict(cfg), "rollout-0", inference_actors, stream_url)
+    actor = create_rollout_actor(to_dict(cfg), "rollout-0", inference_actors, stream_url, model=model)
     done = actor.run.remote()            # runs until stop(); returns stats()
     ray.get(actor.stop.remote(drain=True))
 
@@ -35,6 +35,9 @@ from common.config import ExperimentConfig, from_dict
 from common.cpu_placement import place_this_process
 from common.log_files import send_output_to
 from common.metrics import ActorMetrics
+from common.model_files import ModelSource
+from common.placement import this_node
+from common.process_env import apply_project_env
 from common.records import EpisodeGroup, StepRow, Termination, Trajectory
 
 log = logging.getLogger(__name__)
@@ -78,7 +81,11 @@ class Rollout:
     """The actor's body (a plain class so that tests and benches can also drive it in-process)."""
 
     def __init__(self, cfg: dict, actor_id: str, inference_actors: list, stream_url: str | None,
-                 env_servers: list | None = None, cpus: str = "", nice: int = 0, log_dir: str = ""):
+                 env_servers: list | None = None, cpus: str = "", nice: int = 0, log_dir: str = "",
+                 model: ModelSource | None = None):
+        """model: where the tokenizer comes from (a ModelSource shipped by the driver, which this node may
+        not see on disk); None: model.path as this node sees it (in-process use on one node)."""
+        apply_project_env()     # vLLM's, DeepSpeed's, ... variables first
         send_output_to(log_dir, actor_id)    # <log_dir>/<actor_id>.log, before env workers inherit the fds
         place_this_process(cpus, nice)    # run.rollout_cpus / rollout_nice, before env workers are forked
         self.cfg: ExperimentConfig = from_dict(cfg) if isinstance(cfg, dict) else cfg
@@ -91,9 +98,12 @@ class Rollout:
             raise ValueError(f"rollout.group_size ({r.group_size}) and rollout.groups_per_actor "
                              f"({r.groups_per_actor}) must be >= 1")
         from transformers import AutoTokenizer
-
-        from common.tiny_model import resolve_model_path
-        self.model_path = resolve_model_path(self.cfg.model.path, self.cfg.run.output_dir)
+        if model is None:
+            if self.cfg.model.path == "tiny":
+                raise ValueError('model.path "tiny" is built by the driver: pass the built model as `model`')
+            model = ModelSource(self.cfg.model.path)
+        # Never built here: a node without the driver's output directory would build another model.
+        self.model_path = model.local_path(weights=False)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
 
         self.num_instances = r.groups_per_actor * r.group_size
@@ -136,6 +146,10 @@ class Rollout:
         self.metrics.zero("rollout_weight_wait_seconds")
         for why in Termination:
             self.metrics.zero("episodes", termination=why.value)
+
+    def node(self) -> dict:
+        """The node this actor runs on (`gigpo status`)."""
+        return this_node()
 
     # -- control ----------------------------------------------------------------------------------------
 
@@ -394,10 +408,14 @@ RolloutActor = ray.remote(Rollout)
 
 
 def create_rollout_actor(cfg: dict, actor_id: str, inference_actors: list, stream_url: str | None,
-                         env_servers: list | None = None, log_dir: str = ""):
-    """A rollout actor with the CPU share the config asks for (its env instances live inside it unless
-    env servers are given); log_dir: its output goes to <log_dir>/<actor_id>.log."""
-    return RolloutActor.options(num_cpus=cfg["rollout"]["cpus_per_actor"], name=None,
-                                max_concurrency=1000).remote(cfg, actor_id, inference_actors, stream_url,
-                                                             env_servers, cfg["run"].get("rollout_cpus", ""),
-                                                             int(cfg["run"].get("rollout_nice", 0)), log_dir)
+                         env_servers: list | None = None, log_dir: str = "", model: ModelSource | None = None):
+    """A rollout actor with the CPU share and the custom resources (`rollout.resources`: which nodes it may
+    run on) the config asks for; its env instances live inside it unless env servers are given; log_dir:
+    its output goes to <log_dir>/<actor_id>.log; model: see `Rollout`."""
+    ro = cfg["rollout"]
+    # max_restarts=-1: an actor lost with its process or node comes back whenever Ray can place it again
+    # (deploy.system restarts its loop); its run() is not retried by Ray, so the driver sees the loss.
+    return RolloutActor.options(num_cpus=ro["cpus_per_actor"], resources=ro.get("resources") or None, name=None,
+                                max_concurrency=1000, max_restarts=-1, max_task_retries=0).remote(
+        cfg, actor_id, inference_actors, stream_url, env_servers, cfg["run"].get("rollout_cpus", ""),
+        int(cfg["run"].get("rollout_nice", 0)), log_dir, model)

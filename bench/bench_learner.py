@@ -13,7 +13,7 @@ Figures:
   during each step (torch's CPU tensors are invisible to tracemalloc), and tracemalloc's peak of building the batch
   (NumPy allocations are traced), GiGPO / GRPO ratio of each;
 - weight push, learner side: gathering `named_weights()` and writing them as safetensors buckets into
-  shared memory (`common.weight_sync.write_buckets`, what `WeightPublisher.push` does before the
+  shared memory (`common.weight_transfer.write_buckets`, what `ShmTransfer.push` does before the
   inference actors load them), per update, against the bare gather as baseline.
 
 Runs in < ~3 minutes on a 2-core machine.
@@ -144,7 +144,7 @@ def main() -> None:
           f"  (advantage bookkeeping only; absolute: {med['gigpo']['build_peak_mb'] - med['grpo']['build_peak_mb']:+.2f} MB)")
 
     # Weight push, learner side.
-    from common.weight_sync import write_buckets
+    from common.weight_transfer import write_buckets
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
     gather, push = [], []
     nbytes = 0

@@ -42,7 +42,7 @@ def main() -> None:
     from actors.rollout import create_rollout_actor
     from common.config import ExperimentConfig, to_dict
     from common.tiny_model import build_tiny_model
-    from common.weight_sync import WeightPublisher
+    from common.weight_transfer import ShmTransfer as WeightPublisher
 
     t_start = time.perf_counter()
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

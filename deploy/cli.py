@@ -21,6 +21,7 @@ import sys
 import time
 
 from common.config import ConfigError, describe, load_config, to_dict
+from common.placement import PlacementError
 from deploy.preflight import PreflightError, run_checks
 
 
@@ -28,14 +29,21 @@ class UsageError(Exception):
     """A mistake in a command's arguments or in what they name (a job file, a checkpoint)."""
 
 
-USER_ERRORS = (ConfigError, PreflightError, UsageError)
+USER_ERRORS = (ConfigError, PreflightError, UsageError, PlacementError)
 
 
 def _load(args) -> "object":
     overrides = list(args.overrides)
     if getattr(args, "address", None):
         overrides.append(f"run.ray_address={args.address}")
-    return load_config(args.config, overrides)
+    cfg = load_config(args.config, overrides)
+    if args.command in ("train", "eval"):
+        # The password of a user's Redis from stream.redis_password_file or $GIGPO_REDIS_PASSWORD into the
+        # URL, which reaches the actors only as an argument; no process started from here inherits it.
+        from common.redis_server import PASSWORD_ENV, resolve_password
+        resolve_password(cfg.stream)
+        os.environ.pop(PASSWORD_ENV, None)
+    return cfg
 
 
 def cmd_train(args) -> int:
@@ -62,19 +70,52 @@ def cmd_eval(args) -> int:
 
 def _channel(output_dir: str):
     from common.redis_server import connect
-    from deploy.control import ControlChannel, read_job_file
+    from deploy.control import ControlChannel, job_redis_url, read_job_file
     try:
         job = read_job_file(output_dir)
-    except FileNotFoundError as exc:
+        url = job_redis_url(job)      # the password from $GIGPO_REDIS_PASSWORD or the job's password file
+    except (FileNotFoundError, ValueError) as exc:
         raise UsageError(str(exc)) from None
-    return ControlChannel(connect(job["redis_url"]), job["run"])
+    return ControlChannel(connect(url), job["run"])
+
+
+NOT_STARTED = "not started yet"
+LISTED_PER_ROLE = 4      # more actors of one role on a node are counted, not listed
+
+
+def format_placement(status: dict | None) -> str:
+    """Which actors run on which node, one line per node, from the status record's "placement" ({actor
+    name: {"ip", "hostname"}}, "ip" None while the actor has not started); "" when the record has none."""
+    placement = (status or {}).get("placement") or {}
+    by_node: dict[str, list[str]] = {}
+    for name, node in placement.items():
+        where = f"{node['ip']} ({node.get('hostname') or '?'})" if node and node.get("ip") else NOT_STARTED
+        by_node.setdefault(where, []).append(name)
+    if not by_node:
+        return ""
+    width = max(map(len, by_node))
+    lines = ["nodes:"]
+    for where in sorted(by_node, key=lambda w: (w == NOT_STARTED, w)):
+        roles: dict[str, list[str]] = {}
+        for name in by_node[where]:
+            roles.setdefault(name.rsplit("-", 1)[0], []).append(name)
+        parts = [", ".join(names) if len(names) <= LISTED_PER_ROLE else f"{len(names)} {role} actors"
+                 for role, names in roles.items()]
+        lines.append(f"  {where:<{width}}  {', '.join(parts)}")
+    return "\n".join(lines)
+
+
+def status_text(status: dict | None) -> str:
+    """`gigpo status`'s screen: the run's progress, then where its actors run."""
+    from deploy.control import format_status
+    placement = format_placement(status)
+    return format_status(status) + ("\n" + placement if placement else "")
 
 
 def cmd_status(args) -> int:
-    from deploy.control import format_status
     channel = _channel(args.output_dir)
     while True:
-        text = format_status(channel.read_status())
+        text = status_text(channel.read_status())
         if not args.watch:
             print(text)
             return 0
@@ -175,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from common.process_env import apply_project_env
+    apply_project_env()      # vLLM's, DeepSpeed's, ... variables, before anything imports them
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)

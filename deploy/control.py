@@ -1,14 +1,20 @@
 """The job's control channel: a running job publishes its status to Redis, and `gigpo status` / `gigpo scale`
 read and write it from any machine that can reach that Redis. The job writes `job.json` in its output
-directory with the Redis URL, so a command pointed at the output directory finds the job.
+directory with the Redis URL, its password redacted (an output directory gets shared, copied, uploaded), and
+the file the password can be read from where there is one (the embedded Redis's, or
+stream.redis_password_file), so a command pointed at the output directory finds the job.
 """
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 import redis
+
+from common.redis_server import (PASSWORD_ENV, is_redacted, password_file_for, read_password_file, redact,
+                                 with_password)
 
 JOB_FILE = "job.json"
 
@@ -22,11 +28,15 @@ def commands_key(run_name: str) -> str:
 
 
 def write_job_file(output_dir: str, run_name: str, redis_url: str, ray_address: str) -> Path:
+    """<output_dir>/job.json: the run, its Redis URL without the password, the file holding the password
+    (common.redis_server.password_file_for; "" when it came in the URL or from $GIGPO_REDIS_PASSWORD:
+    `gigpo status` then needs GIGPO_REDIS_PASSWORD) and the Ray address."""
     path = Path(output_dir) / JOB_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"run": run_name, "redis_url": redis_url, "ray_address": ray_address,
+    path.write_text(json.dumps({"run": run_name, "redis_url": redact(redis_url),
+                                "redis_password_file": password_file_for(redis_url), "ray_address": ray_address,
                                 "started_at": time.time()}, indent=2))
-    path.chmod(0o600)      # holds the Redis password
+    path.chmod(0o600)      # only its owner's commands need it
     return path
 
 
@@ -36,6 +46,25 @@ def read_job_file(output_dir: str) -> dict:
         raise FileNotFoundError(f"no running or finished job in {output_dir!r} ({path} is missing); "
                                 "pass the --output-dir the job was started with")
     return json.loads(path.read_text())
+
+
+def job_redis_url(job: dict, environ: dict | None = None) -> str:
+    """The job's Redis URL with its password: from $GIGPO_REDIS_PASSWORD, else from the job's password file.
+    ValueError saying what to set when neither has it (the message never holds the password)."""
+    url = job["redis_url"]
+    if not is_redacted(url):
+        return url        # no password, or a job file written before passwords were redacted
+    environ = os.environ if environ is None else environ
+    if environ.get(PASSWORD_ENV):
+        return with_password(url, environ[PASSWORD_ENV])
+    password_file = job.get("redis_password_file", "")
+    if not password_file:
+        raise ValueError(f"the job's Redis ({url}) needs its password, which job.json does not keep: set "
+                         f"{PASSWORD_ENV}")
+    if not os.path.exists(password_file):
+        raise ValueError(f"the job's Redis password file {password_file} is gone (an embedded Redis removes it "
+                         f"when the job ends); for a job still running elsewhere set {PASSWORD_ENV}")
+    return with_password(url, read_password_file(password_file, field="job.json's redis_password_file"))
 
 
 class ControlChannel:
@@ -77,8 +106,9 @@ def format_status(status: dict | None) -> str:
         f"run {status.get('run', '?')}   state {status.get('state', '?')}   "
         f"iteration {status.get('iteration', 0)}/{status.get('iterations', '?')}   "
         f"policy version {status.get('policy_version', 0)}   (updated {age:.0f}s ago)",
-        f"rollout actors {status.get('rollout_actors', 0)}   inference actors {status.get('inference_actors', 0)}"
-        f"   env instances {status.get('env_instances', 0)}",
+        f"rollout actors {status.get('rollout_actors', 0)} (restarted {status.get('rollout_restarts', 0)} times, "
+        f"{status.get('rollout_restarting', 0)} coming back)"
+        f"   inference actors {status.get('inference_actors', 0)}   env instances {status.get('env_instances', 0)}",
         f"throughput: {status.get('env_steps_per_s', 0.0):.1f} env steps/s   "
         f"{status.get('tokens_per_s', 0.0):.0f} tokens/s   {status.get('groups_per_s', 0.0):.2f} groups/s",
         f"stream: depth {status.get('stream_depth', 0)}   policy lag min/avg/max "

@@ -5,26 +5,29 @@
 #
 #   bash deploy/entrypoint.sh configs/cluster_alfworld_1.5b.yaml [section.field=value ...]
 #
-# The Redis URL is built here, on the head, from the environment, so that the password never appears in
-# a manifest or a job submission (KubeRay passes the entrypoint through a shell on the submitter pod):
+# The Redis URL is built here, on the head, from the environment; its password never appears on a command
+# line (not even this script's `gigpo train`: `ps` shows those), in a manifest or in a job submission
+# (KubeRay passes the entrypoint through a shell on the submitter pod):
 #   GIGPO_REDIS_HOST           default: this node's IP (the VM cluster runs Redis on the head)
 #   GIGPO_REDIS_PORT           default: 6380 (6379 is Ray's GCS port on the head)
-#   GIGPO_REDIS_PASSWORD       or GIGPO_REDIS_PASSWORD_FILE (default ~/.gigpo/redis_password)
+#   GIGPO_REDIS_PASSWORD       read by `gigpo train` from its environment (e.g. a Kubernetes Secret as an env var)
+#   GIGPO_REDIS_PASSWORD_FILE  else: a file holding it (default ~/.gigpo/redis_password; a Secret mounted as a
+#                              file), passed on as stream.redis_password_file (the path, not the password)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 config="${1:?usage: entrypoint.sh CONFIG [overrides...]}"
 shift
 host="${GIGPO_REDIS_HOST:-$(hostname -I | awk '{print $1}')}"
 port="${GIGPO_REDIS_PORT:-6380}"
-password="${GIGPO_REDIS_PASSWORD:-}"
-if [ -z "$password" ]; then
+password_args=()
+if [ -z "${GIGPO_REDIS_PASSWORD:-}" ]; then
   password_file="${GIGPO_REDIS_PASSWORD_FILE:-$HOME/.gigpo/redis_password}"
   [ -r "$password_file" ] || { echo "entrypoint.sh: no GIGPO_REDIS_PASSWORD and no $password_file" >&2; exit 2; }
-  password="$(cat "$password_file")"
+  password_args=("stream.redis_password_file=$password_file")
 fi
 py=python3
 [ -x .venv/bin/python ] && py=.venv/bin/python
-password="$("$py" -c 'import sys, urllib.parse; print(urllib.parse.quote(sys.argv[1], safe=""))' "$password")"
 # RAY_ADDRESS=auto: join the cluster this node belongs to instead of starting a local Ray.
 export RAY_ADDRESS="${RAY_ADDRESS:-auto}"
-exec "$py" -m deploy.cli train "$config" "stream.redis_url=redis://:${password}@${host}:${port}/0" "$@"
+exec "$py" -m deploy.cli train "$config" "stream.redis_url=redis://${host}:${port}/0" \
+  ${password_args[@]+"${password_args[@]}"} "$@"

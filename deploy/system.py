@@ -31,22 +31,29 @@ import ray
 
 from common.config import ExperimentConfig, to_dict
 from common.log_files import Terminal, run_log_dir, run_output
+from common.placement import node_label
 
 log = logging.getLogger("gigpo")
 
 LEARNER_CLOSE_S = 300    # a learner's close may save a checkpoint (of a large model: minutes)
 ROLLOUT_STOP_S = 30      # rollout actors told to stop without draining (they discard what is in flight)
 RATE_WINDOW = 8      # updates the progress bar's env steps/s is measured over
+WAIT_FOR_DATA_S = 10.0   # the learner's wait for a batch, between which the driver handles commands and status
 
 
 def start_ray(cfg: ExperimentConfig) -> str:
-    """Connect to `run.ray_address` / RAY_ADDRESS, or start a local Ray sized for this machine."""
+    """Connect to `run.ray_address` / RAY_ADDRESS, or start a local Ray sized for this machine.
+
+    The project's own environment (common.process_env) is set here first, so that a local Ray's processes
+    inherit it; on a cluster every actor sets it itself. The runtime env carries only the user's settings
+    from this environment, and under `ray job submit` only those the job's runtime env does not already
+    set (Ray refuses to merge two that name one variable)."""
     if ray.is_initialized():
         return ray.get_runtime_context().gcs_address
+    from common.process_env import apply_project_env, driver_runtime_env
+    apply_project_env()
     address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS", "")
-    env = {"env_vars": {k: v for k, v in os.environ.items()
-                        if k.startswith(("DS_", "VLLM_", "HF_", "TOKENIZERS_", "ALFWORLD_", "WEBSHOP_",
-                                         "TORCH_EXTENSIONS_DIR", "PYTHONPATH", "OMP_NUM_THREADS"))}}
+    env = driver_runtime_env(os.environ)
     if address:
         # Actors on other nodes write their log files there; streaming their output to the driver (into
         # its driver.log, see common.log_files) keeps one copy of everything where the run was started.
@@ -91,10 +98,18 @@ class System:
         self._next_rollout = 0
         self.inference: list = []
         self.learners: list = []
+        self.model = None                           # the policy as every actor receives it (a ModelSource)
+        self.placement: dict[str, dict | None] = {}  # actor name -> the node it answered from (None: not yet)
+        self._node_asks: dict[str, object] = {}     # actor name -> ObjectRef of its node() call in flight
         self.tracker = None
         self.channel = None
         self.last_eval: dict | None = None
         self._rollout_totals: dict[str, dict] = {}
+        self._last_stats: dict[str, dict] = {}      # live rollout actor id -> its last stats (kept over a restart)
+        self.rollout_restarts = 0
+        self.restarting: dict[str, object] = {}     # rollout actor id -> ObjectRef of a ping (it is coming back)
+        self.abandoned_groups_max = 0               # in-flight groups lost with restarted rollout actors (bound)
+        self._last_metrics: dict = {}
         self._closing = False                       # close() is running: further signals are ignored
         self._stopped_by: int | None = None         # the signal that stopped the run
         self._saved_handlers: dict | None = None    # SIGINT/SIGTERM handlers before this System's own
@@ -130,9 +145,9 @@ class System:
         link_ray_logs(self.log_dir)
         self.model_path = self._eval_model(scratch_dir) if eval_only else self._initial_model()
         if eval_only:
-            # The actors load exactly this model (the rollout side its tokenizer): none of them may build
-            # one under run.output_dir.
+            # The actors load exactly this model (the rollout side its tokenizer), whatever model.path says.
             cfg.model.path = self.model_path
+        self.model = self._ship_model(self.model_path)
         self.redis_url = None
         if not eval_only:
             self.redis_url, self.redis = redis_for(cfg.stream)
@@ -141,9 +156,13 @@ class System:
             self.tracker = Tracker(cfg.run.output_dir, cfg.run.name, to_dict(cfg), resume=cfg.run.resume)
 
         from actors.inference import create_inference_actors
+        from common.placement import PLACEMENT_TIMEOUT_S, wait_placeable
         from learner.actor import create_learner_workers
-        self.inference = create_inference_actors(to_dict(cfg), self.model_path, log_dir=self.log_dir)
-        self.learners = create_learner_workers(cfg, self.model_path, self.redis_url, self.inference,
+        self.inference = create_inference_actors(to_dict(cfg), self.model, log_dir=self.log_dir)
+        # Resources no node has would leave an actor pending forever: say which, before waiting on any.
+        # (The learner checks its own need, in create_learner_workers.)
+        wait_placeable(self.role_needs(), PLACEMENT_TIMEOUT_S, log=log)
+        self.learners = create_learner_workers(cfg, self.model, self.redis_url, self.inference,
                                                read_only=eval_only, log_dir=self.log_dir)
         state = ray.get(self.learners[0].state.remote())
         if eval_only and state["policy_version"] > 0:
@@ -155,6 +174,59 @@ class System:
         log.info("system up in %.0fs: %d inference, %d learner, %d rollout actors; outputs in %s",
                  time.perf_counter() - t0, len(self.inference), len(self.learners), len(self.rollouts),
                  self.out.resolve())
+        placement = self.refresh_placement(timeout_s=10.0)
+        log.info("placement: %s", "; ".join(f"{name} on {node_label(node)}" for name, node in placement.items()))
+        if self.channel is not None:     # `gigpo status` shows the placement before the first update
+            self._publish_status({"update": self.update, "policy_version": state["policy_version"]},
+                                 state="started")
+
+    def role_needs(self) -> dict[str, dict]:
+        """What one inference and one rollout actor (also the eval actor's node) need of a node."""
+        from common.placement import actor_need
+        inf, ro = self.cfg.inference, self.cfg.rollout
+        return {"an inference actor": actor_need(inf.cpus_per_actor, inf.gpus_per_actor, inf.resources),
+                "a rollout actor": actor_need(ro.cpus_per_actor, 0, ro.resources)}
+
+    def refresh_placement(self, timeout_s: float = 0.0) -> dict[str, dict | None]:
+        """{actor name: its node, None while it has not started} for every actor of the run, in role order.
+        Asks the inference and rollout actors again (one call in flight per actor: a restarted actor may
+        come back on another node) and waits up to timeout_s for the answers; the learner's ranks reported
+        theirs at start."""
+        actors = {f"inference-{i}": actor for i, actor in enumerate(self.inference)}
+        actors.update(self.rollouts)
+        for name in list(self._node_asks):
+            if name not in actors:
+                del self._node_asks[name]
+        for name, actor in actors.items():
+            if name not in self._node_asks:
+                self._node_asks[name] = actor.node.remote()
+        refs = list(self._node_asks.values())
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+        ready = set(ready)
+        for name, ref in list(self._node_asks.items()):
+            if ref in ready:
+                del self._node_asks[name]
+                try:
+                    self.placement[name] = ray.get(ref)
+                except ray.exceptions.RayError:
+                    self.placement[name] = None      # died (Ray may restart it; asked again next time)
+        nodes = getattr(self.learners, "nodes", None) or [None] * len(self.learners)
+        out = {f"learner-{rank}": node for rank, node in enumerate(nodes)}
+        out.update({name: self.placement.get(name) for name in actors})
+        return out
+
+    def _ship_model(self, path: str):
+        """The model as every actor receives it (common.model_files.ModelSource). It was built or found here,
+        in this node's output directory, which other nodes do not see: on a cluster (an address given, or
+        more than one node) a local model of up to model.ship_max_mb travels with the actors through Ray's
+        object store. A local Ray is one node that sees the path itself: nothing is copied (its object store
+        is small)."""
+        from common.model_files import ModelSource
+        from common.placement import alive_nodes
+        if Path(path).is_dir():
+            path = str(Path(path).resolve())       # the actors' working directory may differ from this one
+        cluster = bool(self.cfg.run.ray_address or os.environ.get("RAY_ADDRESS")) or len(alive_nodes()) > 1
+        return ModelSource.ship(path, self.cfg.model.ship_max_mb if cluster else 0)
 
     def _initial_model(self) -> str:
         """The policy a training run starts from: model.path ("tiny": built under run.output_dir), then the
@@ -311,7 +383,7 @@ class System:
             actor_id = f"rollout-{self._next_rollout}"
             self._next_rollout += 1
             actor = create_rollout_actor(to_dict(self.cfg), actor_id, self.inference, self.redis_url,
-                                         log_dir=self.log_dir)
+                                         log_dir=self.log_dir, model=self.model)
             self.rollouts[actor_id] = actor
             if not self.cfg.run.sync:
                 self.rollout_runs[actor_id] = actor.run.remote()
@@ -319,6 +391,7 @@ class System:
             actor_id = list(self.rollouts)[-1]
             actor = self.rollouts.pop(actor_id)
             self.rollout_runs.pop(actor_id, None)
+            self.restarting.pop(actor_id, None)
             self.retiring[actor_id] = (actor, actor.stop.remote(drain=drain))
 
     def reap_retired(self, timeout_s: float = 0.0) -> None:
@@ -328,6 +401,7 @@ class System:
             if not done:
                 continue
             del self.retiring[actor_id]
+            self._last_stats.pop(actor_id, None)
             try:
                 self._rollout_totals[actor_id] = ray.get(stop_ref)
                 ray.get(actor.close.remote(), timeout=60)
@@ -337,15 +411,22 @@ class System:
 
     def rollout_stats(self) -> dict:
         """Totals over live, retiring and removed rollout actors."""
-        handles = list(self.rollouts.values()) + [a for a, _ in self.retiring.values()]
-        refs = [a.stats.remote() for a in handles]
-        # An actor still waiting for CPUs (or starting) cannot answer yet: count it next time.
-        ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=10.0)
+        handles = dict(self.rollouts) | {actor_id: a for actor_id, (a, _) in self.retiring.items()}
+        refs = {a.stats.remote(): actor_id for actor_id, a in handles.items()}
+        # An actor still waiting for its node's resources (or starting, or restarting) cannot answer yet: its
+        # last answer counts. (Resources that no node has were refused at start: see role_needs.)
+        ready, waiting = ray.wait(list(refs), num_returns=len(refs), timeout=10.0)
         if waiting:
-            log.warning("%d rollout actor(s) not started yet (waiting for free CPUs? see `ray status`)",
-                        len(waiting))
+            from common.placement import format_need
+            log.warning("%d rollout actor(s) not started yet (each needs %s on one node; a busy cluster? see "
+                        "`ray status`)", len(waiting), format_need(self.role_needs()["a rollout actor"]))
+        for ref in ready:
+            try:
+                self._last_stats[refs[ref]] = ray.get(ref)
+            except ray.exceptions.RayError:     # died since: _check_rollouts_alive restarts it
+                pass
         total: dict = defaultdict(float)
-        for stats in ray.get(ready) + list(self._rollout_totals.values()):
+        for stats in list(self._last_stats.values()) + list(self._rollout_totals.values()):
             for key, value in stats.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     total[key] += value
@@ -381,7 +462,11 @@ class System:
             metrics = None
             while metrics is None:
                 self._check_rollouts_alive()
-                metrics = step_learner(self.learners, timeout_s=60.0)
+                metrics = step_learner(self.learners, timeout_s=WAIT_FOR_DATA_S)
+                if metrics is None:        # no full batch yet: stay responsive (scale commands, status)
+                    self._apply_commands()
+                    self.reap_retired()
+                    self._publish_waiting_status()
             now = time.perf_counter()
             stats = self.rollout_stats()
             dt = max(now - prev_t, 1e-9)
@@ -405,8 +490,10 @@ class System:
                 self.last_eval = self.evaluate()
                 metrics.update({f"eval/{k}": v for k, v in self.last_eval.items() if isinstance(v, float)})
                 terminal.print(eval_line(f"after update {update}", self.last_eval))
+            metrics["rollout/actor_restarts"] = float(self.rollout_restarts)
             self.tracker.log(metrics, step=update)
             history.append(metrics)
+            self._last_metrics = metrics
             self._publish_status(metrics, state="training")
             bar.update(1)
             bar.set_postfix(success=f"{metrics.get('batch/success_rate', 0.0):.2f}",
@@ -417,14 +504,47 @@ class System:
         return history
 
     def _check_rollouts_alive(self) -> None:
+        """A rollout actor that died (its process or its node) is restarted by Ray (max_restarts): its
+        in-flight groups are abandoned (a group is published whole or not at all), the run goes on with the
+        others, and it plays again once it is back. An exception inside its loop is a bug: the run stops."""
+        for actor_id, ping in list(self.restarting.items()):
+            done, _ = ray.wait([ping], timeout=0)
+            if not done:
+                continue
+            try:                # it answers: back, play again
+                ray.get(ping)
+                del self.restarting[actor_id]
+                self.rollout_runs[actor_id] = self.rollouts[actor_id].run.remote()
+                log.info("rollout actor %s is back", actor_id)
+            except ray.exceptions.RayError:     # still restarting (or waiting for a node): ask again later
+                self.restarting[actor_id] = self.rollouts[actor_id].node.remote()
         for actor_id, ref in list(self.rollout_runs.items()):
             done, _ = ray.wait([ref], timeout=0)
-            if done:
-                try:
-                    ray.get(done[0])
-                    raise RuntimeError(f"rollout actor {actor_id} stopped unexpectedly")
-                except ray.exceptions.RayError as exc:
-                    raise RuntimeError(f"rollout actor {actor_id} failed: {exc}") from exc
+            if not done:
+                continue
+            try:
+                ray.get(done[0])
+                raise RuntimeError(f"rollout actor {actor_id} stopped unexpectedly")
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+                del self.rollout_runs[actor_id]
+                self.rollout_restarts += 1
+                self.abandoned_groups_max += self.cfg.rollout.groups_per_actor
+                if actor_id in self._last_stats:    # its counters start again from 0 in its new life
+                    self._rollout_totals[f"{actor_id}#{self.rollout_restarts}"] = self._last_stats.pop(actor_id)
+                log.warning("rollout actor %s died (%s); Ray restarts it, its in-flight groups (at most %d) are "
+                            "abandoned, training goes on with the other actors", actor_id,
+                            str(exc).splitlines()[0][:200], self.cfg.rollout.groups_per_actor)
+                self.restarting[actor_id] = self.rollouts[actor_id].node.remote()
+            except ray.exceptions.RayError as exc:
+                raise RuntimeError(f"rollout actor {actor_id} failed: {exc}") from exc
+
+    def _publish_waiting_status(self) -> None:
+        """While the learner waits for a batch: say why (paused by `scale --rollout 0`, or waiting)."""
+        if self.channel is None:
+            return
+        state = ("paused: no rollout actors (resume with `gigpo scale --rollout N`)" if not self.rollouts
+                 else "waiting for data")
+        self._publish_status(self._last_metrics, state=state)
 
     def _apply_commands(self) -> None:
         for command in self.channel.pop_commands():
@@ -440,6 +560,7 @@ class System:
             "run": self.cfg.run.name, "state": state, "iteration": int(metrics.get("update", 0)),
             "iterations": self.cfg.run.iterations, "policy_version": int(metrics.get("policy_version", 0)),
             "rollout_actors": len(self.rollouts), "inference_actors": len(self.inference),
+            "rollout_restarts": self.rollout_restarts, "rollout_restarting": len(self.restarting),
             "env_instances": len(self.rollouts) * self.cfg.rollout.groups_per_actor * self.cfg.rollout.group_size,
             "env_steps_per_s": metrics.get("rollout/env_steps_per_s", 0.0),
             "tokens_per_s": metrics.get("rollout/generated_tokens_per_s", 0.0),
@@ -456,7 +577,14 @@ class System:
             "success_rate": metrics.get("rollout/success_rate", 0.0),
             "eval_success": f"{ev['success']:.2f}" if "success" in ev else "n/a",
             "outputs": str(self.out.resolve()),
+            "placement": self.placement_record(),
         })
+
+    def placement_record(self) -> dict[str, dict]:
+        """Each actor's node for the status record, {name: {"ip", "hostname"}} ("ip" None: not started yet);
+        `gigpo status` groups the actors by node."""
+        return {name: {"ip": node and node["ip"], "hostname": node and node["hostname"]}
+                for name, node in self.refresh_placement().items()}
 
     # -- evaluation ------------------------------------------------------------------------------------
 
@@ -464,7 +592,7 @@ class System:
         """Play the eval split once per task (group size 1, eval temperature) with the current weights."""
         from actors.evaluation import evaluate_tasks
         from common.metrics import ActorMetrics
-        result = evaluate_tasks(self.cfg, self.inference, log_dir=self.log_dir)
+        result = evaluate_tasks(self.cfg, self.inference, log_dir=self.log_dir, model=self.model)
         if result.get("episodes"):
             ActorMetrics("driver", self.cfg.run.name).set("success_rate", float(result["success"]), split="eval")
         return result

@@ -1,5 +1,6 @@
 """Where training metrics go: TensorBoard always, a JSON-lines file always (easy to plot or grep), and
-Weights & Biases when WANDB_API_KEY is set and `wandb` is installed."""
+Weights & Biases when WANDB_API_KEY is set and `wandb` is installed. The run's config goes to W&B with every
+Redis URL in it redacted (`redacted_config`): W&B shows a run's config to everyone on the project."""
 from __future__ import annotations
 
 import json
@@ -11,10 +12,20 @@ from pathlib import Path
 log = logging.getLogger("gigpo")
 
 
+def redacted_config(config: dict) -> dict:
+    """A copy of `config` (nested dicts) with the password of every Redis URL in it (a key ending in
+    redis_url: stream.redis_url) replaced by ***."""
+    from common.redis_server import redact
+    return {key: redacted_config(value) if isinstance(value, dict)
+            else redact(value) if key.endswith("redis_url") and isinstance(value, str) else value
+            for key, value in config.items()}
+
+
 class Tracker:
     def __init__(self, output_dir: str, run_name: str, config: dict, resume: bool = False):
         """resume: append to the run's metrics.jsonl; otherwise it starts anew (a run.overwrite run must not
-        mix its lines with the deleted run's)."""
+        mix its lines with the deleted run's). `config` is kept (as `self.config`) and sent to W&B redacted."""
+        self.config = redacted_config(config)
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         from torch.utils.tensorboard import SummaryWriter
@@ -25,7 +36,7 @@ class Tracker:
             try:
                 import wandb
                 self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "gigpo"), name=run_name,
-                                        config=config, dir=str(self.dir))
+                                        config=self.config, dir=str(self.dir))
             except ImportError:
                 log.warning("WANDB_API_KEY is set but wandb is not installed: `pip install wandb` to use it")
 

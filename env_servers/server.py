@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from common.config import EnvConfig
 from common.metrics import ActorMetrics
+from common.process_env import apply_project_env
 from env_servers.base import EnvReport
 
 
@@ -326,6 +327,7 @@ class _EnvServerImpl:
     """Ray actor body: an EnvPool with async methods (calls from different groups overlap)."""
 
     def __init__(self, env_cfg: EnvConfig, num_instances: int, seed: int = 0, metrics_id: str = ""):
+        apply_project_env()     # vLLM's, DeepSpeed's, ... variables first
         self.pool = EnvPool(env_cfg, num_instances, seed, metrics_id=metrics_id)
 
     async def reset_batch(self, requests: list[tuple[int, str, int]]) -> list[InstanceResult]:

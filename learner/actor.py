@@ -1,36 +1,80 @@
 """The learner as Ray actors: one actor per learner process, rank 0 reads the stream and pushes weights.
 
-    workers = create_learner_workers(cfg, model_path, stream_url, inference_actors)
+    workers = create_learner_workers(cfg, model, stream_url, inference_actors)   # model: a ModelSource
     metrics = step_learner(workers, timeout_s=600)       # one update on every rank; rank 0's metrics
+    workers.nodes[r]                                     # the node rank r runs on
+
+Start-up, in three steps with a deadline each, so that a cluster that cannot run the learner says why
+instead of hanging:
+1. the workers start (a light constructor) and report their nodes: PLACEMENT_TIMEOUT_S;
+2. rank 0 names a rendezvous address on its own node (its Ray IP and a port free there), and every rank
+   joins torch.distributed there: RENDEZVOUS_TIMEOUT_S (the error names each rank's node);
+3. each rank builds its `learner.loop.Learner` from the model as its node sees it.
 """
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import time
 
 import ray
 
 from common.config import ExperimentConfig, from_dict, to_dict
 from common.cpu_placement import place_this_process
 from common.log_files import send_output_to
+from common.placement import (PLACEMENT_TIMEOUT_S, PlacementError, actor_need, format_need, node_label, this_node,
+                              wait_placeable)
+from common.process_env import apply_project_env
+
+log = logging.getLogger("gigpo")
+
+RENDEZVOUS_TIMEOUT_S = 300.0     # every rank joins torch.distributed within this (they are all placed by then)
+STEP_TIMEOUT_S = 3600.0          # one update on every rank beyond its wait for data; generous: a large model's
+                                 # update, a checkpoint and a weight push all fit
 
 
 class LearnerWorker:
-    """One learner process. Sets the torch.distributed rank variables, then builds `learner.loop.Learner`."""
+    """One learner process: joins the process group, then builds `learner.loop.Learner` (see the module)."""
 
-    def __init__(self, cfg: dict, model_path: str, stream_url: str | None, inference_actors: list,
-                 rank: int, world_size: int, master_addr: str, master_port: int, read_only: bool = False,
-                 log_dir: str = ""):
+    def __init__(self, cfg: dict, rank: int, world_size: int, log_dir: str = ""):
+        apply_project_env()     # vLLM's, DeepSpeed's, ... variables first
         send_output_to(log_dir, f"learner-{rank}")     # DeepSpeed's and torch's output too
-        os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0",
-                           "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
-        if world_size > 1:
-            os.environ.setdefault("OMP_NUM_THREADS", "1")
-        from learner.loop import Learner
         self.cfg: ExperimentConfig = from_dict(cfg)
+        self.rank, self.world_size = rank, world_size
+        self.learner = None
+
+    def node(self) -> dict:
+        return this_node()
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """(this node's IP, a TCP port free on it): where the other ranks find rank 0."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def join(self, master_addr: str, master_port: int) -> None:
+        """Join the process group at rank 0's address (returns once every rank has joined)."""
+        os.environ.update({"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": "0",
+                           "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
+        if self.world_size > 1:
+            os.environ.setdefault("OMP_NUM_THREADS", "1")
+            interface = _interface_of(ray.util.get_node_ip_address())
+            if interface:
+                # gloo's default is the address the host name resolves to, which can be one the other nodes
+                # cannot reach (a loopback entry in /etc/hosts): use the one Ray reaches this node at.
+                os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
         place_this_process(self.cfg.run.learner_cpus)     # before torch starts its threads
-        self.learner = Learner(self.cfg, model_path, stream_url if rank == 0 else None,
-                               inference_actors=inference_actors if rank == 0 else None, read_only=read_only)
+        from learner.trainer import setup_distributed
+        setup_distributed()
+
+    def build(self, model, stream_url: str | None, inference_actors: list, read_only: bool = False) -> None:
+        """Load the model (`model`: a common.model_files.ModelSource, as this node sees it) and build the
+        learner; rank 0 reads the stream and pushes weights."""
+        from learner.loop import Learner
+        rank0 = self.rank == 0
+        self.learner = Learner(self.cfg, model.local_path(), stream_url if rank0 else None,
+                               inference_actors=inference_actors if rank0 else None, read_only=read_only)
 
     def step(self, timeout_s: float | None = None) -> dict | None:
         return self.learner.step(timeout_s=timeout_s)
@@ -49,31 +93,96 @@ class LearnerWorker:
         return self.learner.save_checkpoint()
 
     def close(self) -> None:
-        self.learner.close()
+        if self.learner is not None:
+            self.learner.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+def _interface_of(ip: str) -> str:
+    """The network interface holding `ip` on this machine ("" if none does)."""
+    import psutil
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == ip for a in addresses):
+            return name
+    return ""
 
 
-def create_learner_workers(cfg: ExperimentConfig, model_path: str, stream_url: str | None, inference_actors: list,
-                           read_only: bool = False, log_dir: str = "") -> list:
-    """`learner.num_processes` actors, each reserving one process's share of GPUs (or one CPU); read_only:
-    they serve a checkpoint for evaluation (see `Learner`); log_dir: rank r's output goes to
-    <log_dir>/learner-<r>.log."""
+class LearnerWorkers(list):
+    """The learner workers' actor handles in rank order, and `nodes`: the node each rank runs on."""
+
+    def __init__(self, workers: list, nodes: list[dict]):
+        super().__init__(workers)
+        self.nodes = nodes
+
+    def where(self, ranks: list[int] | None = None) -> str:
+        """"rank 0 on 10.0.0.2 (host-a), rank 1 on ..." for error messages."""
+        ranks = range(len(self)) if ranks is None else ranks
+        return ", ".join(f"rank {r} on {node_label(self.nodes[r])}" for r in ranks)
+
+
+def _wait_all(refs: list, timeout_s: float) -> list[int]:
+    """Wait up to timeout_s for every ref; the indices of those still not ready. A call that failed raises
+    its error at once (the other ranks may be waiting for it in a collective that would never end)."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not done:
+            break
+        ray.get(done)
+    late = set(pending)
+    return [i for i, ref in enumerate(refs) if ref in late]
+
+
+def create_learner_workers(cfg: ExperimentConfig, model, stream_url: str | None, inference_actors: list,
+                           read_only: bool = False, log_dir: str = "",
+                           placement_timeout_s: float = PLACEMENT_TIMEOUT_S,
+                           rendezvous_timeout_s: float = RENDEZVOUS_TIMEOUT_S) -> LearnerWorkers:
+    """`learner.num_processes` actors, each reserving one process's share of GPUs (or one CPU) and
+    `learner.resources` on its node; model: a common.model_files.ModelSource; read_only: they serve a
+    checkpoint for evaluation (see `Learner`); log_dir: rank r's output goes to <log_dir>/learner-<r>.log.
+    Raises PlacementError (after killing them) when they cannot be placed or cannot meet in time."""
     n = cfg.learner.num_processes
     gpus = cfg.learner.gpus_per_process
     actor_cls = ray.remote(LearnerWorker)
-    master_addr = ray.util.get_node_ip_address()
-    port = _free_port()
-    return [actor_cls.options(num_cpus=1, num_gpus=gpus, name=None).remote(
-        to_dict(cfg), model_path, stream_url, inference_actors, rank, n, master_addr, port, read_only, log_dir)
-        for rank in range(n)]
+    workers = [actor_cls.options(num_cpus=1, num_gpus=gpus, resources=cfg.learner.resources or None,
+                                 name=None).remote(to_dict(cfg), rank, n, log_dir)
+               for rank in range(n)]
+    try:
+        need = actor_need(1, gpus, cfg.learner.resources)
+        wait_placeable({"the learner (each of its processes)": need}, placement_timeout_s, log=log)
+        node_refs = [w.node.remote() for w in workers]
+        late = _wait_all(node_refs, placement_timeout_s)
+        if late:
+            raise PlacementError(
+                f"learner rank(s) {late} did not start within {placement_timeout_s:.0f} s (each needs "
+                f"{format_need(need)}, and a node offers it but has not given it: busy? see `ray status`)")
+        workers = LearnerWorkers(workers, ray.get(node_refs))
+        master_addr, master_port = ray.get(workers[0].rendezvous_address.remote())
+        joins = [w.join.remote(master_addr, master_port) for w in workers]
+        late = _wait_all(joins, rendezvous_timeout_s)
+        if late:
+            raise PlacementError(
+                f"learner rank(s) {late} did not join torch.distributed at {master_addr}:{master_port} (rank 0's "
+                f"node) within {rendezvous_timeout_s:.0f} s; {workers.where()}: can every learner node reach "
+                f"{master_addr} on TCP (a firewall between nodes)? Their logs: learner-<rank>.log")
+        ray.get(joins)
+        ray.get([w.build.remote(model, stream_url, inference_actors, read_only) for w in workers])
+    except BaseException:
+        for worker in workers:
+            ray.kill(worker)
+        raise
+    return workers
 
 
-def step_learner(workers: list, timeout_s: float | None = None) -> dict | None:
-    """One update on every rank (they run collectives together); rank 0's metrics."""
-    results = ray.get([w.step.remote(timeout_s) for w in workers])
-    return results[0]
+def step_learner(workers: list, timeout_s: float | None = None, deadline_s: float = STEP_TIMEOUT_S) -> dict | None:
+    """One update on every rank (they run collectives together); rank 0's metrics. Raises TimeoutError
+    naming the ranks and their nodes when they have not finished within timeout_s (the wait for data)
+    + deadline_s."""
+    refs = [w.step.remote(timeout_s) for w in workers]
+    limit = (timeout_s or 0.0) + deadline_s
+    late = _wait_all(refs, limit)
+    if late:
+        where = workers.where(late) if isinstance(workers, LearnerWorkers) else f"rank(s) {late}"
+        raise TimeoutError(f"learner {where} did not finish an update within {limit:.0f} s (a hung collective or "
+                           f"a dead node?); see learner-<rank>.log in the run's logs")
+    return ray.get(refs)[0]

@@ -1,6 +1,6 @@
 """The learner loop: stream -> batch -> train -> push weights -> (checkpoint) -> ack.
 
-    learner = Learner(cfg, model_path, stream_url, publisher=WeightPublisher(inference_actors))
+    learner = Learner(cfg, model_path, stream_url, inference_actors=inference_actors)
     while learner.updates < cfg.run.iterations:
         metrics = learner.step()          # one update; None if no full batch arrived in time
     learner.close()
@@ -62,8 +62,9 @@ class Learner:
             cfg: the experiment config (learner, stream, model, rollout sections are used).
             model_path: local path of the initial policy (Hugging Face format).
             stream_url: Redis URL of the trajectory stream (rank 0; None: groups come through `step(groups)`).
-            publisher: an object with `push(named_tensors, version) -> dict`; None builds a
-                `common.weight_sync.WeightPublisher` over `inference_actors` when those are given.
+            publisher: an object with `push(named_tensors, version) -> dict` (and optionally
+                `needs_push(version) -> bool`); None builds `common.weight_transfer.create_weight_transfer`
+                over `inference_actors` when those are given (inference.weight_transfer picks the way).
             checkpoint_dir: where checkpoints go (default: <run.output_dir>/checkpoints); "" disables them.
             resume: load the latest checkpoint there, or cfg.run.resume_tag (default: cfg.run.resume).
                 Without it, a checkpoint_dir that holds checkpoints is refused (ValueError) unless
@@ -92,8 +93,8 @@ class Learner:
             from common.stream import TrajectoryStream
             self.stream = TrajectoryStream(stream_url, cfg.stream, consumer_name=consumer_name)
         if publisher is None and inference_actors and self.rank == 0:
-            from common.weight_sync import WeightPublisher
-            publisher = WeightPublisher(inference_actors, bucket_mb=cfg.inference.weight_bucket_mb)
+            from common.weight_transfer import create_weight_transfer
+            publisher = create_weight_transfer(cfg, inference_actors)
         self.publisher = publisher if self.rank == 0 else None
         # Every rank must know whether rank 0 pushes (ZeRO-3 gathers need all ranks).
         self._pushes = bool(self._broadcast(self.publisher is not None))
@@ -117,6 +118,9 @@ class Learner:
                 self.metrics.zero("groups_dropped", reason=reason)
         if resume:
             self._resume()
+        if self._pushes:
+            # Inference actors that started without the model's weights (not on their node) wait for them.
+            self.repush_if_needed()
         if self.metrics is not None:
             self.metrics.set("policy_version", self.policy_version)
 
@@ -222,6 +226,7 @@ class Learner:
             groups = None if received is None else [r.group for r in received]
         groups = self._broadcast(groups)
         if groups is None:
+            self.repush_if_needed()      # an inference actor back from a restart without weights
             if self.metrics is not None:     # the time waited for a batch that did not come is still spent
                 self.metrics.inc("learner_seconds", time.perf_counter() - t_wait, phase="wait_data")
                 self._record_stream_metrics(None)
@@ -390,6 +395,32 @@ class Learner:
         self.policy_version = version
         if self.metrics is not None:
             self.metrics.set("policy_version", version)
+        return info
+
+    def repush_if_needed(self) -> dict:
+        """Push the current weights again, under the current version, when some inference actor lacks them
+        (it started with dummy weights, or came back from a restart without them): at start (version 0)
+        and when a step finds no batch, so that an actor is served even while no update happens. All
+        processes call it (ZeRO-3 gathers are collective); rank 0 asks the publisher (`needs_push`). A
+        failed check is logged and tried again at the next call."""
+        if not self._pushes:
+            return {}
+        need = False
+        if self.rank == 0 and hasattr(self.publisher, "needs_push"):
+            try:
+                need = bool(self.publisher.needs_push(self.policy_version))
+            except Exception as exc:  # noqa: BLE001 - an actor restarting right now: ask again next time
+                log.warning("could not ask the inference actors for their weights: %s", exc)
+        if not self._broadcast(need):
+            return {}
+        info: dict = {}
+        if self.rank == 0:
+            info = self.publisher.push(self.trainer.named_weights(), self.policy_version) or {}
+            log.info("pushed version %d again to inference actors without it (%.2f s, %s)", self.policy_version,
+                     info.get("total_s", 0.0), info.get("transfer", "?"))
+        elif self.cfg.learner.zero_stage == 3:
+            for _ in self.trainer.named_weights():   # join rank 0's (collective) gathers
+                pass
         return info
 
     def _ack(self) -> None:

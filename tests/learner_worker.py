@@ -137,14 +137,14 @@ def main() -> None:
 
 
 class BucketFilePublisher:
-    """The learner-side half of `common.weight_sync.WeightPublisher.push` (gathered weights written as
+    """The learner-side half of `common.weight_transfer.ShmTransfer.push` (gathered weights written as
     safetensors buckets), without inference actors to load them: the test reads the files instead."""
 
     def __init__(self, out_dir: str):
         self.out_dir = out_dir
 
     def push(self, named_tensors, version: int) -> dict:
-        from common.weight_sync import write_buckets
+        from common.weight_transfer import write_buckets
         files = write_buckets(named_tensors, f"{self.out_dir}/v{version}", 64 * 2 ** 20)
         return {"buckets": len(files), "version": version}
 

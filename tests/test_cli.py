@@ -4,7 +4,7 @@ import pytest
 from common.config import ConfigError
 from common.redis_server import EmbeddedRedis, connect
 from deploy import cli
-from deploy.control import ControlChannel, format_status, read_job_file, write_job_file
+from deploy.control import ControlChannel, format_status, job_redis_url, read_job_file, write_job_file
 
 
 @pytest.fixture(scope="module")
@@ -15,8 +15,9 @@ def redis_url():
 
 def test_status_and_scale_through_the_job_file(tmp_path, redis_url, capsys):
     write_job_file(str(tmp_path), "demo", redis_url, "")
-    assert (tmp_path / "job.json").stat().st_mode & 0o077 == 0      # holds the Redis password
-    job_channel = ControlChannel(connect(read_job_file(str(tmp_path))["redis_url"]), "demo")
+    assert (tmp_path / "job.json").stat().st_mode & 0o077 == 0      # names the file with the Redis password
+    # (the password itself is in no job file: tests/test_secrets.py)
+    job_channel = ControlChannel(connect(job_redis_url(read_job_file(str(tmp_path)))), "demo")
     job_channel.publish_status({"run": "demo", "state": "training", "iteration": 3, "iterations": 10,
                                 "policy_version": 3, "rollout_actors": 2, "env_steps_per_s": 12.5})
     assert cli.main(["status", "--output-dir", str(tmp_path)]) == 0

@@ -175,7 +175,7 @@ def test_add_and_remove_rollout_actors_during_a_run(setup):
     # a weight update while both play: rows say which version sampled them, nothing stops
     from transformers import AutoModelForCausalLM
 
-    from common.weight_sync import WeightPublisher
+    from common.weight_transfer import ShmTransfer as WeightPublisher
     model = AutoModelForCausalLM.from_pretrained(path)
     WeightPublisher(inference).push(model.state_dict().items(), version=1)
     published_a = ray.get(a.stats.remote())["groups_published"]

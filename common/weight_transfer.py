@@ -1,0 +1,669 @@
+"""Moving the learner's weights into the inference actors: one interface, three ways, chosen by config.
+
+    transfer = create_weight_transfer(cfg, inference_actors)    # learner rank 0; cfg.inference.weight_transfer
+    timings = transfer.push(trainer.named_weights(), version=7)  # {"transfer": "shm", "total_s", "bytes", "gbps", ...}
+    if transfer.needs_push(version): ...                        # an actor without the current weights
+    transfer.close()
+
+The ways (`inference.weight_transfer`):
+- "shm" (`ShmTransfer`): the named tensors are packed into a few large safetensors files ("buckets", at most
+  inference.weight_bucket_mb each) in a shared-memory directory on the learner's node, and each inference
+  actor loads them all in ONE in-place reload inside its vLLM worker. Few large files, because a sync costs
+  per call, not per byte. The directory also holds `manifest.json` ({"version", "files"}), written
+  atomically before the actors are told: an actor that Ray restarts reads it in its constructor and comes
+  back with the newest weights. One node only (/dev/shm is per node), unless inference.weights_dir is a
+  filesystem every node mounts.
+- "collective" (`EngineTransfer`): a process group between learner rank 0 and every vLLM worker, through
+  vLLM's pluggable weight-transfer engines: "gloo" on CPU (our backend, common/gloo_weight_transfer.py,
+  a vLLM plugin) and vLLM's own "nccl" on GPU, driven by the same code here. Rank 0 broadcasts packed
+  buffers while the workers receive them and load them with vLLM's layer-wise reload. Any nodes; nothing
+  touches disk. The NCCL variant is not exercised on CPU-only machines (this one): it is vLLM's engine with
+  the same client and deadlines, untested here.
+- "ipc" (`EngineTransfer` with vLLM's "ipc" backend): CUDA IPC handles, when learner rank 0 and the vLLM
+  workers share one GPU; the inference actors must be created with inference.weight_transfer=ipc. It needs
+  CUDA: on a CPU-only learner choosing it is an error. Untested on CPU-only machines.
+- "auto": shm when learner rank 0 and every inference actor run on one Ray node, else collective. The
+  choice and its reason are logged (one line) and every push's timings name it ("transfer"); it is made
+  again when an actor comes back from a restart on another node.
+
+Deadlines: every call to an inference actor has one (inference.transfer_timeout_s, counted per push), and
+the gloo group's rendezvous and broadcasts time out after it too, so a peer that never joins or dies
+half-way gives an error naming the inference actor, not a hang.
+
+Restarts: an inference actor that Ray restarts has lost its place in the process group (its group token is
+gone): the next push notices (`transfer_state()["group"]`), rebuilds the group on a fresh port with every
+actor, and pushes. A push that fails because an actor died is tried once more after the actors are back.
+An actor that came back without the current weights keeps its request gate closed (actors/inference.py);
+`needs_push` tells the learner, which pushes its current version (`Learner.repush_if_needed`).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+MODES = ("auto", "shm", "collective", "ipc")
+
+
+# -- shm: the bucket format ----------------------------------------------------------------------------------
+
+def default_weights_dir(tag: str) -> str:
+    """Where buckets live: /dev/shm (RAM-backed, shared by all processes on the node) if present."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    return os.path.join(base, f"gigpo-weights-{tag}")
+
+
+def read_manifest(weights_dir: str) -> dict | None:
+    """The newest published {"version": int, "files": [paths]} in `weights_dir`, or None."""
+    path = Path(weights_dir) / MANIFEST
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    if not isinstance(data, dict) or "version" not in data or "files" not in data:
+        raise ValueError(f"{path}: malformed weight manifest {data!r}")
+    return data
+
+
+def write_buckets(named_tensors: Iterable[tuple[str, "torch.Tensor"]], out_dir: str,
+                  bucket_bytes: int) -> list[str]:
+    """Pack tensors, in order, into safetensors files of at most `bucket_bytes` (a single larger tensor
+    gets a file of its own). Tensors are made contiguous CPU copies; shared storage (tied weights) is
+    broken up because safetensors refuses aliased tensors."""
+    import torch
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    files: list[str] = []
+    bucket: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush() -> None:
+        nonlocal bucket, size
+        if bucket:
+            path = os.path.join(out_dir, f"bucket_{len(files):04d}.safetensors")
+            save_file(bucket, path)
+            files.append(path)
+        bucket, size = {}, 0
+
+    seen: set[str] = set()
+    for name, tensor in named_tensors:
+        if name in seen:
+            raise ValueError(f"weight {name!r} appears twice")
+        seen.add(name)
+        t = tensor.detach().to("cpu").contiguous().clone()
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            flush()
+        bucket[name] = t
+        size += nbytes
+    flush()
+    if not files:
+        raise ValueError("no weights to publish")
+    return files
+
+
+def load_buckets_into_worker(worker, files: list[str]) -> int:
+    """Runs inside a vLLM worker process (via collective_rpc): reload all weights in place, in one pass
+    over the bucket files (vLLM's layer-wise reload wants every weight of the model in one call)."""
+    from itertools import chain
+
+    from safetensors.torch import load_file
+
+    count = 0
+
+    def tensors():
+        nonlocal count
+        for path in files:
+            for item in load_file(path).items():
+                count += 1
+                yield item
+
+    # vLLM 0.32's layer-wise reload logs "RotaryEmbedding: Failed to load weights" on every call (the
+    # collective path too): it expects every layer holding tensors to receive some, but the rotary layer's
+    # only tensor is a cache derived from the config (a non-persistent buffer, in no checkpoint); it puts
+    # that back, which is right. A tied lm_head must be pushed under its own name too (`with_aliases`).
+    # The warning lands in the actor's log file.
+    worker.reload_weights(weights_iterator=chain(tensors()), is_checkpoint_format=True)
+    return count
+
+
+def _write_json_atomic(path: str, data: dict) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".manifest.")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+# -- tied weights ---------------------------------------------------------------------------------------------
+
+def tied_aliases(hf_config) -> dict[str, str]:
+    """{alias: source} of the checkpoint names that a model with tied embeddings shares (the causal-LM
+    families served here, Qwen2 and Llama, name them so)."""
+    text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    return {"lm_head.weight": "model.embed_tokens.weight"} if getattr(text_config, "tie_word_embeddings",
+                                                                       False) else {}
+
+
+def with_aliases(named_tensors: Iterable, aliases: dict[str, str]) -> list:
+    """The pairs, with each missing alias added right after its source (the same tensor, no copy).
+
+    Why: a learner's `named_parameters()` yields a tied weight once, as the embedding. vLLM 0.32's layer-wise
+    reload then finds no weights for the tied lm_head layer and only puts its tensors back, without
+    re-running its post-load processing; on CPU that processing keeps a packed copy of the head for the
+    matmul, so the engine would go on computing logits with the old head (measured: log-probs off by ~1
+    nat after one perturbed push). Sent under its own name too, the head layer is reloaded and processed
+    like any other. It costs the embedding's bytes once more per push."""
+    pairs = list(named_tensors)
+    names = {name for name, _ in pairs}
+    wanted = {source: alias for alias, source in aliases.items() if alias not in names}
+    out = []
+    for name, tensor in pairs:
+        out.append((name, tensor))
+        if name in wanted:
+            out.append((wanted[name], tensor))
+    return out
+
+
+# -- calls to the inference actors, with deadlines ------------------------------------------------------------
+
+class ActorLost(RuntimeError):
+    """An inference actor died during a call (Ray restarts it; a later push reaches the new one)."""
+
+
+def _label(i: int, state: dict | None) -> str:
+    from common.placement import node_label
+
+    if not state:
+        return f"inference actor {i}"
+    return f"inference actor {i} (pid {state.get('pid', '?')} on {node_label(state.get('node'))})"
+
+
+def call_actors(actors: list, method: str, args_of, deadline: float, what: str,
+                states: list[dict] | None = None) -> list:
+    """Call `method` on every actor (args_of(i) -> its positional args) and wait for all until `deadline`
+    (time.monotonic()). Raises ActorLost, TimeoutError or RuntimeError naming the actors concerned."""
+    import ray
+
+    refs = [getattr(actor, method).remote(*args_of(i)) for i, actor in enumerate(actors)]
+    ready, late = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
+    results, lost, failed = [], [], []
+    for i, ref in enumerate(refs):
+        if ref not in ready:
+            continue
+        try:
+            results.append(ray.get(ref))
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+            lost.append((i, exc))
+        except Exception as exc:  # noqa: BLE001 - reported with the actor's name below
+            failed.append((i, exc))
+    if lost:
+        raise ActorLost("; ".join(f"{_label(i, states and states[i])} died during {what}: {str(e)[:300]}"
+                                  for i, e in lost))
+    if failed:
+        # A RayTaskError's text starts with the remote traceback; its cause is the actor's own error.
+        raise RuntimeError("; ".join(f"{_label(i, states and states[i])} failed to {what}: "
+                                     f"{type(getattr(e, 'cause', None) or e).__name__}: "
+                                     f"{str(getattr(e, 'cause', None) or e)[:800]}" for i, e in failed))
+    if late:
+        names = ", ".join(_label(i, states and states[i]) for i, ref in enumerate(refs) if ref in late)
+        raise TimeoutError(f"{names} did not {what} within the deadline (inference.transfer_timeout_s)")
+    return results
+
+
+def actor_states(actors: list, timeout_s: float) -> list[dict]:
+    """Each actor's `transfer_state()` (has_weights, version, group, backend, workers, pid, node)."""
+    return call_actors(actors, "transfer_state", lambda i: (), time.monotonic() + timeout_s,
+                       "report its weight state")
+
+
+# -- shm ----------------------------------------------------------------------------------------------------
+
+class ShmTransfer:
+    """Learner side of the shm way (see the module docstring). One per learner (rank 0)."""
+
+    def __init__(self, inference_actors: list, bucket_mb: float = 512, keep_versions: int = 1,
+                 timeout_s: float = 600.0):
+        import ray
+
+        if bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+        self.inference_actors = list(inference_actors)
+        self.bucket_bytes = max(1, int(bucket_mb * 1024 * 1024))
+        self.keep_versions = max(1, keep_versions)
+        self.timeout_s = timeout_s
+        # The actors say where their manifest lives (a restarted actor must find it from its own args).
+        dirs = ray.get([a.weights_dir.remote() for a in self.inference_actors],
+                       timeout=timeout_s) if self.inference_actors else []
+        self.weights_dirs = sorted(set(dirs))
+
+    def push(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]], version: int) -> dict:
+        """Publish `named_tensors` (HF checkpoint names) as policy `version` to every inference actor.
+        Returns timings in seconds: write (buckets to shared memory), load (actors' in-place reload, the
+        slowest actor), total; plus bytes and buckets."""
+        t0 = time.perf_counter()
+        if not self.weights_dirs:
+            raise RuntimeError("ShmTransfer has no inference actors")
+        primary = self.weights_dirs[0]
+        version_dir = os.path.join(primary, f"v{version:08d}")
+        shutil.rmtree(version_dir, ignore_errors=True)       # a half-written earlier try of this version
+        files = write_buckets(named_tensors, version_dir, self.bucket_bytes)
+        nbytes = sum(os.path.getsize(f) for f in files)
+        manifest = {"version": int(version), "files": files}
+        for d in self.weights_dirs:            # the manifest first: a restarting actor picks it up
+            _write_json_atomic(os.path.join(d, MANIFEST), manifest)
+        t_write = time.perf_counter()
+
+        def load(deadline: float) -> None:
+            call_actors(self.inference_actors, "update_weights_from_files", lambda i: (files, int(version)),
+                        deadline, f"load weight version {version} from {primary}")
+
+        try:
+            load(time.monotonic() + self.timeout_s)
+        except ActorLost as first:
+            # A restarted actor loads the manifest itself; the retry (same files) is skipped there, or loads
+            # them if it came back before the manifest was written.
+            log.warning("%s; trying again once the actor is back", first)
+            load(time.monotonic() + self.timeout_s)
+        t_load = time.perf_counter()
+        self._drop_old_versions(primary, version)
+        return {"write_s": t_write - t0, "load_s": t_load - t_write, "total_s": t_load - t0,
+                "bytes": nbytes, "buckets": len(files), "version": int(version)}
+
+    def _drop_old_versions(self, weights_dir: str, version: int) -> None:
+        olds = sorted(p for p in Path(weights_dir).glob("v*") if p.is_dir() and p.name != f"v{version:08d}")
+        for p in olds[: max(0, len(olds) - (self.keep_versions - 1))]:
+            shutil.rmtree(p, ignore_errors=True)
+
+    def close(self, remove_files: bool = False) -> None:
+        if remove_files:
+            for d in self.weights_dirs:
+                shutil.rmtree(d, ignore_errors=True)
+
+
+# -- collective and ipc: vLLM's weight-transfer engines --------------------------------------------------------
+
+def _tensor_list_source(pairs: list):
+    """A vLLM `WeightSource` over (name, tensor) pairs already in hand (one push's weights)."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    class TensorListSource(WeightSource):
+        def metadata(self):
+            return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in pairs]
+
+        def __iter__(self):
+            return iter(pairs)
+
+    return TensorListSource()
+
+
+class _ActorsClient:
+    """vLLM's `VLLMWeightSyncClient` over our inference actors: every call fans out to all of them with the
+    push's deadline. Unlike vLLM's RayVLLMWeightSyncClient it gives each actor its own place in the group
+    (rank_offset), so several single-worker engines can share one group, and it names the actor that
+    failed."""
+
+    def __init__(self, actors: list, timeout_s: float):
+        self.actors = actors
+        self.timeout_s = timeout_s
+        self.states: list[dict] = []
+        self.group = ""                 # token of the group being built / in use
+        self.offsets: list[int] = []    # each actor's first rank after the trainer's
+        self.version = 0
+        self.deadline = 0.0
+
+    def prepare(self, states: list[dict], group: str) -> None:
+        self.states, self.group = states, group
+        self.offsets = [sum(s["workers"] for s in states[:i]) for i in range(len(states))]
+
+    def begin_push(self, version: int) -> None:
+        self.version, self.deadline = int(version), time.monotonic() + self.timeout_s
+
+    def rank_owner(self, rank: int) -> int | None:
+        """The actor index whose worker has group rank `rank` (the trainer is rank 0)."""
+        for i, (offset, state) in enumerate(zip(self.offsets, self.states)):
+            if offset < rank <= offset + state["workers"]:
+                return i
+        return None
+
+    def label(self, i: int) -> str:
+        return _label(i, self.states[i] if i < len(self.states) else None)
+
+    def _call(self, method: str, args_of, what: str) -> None:
+        call_actors(self.actors, method, args_of, self.deadline, what, self.states)
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        def args_of(i):
+            info = dict(init_info)
+            if "rank_offset" in info:
+                info["rank_offset"] += self.offsets[i]
+            return info, self.group
+
+        self.deadline = time.monotonic() + self.timeout_s + 30     # its own: the gloo join waits timeout_s
+        self._call("init_weight_transfer_engine", args_of, "join the weight-transfer group")
+
+    def start_weight_update(self) -> None:
+        self._call("start_weight_update", lambda i: (self.version,), f"start the update to version {self.version}")
+
+    def update_weights(self, update_info) -> None:
+        self._call("update_weights", lambda i: (update_info,), f"receive weight version {self.version}")
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._call("finish_weight_update", lambda i: (self.version,), f"finish the update to {self.version}")
+
+
+def _rank_zero_ipc_engine():
+    """vLLM's CUDA IPC trainer engine, for a sender that holds the full weights alone: vLLM's all-gathers
+    the handles of every trainer rank over torch.distributed's default group, which our learner's other
+    ranks never join for a push (rank 0 gathers the full weights first, at every ZeRO stage)."""
+    import torch
+    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerWeightTransferEngine
+
+    class RankZeroIPCTrainerWeightTransferEngine(IPCTrainerWeightTransferEngine):
+        def _all_gather_and_merge_handles(self, handles):
+            return handles
+
+        @staticmethod
+        def _post_send_sync() -> None:
+            torch.cuda.ipc_collect()
+
+    return RankZeroIPCTrainerWeightTransferEngine
+
+
+def _free_port(address: str) -> int:
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+def _run_with_deadline(fn, timeout_s: float, what: str):
+    """fn() in a daemon thread, waited for at most timeout_s: a collective without a deadline of its own
+    (vLLM's NCCL) must not hang the learner. After a timeout the thread is abandoned with its group."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["result"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, name=f"weight-transfer: {what}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"{what} did not finish within {timeout_s:.0f} s (inference.transfer_timeout_s)")
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")
+
+
+class EngineTransfer:
+    """Learner side of the collective ("gloo" on CPU, "nccl" on GPU) and "ipc" ways: vLLM's trainer engine
+    for the backend, driving the actors through `_ActorsClient`. The group is built at the first push and
+    rebuilt (fresh port, every actor) whenever an actor is not in it (restarted) or a push failed."""
+
+    def __init__(self, inference_actors: list, backend: str, bucket_mb: float = 512, timeout_s: float = 600.0):
+        from common import gloo_weight_transfer
+
+        if backend not in ("gloo", "nccl", "ipc"):
+            raise ValueError(f"unknown weight-transfer backend {backend!r}")
+        gloo_weight_transfer.register()
+        self.actors = list(inference_actors)
+        self.backend = backend
+        self.bucket_bytes = max(1, int(bucket_mb * 1024 * 1024))
+        self.timeout_s = timeout_s
+        self.client = _ActorsClient(self.actors, timeout_s)
+        self.engine = None
+        self.group = ""
+        self.builds = 0                # groups built so far (the first, then after restarts and failures)
+
+    @property
+    def rebuilds(self) -> int:
+        """Groups built after the first (restarted actors, failed pushes)."""
+        return max(0, self.builds - 1)
+
+    def _learner_address(self) -> str:
+        import ray
+        return ray.util.get_node_ip_address()
+
+    def _build(self, states: list[dict], source) -> None:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        from common.gloo_weight_transfer import GlooTrainerInitInfo, PeersMissingError
+
+        self.close_group()
+        group = uuid.uuid4().hex[:12]
+        self.client.prepare(states, group)
+        world_size = 1 + sum(s["workers"] for s in states)
+        if self.backend == "gloo":
+            info = GlooTrainerInitInfo(master_address=self._learner_address(), world_size=world_size,
+                                       timeout_s=self.timeout_s, buffer_size_bytes=self.bucket_bytes, rank=0)
+        elif self.backend == "nccl":
+            # Untested here (no GPU): vLLM's own NCCL engines, over the same client.
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+            address = self._learner_address()
+            info = NCCLTrainerInitInfo(master_address=address, master_port=_free_port(address),
+                                       world_size=world_size, packed=True,
+                                       packed_buffer_size_bytes=self.bucket_bytes, rank=0)
+        else:
+            # Untested here (no GPU): vLLM's CUDA IPC engines; no rendezvous.
+            from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+            info = IPCTrainerInitInfo(packed=True, packed_buffer_size_bytes=self.bucket_bytes, rank=0)
+        try:
+            if self.backend == "ipc":
+                self.engine = _rank_zero_ipc_engine().trainer_init(info, client=self.client, source=source)
+            else:
+                self.engine = _run_with_deadline(
+                    lambda: WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=source),
+                    self.timeout_s + 60, f"the {self.backend} weight-transfer rendezvous")
+        except PeersMissingError as exc:
+            if isinstance(exc.__cause__, ActorLost):
+                raise exc.__cause__ from exc      # it died (Ray restarts it): the push tries again
+            owners = sorted({self.client.rank_owner(r) for r in exc.ranks} - {None})
+            names = ", ".join(self.client.label(i) for i in owners) or f"rank(s) {exc.ranks}"
+            raise TimeoutError(f"{names} did not join the gloo weight-transfer group of learner rank 0 "
+                               f"({getattr(info, 'master_address', '?')}) within {self.timeout_s:.0f} s: can its "
+                               f"node reach the learner's node on TCP? ({exc})") from exc
+        self.group = group
+
+    def push(self, named_tensors: Iterable, version: int, states: list[dict] | None = None) -> dict:
+        """Send `named_tensors` as `version` to every actor; returns timings."""
+        t0 = time.perf_counter()
+        pairs = list(named_tensors)    # the metadata goes first: at ZeRO-1/2 these are the live parameters
+        names = [name for name, _ in pairs]
+        if len(set(names)) != len(names):
+            raise ValueError("a weight appears twice in the push")
+        if not pairs:
+            raise ValueError("no weights to publish")
+        source = _tensor_list_source(pairs)
+        built = False
+        for attempt in (1, 2):
+            if states is None:
+                states = actor_states(self.actors, self.timeout_s)
+            try:
+                stale = [i for i, s in enumerate(states) if s["group"] != self.group or not self.group]
+                if self.engine is None or stale:
+                    if self.builds:
+                        log.info("%s: not in the weight-transfer group (restarted?): rebuilding it",
+                                 ", ".join(_label(i, states[i]) for i in stale))
+                    self._build(states, source)
+                    self.builds += 1
+                    built = True
+                t_ready = time.perf_counter()
+                self.engine.source = source
+                self.client.begin_push(version)
+                sent = _run_with_deadline(self.engine.send_weights, self.timeout_s + 60,
+                                          f"the {self.backend} push of version {version}") or {}
+                break
+            except ActorLost as exc:
+                self._abandon(version)
+                if attempt == 2:
+                    raise
+                log.warning("%s; rebuilding the group once the actors are back, then pushing again", exc)
+                states = None
+            except BaseException:
+                self._abandon(version)
+                raise
+        t_end = time.perf_counter()
+        nbytes = sent.get("bytes") or sum(t.numel() * t.element_size() for _, t in pairs)
+        out = {"total_s": t_end - t0, "send_s": t_end - t_ready, "bytes": nbytes, "version": int(version),
+               "backend": self.backend, "group_built": float(built)}
+        if "buffers" in sent:
+            out["buffers"] = sent["buffers"]
+        return out
+
+    def _abandon(self, version: int) -> None:
+        """After a failed push: drop the group (a failed collective leaves it unusable) and have every actor
+        abandon the update (one that received everything completes it; one holding a half-loaded model
+        exits, and Ray restarts it). Best effort: the actors may be gone."""
+        self.close_group()
+        try:
+            call_actors(self.actors, "abort_weight_update", lambda i: (), time.monotonic() + 60,
+                        f"abandon the update to version {version}", self.client.states or None)
+        except Exception as exc:  # noqa: BLE001 - reported; the push's own error is what the caller gets
+            log.warning("after a failed push: %s", exc)
+
+    def close_group(self) -> None:
+        if self.engine is not None:
+            try:
+                self.engine.shutdown()
+            except Exception as exc:  # noqa: BLE001 - a broken group is dropped anyway
+                log.warning("closing the weight-transfer group: %s", exc)
+        self.engine, self.group = None, ""
+
+    def close(self) -> None:
+        """Leave the group; the actors are told to leave it too (best effort: they may be gone)."""
+        had_group = self.engine is not None
+        self.close_group()
+        if had_group:
+            try:
+                call_actors(self.actors, "shutdown_weight_transfer_engine", lambda i: (),
+                            time.monotonic() + min(self.timeout_s, 30), "leave the weight-transfer group")
+            except Exception as exc:  # noqa: BLE001 - closing: report, do not fail
+                log.warning("inference actors leaving the weight-transfer group: %s", exc)
+
+
+# -- the interface ------------------------------------------------------------------------------------------
+
+def _same_node(states: list[dict], learner_node: dict) -> tuple[bool, str]:
+    from common.placement import node_label
+
+    away = [(i, s) for i, s in enumerate(states) if s["node"]["node_id"] != learner_node["node_id"]]
+    if not away:
+        return True, (f"learner rank 0 and the {len(states)} inference actor(s) share node "
+                      f"{node_label(learner_node)}")
+    i, s = away[0]
+    return False, (f"{_label(i, s)} is not on learner rank 0's node {node_label(learner_node)}"
+                   + (f" (and {len(away) - 1} more)" if len(away) > 1 else ""))
+
+
+class WeightTransfer:
+    """The learner's end of the learner -> inference boundary (see the module docstring): `push`,
+    `needs_push`, `close`. `mode` is the way in use ("shm", "collective" or "ipc"), `reason` why."""
+
+    def __init__(self, inference_actors: list, mode: str = "auto", bucket_mb: float = 512,
+                 timeout_s: float = 600.0, shared_weights_dir: bool = False):
+        if mode not in MODES:
+            raise ValueError(f"inference.weight_transfer must be one of {MODES}, got {mode!r}")
+        if not inference_actors:
+            raise ValueError("a weight transfer needs inference actors")
+        self.actors = list(inference_actors)
+        self.requested = mode
+        self.bucket_mb = bucket_mb
+        self.timeout_s = timeout_s
+        self.shared_weights_dir = shared_weights_dir
+        self.mode = ""
+        self.reason = ""
+        self.transport = None
+        self.pushes = 0
+        self._choose(actor_states(self.actors, timeout_s))
+
+    def _choose(self, states: list[dict]) -> None:
+        """Pick the way for the actors' current placement; builds the transport when it changes."""
+        from common.placement import this_node
+
+        same, where = _same_node(states, this_node())
+        backends = sorted({s["backend"] or "none" for s in states})
+        if self.requested == "auto":
+            mode, reason = ("shm" if same else "collective"), f"auto: {where}"
+        else:
+            mode, reason = self.requested, f"configured; {where}"
+        if mode == "shm" and not same and not self.shared_weights_dir:
+            raise ValueError(f"inference.weight_transfer=shm, but {where}: /dev/shm is one node's; use "
+                             "collective (or auto), or set inference.weights_dir to a filesystem every node mounts")
+        if mode == "ipc":
+            import torch
+            if not torch.cuda.is_available():
+                raise ValueError("inference.weight_transfer=ipc needs CUDA (learner rank 0 and the vLLM "
+                                 "workers on one GPU), and this learner has no GPU: use collective or shm")
+            if backends != ["ipc"]:
+                raise ValueError(f"inference.weight_transfer=ipc, but the inference actors run the {backends} "
+                                 "weight-transfer backend: create them with inference.weight_transfer=ipc")
+        if mode == "collective" and (len(backends) != 1 or backends[0] not in ("gloo", "nccl")):
+            raise ValueError(f"collective weight transfer needs every inference actor on one collective backend "
+                             f"(gloo on CPU, nccl on GPU), but they run {backends}"
+                             + (" (the gloo plugin is not installed: `pip install -e .` registers the "
+                                "vllm.general_plugins entry point)" if "none" in backends else ""))
+        if mode == self.mode:
+            return
+        if self.transport is not None:
+            log.warning("weight transfer: %s -> %s (%s)", self.mode, mode, reason)
+            self.transport.close()
+        if mode == "shm":
+            self.transport = ShmTransfer(self.actors, self.bucket_mb, timeout_s=self.timeout_s)
+        else:
+            backend = "ipc" if mode == "ipc" else backends[0]
+            self.transport = EngineTransfer(self.actors, backend, self.bucket_mb, self.timeout_s)
+        self.mode, self.reason = mode, reason
+        log.info("weight transfer: %s%s (%s)", mode,
+                 f" ({self.transport.backend})" if mode != "shm" else "", reason)
+
+    def needs_push(self, version: int) -> bool:
+        """Whether some inference actor lacks weights or serves another version than `version`."""
+        states = actor_states(self.actors, self.timeout_s)
+        return any(not s["has_weights"] or s["version"] != int(version) for s in states)
+
+    def push(self, named_tensors: Iterable, version: int) -> dict:
+        """Send the weights as policy `version` to every inference actor. Returns the timings (seconds),
+        bytes, GB/s and "transfer" (the way used)."""
+        t0 = time.perf_counter()
+        states = actor_states(self.actors, self.timeout_s)
+        if self.requested == "auto":
+            self._choose(states)       # an actor may have come back from a restart on another node
+        named_tensors = with_aliases(named_tensors, {k: v for s in states for k, v in s["aliases"].items()})
+        if self.mode == "shm":
+            info = self.transport.push(named_tensors, version)
+        else:
+            info = self.transport.push(named_tensors, version, states)
+        total = time.perf_counter() - t0
+        self.pushes += 1
+        return dict(info, transfer=self.mode, total_s=total, gbps=info["bytes"] / max(total, 1e-9) / 1e9)
+
+    def close(self, remove_files: bool = False) -> None:
+        if isinstance(self.transport, ShmTransfer):
+            self.transport.close(remove_files=remove_files)
+        elif self.transport is not None:
+            self.transport.close()
+
+
+def create_weight_transfer(cfg, inference_actors: list) -> WeightTransfer:
+    """The learner's weight transfer for `cfg` (an ExperimentConfig or its dict): inference.weight_transfer,
+    weight_bucket_mb, transfer_timeout_s, weights_dir. Call it on learner rank 0, after the inference
+    actors are created (it asks them where they run; they answer once their engines are up)."""
+    infer = cfg["inference"] if isinstance(cfg, dict) else vars(cfg.inference)
+    return WeightTransfer(inference_actors, mode=infer.get("weight_transfer", "auto"),
+                          bucket_mb=float(infer.get("weight_bucket_mb", 512)),
+                          timeout_s=float(infer.get("transfer_timeout_s", 600.0)),
+                          shared_weights_dir=bool(infer.get("weights_dir")))

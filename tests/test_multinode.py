@@ -1,0 +1,211 @@
+"""Two Ray nodes on this one machine (tests/multinode.py: two network namespaces joined by a veth pair, the
+worker with its own /dev/shm and /tmp), and training runs placed across them.
+
+- the harness itself: an actor on each node by resource, on different nodes, reaching each other over the
+  veth, the worker seeing neither the head's /dev/shm nor its output directory;
+- the learner on the head, inference and rollout actors on the worker, weights pushed by the `collective`
+  transfer (gloo), the embedded Redis: `gigpo train` run on the head;
+- docs/deploy.md's layout: a head with no CPUs runs only the driver, every role on the worker, submitted
+  with the `ray job submit` command exactly as docs/deploy.md writes it.
+
+`pytest -m multinode` runs these alone. They need root (namespaces); elsewhere they skip, saying why.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.multinode import (REPO, VENV_BIN, head_start_argv, namespaces_unavailable, two_node_cluster,
+                             worker_start_argv)
+
+pytestmark = [pytest.mark.multinode]
+
+
+@pytest.fixture
+def namespaces():
+    """Skips a test that needs the two namespaces where they cannot be made, saying why."""
+    reason = namespaces_unavailable()
+    if reason:
+        pytest.skip(f"two Ray nodes in network namespaces: {reason}")
+
+
+def _probe_json(stdout: str, tag: str) -> dict:
+    lines = [line for line in stdout.splitlines() if line.startswith(tag + " ")]
+    assert lines, f"no {tag} line in the driver's output:\n{stdout[-3000:]}"
+    return json.loads(lines[-1][len(tag) + 1:])
+
+
+@pytest.mark.timeout(300)
+def test_two_nodes_are_separate_machines(namespaces, tmp_path):
+    """An actor on each node (placed by the node's custom resource): different Ray nodes with their own IP
+    addresses, a TCP connection from the worker's actor to the head's over the veth, and the worker sees
+    neither a file the head wrote in its output directory nor one in its /dev/shm."""
+    with two_node_cluster(head_cpus=1, worker_cpus=1, keep_logs=tmp_path / "logs") as cluster:
+        head_dir = tmp_path / "head-output"        # under /tmp: hidden from the worker by its private /tmp
+        head_dir.mkdir()
+        done = cluster.run_on_head([str(VENV_BIN / "python"), "-m", "tests.multinode", "probe", cluster.address,
+                                    str(head_dir), cluster.head_resource, cluster.worker_resource],
+                                   timeout_s=180)
+        assert done.returncode == 0, done.stderr[-3000:]
+        probe = _probe_json(done.stdout, "PROBE")
+        assert not cluster.worker_can_see(head_dir)
+    assert probe["head"]["ip"] == cluster.head_ip and probe["worker"]["ip"] == cluster.worker_ip
+    assert probe["head"]["node_id"] != probe["worker"]["node_id"]
+    assert probe["head_sees_output"] and not probe["worker_sees_output"]
+    assert probe["head_sees_shm"] and not probe["worker_sees_shm"]
+    assert probe["accepted"] == {"peer": cluster.worker_ip, "got": "ping"}
+    assert probe["connected"] == {"reply": "pong:ping", "local": cluster.worker_ip}
+
+
+# -- docs/deploy.md's commands, as the tests below run them ----------------------------------------------------
+
+DOC = REPO / "docs" / "deploy.md"
+DOC_OUTPUT_DIR = "/tmp/gigpo-two-node"      # the doc's run.output_dir; a test runs in its own directory
+HEAD_IP, WORKER_IP = "10.250.0.1", "10.250.0.2"     # the doc's addresses, the harness's default subnet
+
+
+def doc_commands(name: str) -> list[list[str]]:
+    """The commands of the bash block that follows `<!-- tests/test_multinode.py: NAME -->` in
+    docs/deploy.md, each split as the shell would (continuation lines joined, comments dropped)."""
+    text = DOC.read_text()
+    marker = f"<!-- tests/test_multinode.py: {name} -->"
+    assert marker in text, f"{DOC} lost its {marker!r} block"
+    block = text.split(marker, 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    joined = re.sub(r"\\\n\s*", " ", block)
+    return [shlex.split(line) for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def doc_layout(name: str, head_cpus: float, worker_cpus: float) -> list[str]:
+    """Check that the block's `ray start` commands are the ones two_node_cluster(head_cpus, worker_cpus)
+    runs (before the harness's own flags); return the block's last command (the submission or the driver)."""
+    commands = doc_commands(name)
+    assert len(commands) == 3, commands
+    assert commands[0] == head_start_argv(HEAD_IP, head_cpus)
+    assert commands[1] == worker_start_argv(HEAD_IP, WORKER_IP, worker_cpus)
+    return commands[2]
+
+
+def in_run_dir(command: list[str], run_dir: Path) -> list[str]:
+    assert any(DOC_OUTPUT_DIR in arg for arg in command), command
+    return [arg.replace(DOC_OUTPUT_DIR, str(run_dir)) for arg in command]
+
+
+def test_doc_commands_are_the_ones_the_tests_run():
+    """Cheap, runs everywhere (root or not): docs/deploy.md's node commands match the harness's (the slow
+    tests below run the rest of each block as written)."""
+    submit = doc_layout("all-on-worker", head_cpus=0, worker_cpus=4)
+    assert submit[:5] == ["ray", "job", "submit", "--address", f"http://{HEAD_IP}:8265"]
+    assert submit[5:8] == ["--", ".venv/bin/gigpo", "train"]
+    driver = doc_layout("learner-on-head", head_cpus=1, worker_cpus=2)
+    assert driver[:3] == [".venv/bin/gigpo", "train", "configs/embedded.yaml"]
+    assert "inference.weight_transfer=collective" in driver
+
+
+def _run_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    assert path.is_file(), f"no {path}"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _show(stdout: str, stderr: str, chars: int = 6000) -> str:
+    return f"--- stdout ---\n{stdout[-chars:]}\n--- stderr ---\n{stderr[-chars:]}"
+
+
+# -- the learner on the head, inference and rollout on the worker -------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_learner_on_head_rollout_and_inference_on_worker(namespaces, tmp_path):
+    """docs/deploy.md's second layout: `gigpo train` on the head with the learner there, vLLM and the rollout
+    actor on the worker, weights pushed over the veth by the `collective` (gloo) transfer, groups through
+    the embedded Redis on the head's address, the model shipped to the worker through Ray. Run by
+    tests/multinode.py's observing driver: the same `gigpo train` (deploy.cli.main) that also records what
+    its actors say when the run closes."""
+    command = doc_layout("learner-on-head", head_cpus=1, worker_cpus=2)
+    run_dir, record_path = tmp_path / "run", tmp_path / "record.json"
+    assert command[0] == ".venv/bin/gigpo"
+    argv = [str(VENV_BIN / "python"), "-m", "tests.multinode", "train-observed", str(record_path),
+            *in_run_dir(command[1:], run_dir)]
+    t0 = time.monotonic()
+    with two_node_cluster(head_cpus=1, worker_cpus=2, keep_logs=tmp_path / "logs") as cluster:
+        t_up = time.monotonic() - t0
+        done = cluster.run_on_head(argv, timeout_s=720)
+        t_run = time.monotonic() - t0 - t_up
+        # What the head wrote (the model it built, the job file) the worker never sees; the actors there
+        # write their own log files under the same path on their own node.
+        worker_sees = {name: cluster.worker_can_see(run_dir / name) for name in ("tiny_model", "job.json")}
+        if cluster.worker_can_see(run_dir / "logs"):
+            cluster.copy_worker_dir(str(run_dir / "logs"), tmp_path / "worker-run-logs")
+    print(f"two nodes up in {t_up:.0f} s, the run took {t_run:.0f} s, all {time.monotonic() - t0:.0f} s")
+    assert done.returncode == 0, _show(done.stdout, done.stderr)
+    assert not any(worker_sees.values()), worker_sees
+    assert (tmp_path / "worker-run-logs" / "inference-0.log").is_file()
+    # It trained 2 updates, each on groups the rollout actor published.
+    metrics = _run_metrics(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2]
+    record = json.loads(record_path.read_text())
+    assert "error" not in record, record
+    (learner,) = record["learners"]
+    (inference,) = record["inference"]
+    rollouts = record["rollouts"]
+    assert learner["node"]["ip"] == HEAD_IP, learner
+    assert inference["node"]["ip"] == WORKER_IP, inference
+    assert rollouts and all(r["node"]["ip"] == WORKER_IP for r in rollouts.values()), rollouts
+    # The worker's vLLM serves the learner's newest weights: version 0 (the initial push: the worker has no
+    # weights of its own) then one per update.
+    assert learner["state"]["updates"] == 2
+    assert inference["policy_version"] == learner["state"]["policy_version"] == 2, (inference, learner)
+    # ... and those are the learner's weights, not the dummy ones the worker's vLLM started with: the
+    # first update trains on groups sampled by version 0 only (no other version exists before it), and the
+    # learner recomputes their log-probs with those same weights. Both sides compute in float32 (different
+    # kernels: differences of ~1e-5 per token); the worker's dummy weights (vLLM's init: near-zero weights,
+    # uniform logits, log-prob -ln 1024) would differ from this model's log-probs of the tokens it samples
+    # by ~0.47 per token (measured for the tiny model), far above the bound.
+    drift = metrics[0]["train/rollout_vs_learner_logprob_abs_diff"]
+    assert metrics[0]["lag/policy_versions_max"] == 0 and drift < 1e-2, (drift, metrics[0])
+    # The groups came across the network: published on the worker, into the Redis on the head's address
+    # (the worker cannot reach the head's 127.0.0.1), trained on the head.
+    assert record["redis_host"] == HEAD_IP
+    published = sum(r["stats"]["groups_published"] for r in rollouts.values())
+    assert published >= 4 and learner["state"]["trained_groups"] >= 4, (published, learner)
+    # `gigpo status` names the node of each actor.
+    status = record["gigpo_status"]
+    assert re.search(rf"^\s*{re.escape(WORKER_IP)} .*rollout-0", status, re.M), status
+    assert re.search(rf"^\s*{re.escape(HEAD_IP)} .*learner-0", status, re.M), status
+    # The weights went by the collective transfer: the worker's engine joined a gloo group with the learner
+    # (an shm push never makes one).
+    transfer = inference["transfer_state"]
+    assert transfer["backend"] == "gloo" and transfer["group"], transfer
+
+
+# -- docs/deploy.md's layout: the driver alone on the head, every role on the worker, `ray job submit` --------
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_documented_layout_submitted_with_ray_job_submit(namespaces, tmp_path):
+    """The head offers no CPUs and runs only the job's driver; learner, inference and rollout all run on the
+    worker, where the learner finds its rendezvous on its own node. Submitted with docs/deploy.md's
+    `ray job submit` command as written (from the checkout, the doc's run.output_dir replaced by this
+    test's): the job's environment is what the head's Ray gives it, nothing from env.sh or make."""
+    submit = doc_layout("all-on-worker", head_cpus=0, worker_cpus=4)
+    run_dir, worker_logs = tmp_path / "run", tmp_path / "worker-run-logs"
+    t0 = time.monotonic()
+    with two_node_cluster(head_cpus=0, worker_cpus=4, keep_logs=tmp_path / "logs") as cluster:
+        t_up = time.monotonic() - t0
+        done = cluster.run_on_head(in_run_dir(submit, run_dir), timeout_s=720)
+        t_run = time.monotonic() - t0 - t_up
+        if cluster.worker_can_see(run_dir / "logs"):
+            cluster.copy_worker_dir(str(run_dir / "logs"), worker_logs)
+    print(f"two nodes up in {t_up:.0f} s, the job took {t_run:.0f} s, all {time.monotonic() - t0:.0f} s")
+    assert done.returncode == 0, _show(done.stdout, done.stderr)
+    assert "succeeded" in done.stdout, _show(done.stdout, done.stderr)
+    assert [m["step"] for m in _run_metrics(run_dir)] == [1, 2]
+    # Every actor writes its log file on the node it runs on: all three roles ran on the worker, none on
+    # the head, whose copy of the run holds the driver's log only.
+    assert {"learner-0.log", "inference-0.log", "rollout-0.log"} <= {p.name for p in worker_logs.glob("*.log")}
+    assert {p.name for p in (run_dir / "logs").glob("*.log")} == {"driver.log"}

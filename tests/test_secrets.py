@@ -1,0 +1,273 @@
+"""The Redis password reaches the actors only as an argument: it is in no process's command line or
+environment, no log, no job file and no tracker config. A real short training run (the `gigpo` command,
+embedded Redis, without the variables the Makefile and env.sh used to set) is watched while it runs and its
+files and Ray's session logs are searched afterwards; fast tests cover URLs a user gives (in the URL, in
+stream.redis_password_file, in $GIGPO_REDIS_PASSWORD) and what `gigpo status` finds."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import quote
+
+import psutil
+import pytest
+import redis
+
+from common.config import ConfigError, StreamConfig, load_config, to_dict
+from common.process_env import project_env
+from common.redis_server import (PASSWORD_ENV, EmbeddedRedis, connect, password_file_for, redact, redis_for,
+                                 resolve_password, this_node)
+from deploy import cli
+from deploy.control import JOB_FILE, job_redis_url, read_job_file, write_job_file
+
+REPO = Path(__file__).resolve().parents[1]
+SECRET = "s3cret-never-written"
+
+
+@pytest.mark.parametrize("url, want", [
+    ("redis://:pw@h:6379/0", "redis://:***@h:6379/0"),
+    ("redis://user:p%40w@h:6379/1", "redis://user:***@h:6379/1"),
+    ("rediss://:pw@h/0?password=pw2&db=2", "rediss://:***@h/0?password=***&db=2"),
+    ("unix:///run/redis.sock?password=pw&db=0", "unix:///run/redis.sock?password=***&db=0"),
+    ("redis://h:6379/0", "redis://h:6379/0"),
+    ("", ""),
+])
+def test_redact(url, want):
+    assert redact(url) == want
+
+
+def _files_containing(root: Path, needle: str) -> list[str]:
+    """Regular files under `root` (symlinks not followed) whose bytes contain `needle` (or its URL-quoted
+    form, as it appears in a URL)."""
+    needles = {needle.encode(), quote(needle, safe="").encode()}
+    hits = []
+    for folder, _, names in os.walk(root):
+        for name in names:
+            path = Path(folder) / name
+            if path.is_symlink() or not path.is_file():
+                continue
+            try:
+                data = path.read_bytes()
+            except OSError:
+                continue
+            if any(n in data for n in needles):
+                hits.append(str(path))
+    return hits
+
+
+def test_job_file_and_tracker_config_hold_a_users_url_redacted(tmp_path):
+    from deploy.tracking import Tracker
+
+    cfg = load_config(REPO / "configs/embedded.yaml", [f"stream.redis_url=redis://:{SECRET}@10.1.2.3:6380/0",
+                                                       f"run.output_dir={tmp_path}"])
+    write_job_file(str(tmp_path), "demo", cfg.stream.redis_url, "")
+    job = read_job_file(str(tmp_path))
+    assert job["redis_url"] == "redis://:***@10.1.2.3:6380/0" and job["redis_password_file"] == ""
+    tracker = Tracker(str(tmp_path), "demo", to_dict(cfg))
+    # tracker.config is what W&B gets (wandb.init(config=...)) when WANDB_API_KEY is set.
+    assert tracker.config["stream"]["redis_url"] == "redis://:***@10.1.2.3:6380/0"
+    assert tracker.config["learner"] == to_dict(cfg)["learner"]
+    tracker.log({"loss": 1.0}, step=1)
+    tracker.close()
+    assert _files_containing(tmp_path, SECRET) == []
+    # `gigpo status` cannot guess a password it was never given: it says what to set.
+    with pytest.raises(ValueError, match=PASSWORD_ENV):
+        job_redis_url(job, environ={})
+    assert SECRET in job_redis_url(job, environ={PASSWORD_ENV: SECRET})
+
+
+@pytest.fixture(scope="module")
+def users_redis():
+    with EmbeddedRedis(password=SECRET) as server:
+        yield server
+
+
+def users_url(server: EmbeddedRedis, db: int) -> str:
+    """A URL of `server` without its password, as a user would write it: not the one this process's
+    EmbeddedRedis knows the password file of, and one per test (this process remembers which file each URL's
+    password came from)."""
+    return f"redis://localhost:{server.port}/{db}"
+
+
+def test_password_from_a_file_reaches_the_run_and_gigpo_status(users_redis, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv(PASSWORD_ENV, raising=False)
+    secret_file = tmp_path / "secret" / "password"       # e.g. a Kubernetes Secret mounted as a file
+    secret_file.parent.mkdir()
+    secret_file.write_text(SECRET + "\n")
+    stream = StreamConfig(redis_url=users_url(users_redis, 1), redis_password_file=str(secret_file))
+    url, server = redis_for(stream)
+    assert server is None and connect(url).ping()
+    assert stream.redis_password_file == "" and password_file_for(url) == str(secret_file)
+    out = tmp_path / "run"
+    write_job_file(str(out), "demo", url, "")
+    assert SECRET not in (out / JOB_FILE).read_text()
+    assert cli.main(["status", "--output-dir", str(out)]) == 0
+    assert "no status published yet" in capsys.readouterr().out
+    # Both places at once is ambiguous: refused, naming both fields.
+    both = StreamConfig(redis_url=users_redis.url, redis_password_file=str(secret_file))
+    with pytest.raises(ConfigError, match="stream.redis_password_file"):
+        resolve_password(both)
+
+
+def test_password_from_the_environment(users_redis, tmp_path, monkeypatch):
+    monkeypatch.setenv(PASSWORD_ENV, SECRET)
+    stream = StreamConfig(redis_url=users_url(users_redis, 2))
+    resolve_password(stream)
+    assert connect(stream.redis_url).ping()
+    out = tmp_path / "run"
+    write_job_file(str(out), "demo", stream.redis_url, "")
+    assert cli.main(["status", "--output-dir", str(out)]) == 0      # from $GIGPO_REDIS_PASSWORD again
+    monkeypatch.delenv(PASSWORD_ENV)
+    assert cli.main(["status", "--output-dir", str(out)]) == 2      # one line saying to set it
+
+
+def gigpo(*args: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deploy.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def test_gigpo_train_reads_the_password_sources(users_redis, tmp_path):
+    """The checks before a run use the password from its source (a wrong one is refused, so it was read),
+    and never print it."""
+    base = [str(REPO / "configs/embedded.yaml"), f"run.output_dir={tmp_path / 'run'}",
+            f"stream.redis_url={users_url(users_redis, 3)}"]
+    env = {k: v for k, v in os.environ.items() if k != PASSWORD_ENV}
+    proc = gigpo("train", *base, env={**env, PASSWORD_ENV: "not-" + SECRET})
+    assert proc.returncode == 2 and "refused the credentials" in proc.stderr, proc.stderr
+    missing = tmp_path / "no-such-file"
+    proc = gigpo("train", *base, f"stream.redis_password_file={missing}", env=env)
+    assert proc.returncode == 2 and "stream.redis_password_file" in proc.stderr and str(missing) in proc.stderr
+    assert SECRET not in proc.stderr + proc.stdout
+
+
+@pytest.mark.parametrize("source", ["file", "environment"])
+def test_entrypoint_hands_over_the_password_source_not_the_password(users_redis, tmp_path, source):
+    """deploy/entrypoint.sh (the cluster job's command) names the Redis and where its password is; `gigpo
+    train` reads it (a wrong one is refused by the checks, before anything starts)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIGPO_REDIS")}
+    env.update(HOME=str(tmp_path), GIGPO_REDIS_HOST="localhost", GIGPO_REDIS_PORT=str(users_redis.port))
+    if source == "file":
+        (tmp_path / "password").write_text("not-" + SECRET)
+        env["GIGPO_REDIS_PASSWORD_FILE"] = str(tmp_path / "password")
+    else:
+        env[PASSWORD_ENV] = "not-" + SECRET
+    proc = subprocess.run(["bash", str(REPO / "deploy/entrypoint.sh"), str(REPO / "configs/embedded.yaml"),
+                           f"run.output_dir={tmp_path / 'run'}"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2 and "refused the credentials" in proc.stderr, proc.stderr
+    assert f"redis://localhost:{users_redis.port}" in proc.stderr
+
+
+def test_embedded_redis_on_this_nodes_address(tmp_path):
+    """On a cluster the embedded server listens on the node's IP too, and its URL names that IP."""
+    import ray
+    ip = ray.util.get_node_ip_address()
+    if ip.startswith("127."):
+        pytest.skip("this machine has no address but the loopback one")
+    server = EmbeddedRedis(host=ip, data_dir=str(tmp_path / "data")).start()
+    try:
+        assert f"@{ip}:{server.port}/" in server.url
+        assert connect(server.url).ping()
+        assert redis.Redis(host="127.0.0.1", port=server.port, password=server.password).ping()
+        secret = Path(server.password_file)
+        assert secret.read_text().strip() == server.password and secret.stat().st_mode & 0o077 == 0
+        # The owner's data directory (which may be shared) never holds the password.
+        assert _files_containing(tmp_path / "data", server.password) == []
+    finally:
+        server.stop()
+    assert not secret.exists() and password_file_for(server.url) == ""
+
+
+def test_embedded_redis_refuses_an_address_it_cannot_listen_on(tmp_path):
+    stream = StreamConfig(embedded_dir=str(tmp_path / "data"))
+    with pytest.raises(ConfigError, match="stream.redis_url") as error:
+        redis_for(stream, host="192.0.2.123")       # TEST-NET-1: no interface of this machine has it
+    assert "192.0.2.123" in str(error.value)
+
+
+def test_an_unreachable_redis_names_the_node_and_the_address():
+    with socket.socket() as s:         # a port nothing listens on: bound, then released
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = connect(f"redis://:{SECRET}@127.0.0.1:{port}/0", retries=0)
+    with pytest.raises(redis.exceptions.ConnectionError) as error:
+        client.ping()
+    message = str(error.value)
+    assert f"redis://:***@127.0.0.1:{port}/0" in message and this_node() in message and SECRET not in message
+
+
+# -- a real run ---------------------------------------------------------------------------------------------
+
+# The small run of test_system_e2e.py / test_train_interrupt.py: two updates, no warm start.
+OVERRIDES = ["run.iterations=2", "run.eval_every=0", "rollout.groups_per_actor=2", "rollout.group_size=2",
+             "learner.groups_per_batch=2", "env.max_steps=4", "env.num_generated_games=4",
+             "rollout.cpus_per_actor=0.25", "model.warm_start_steps=0"]
+RUN_S = 840
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_training_run_writes_the_password_nowhere(tmp_path):
+    out = tmp_path / "run"
+    # The command as a user runs it from the venv, without what the Makefile and env.sh set for the
+    # project: the project sets its own environment.
+    env = {k: v for k, v in os.environ.items() if k not in project_env(gpu_node=False) and k != PASSWORD_ENV}
+    command = [str(REPO / ".venv/bin/gigpo"), "train", "configs/embedded.yaml", f"run.output_dir={out}",
+               *OVERRIDES]
+    log = tmp_path / "train.log"
+    command_lines: set[str] = set()       # every process's argv seen while the run ran (all of the machine's)
+    environments: set[str] = set()        # every NAME=value of the run's processes
+    password = None
+    status_code = None
+    with open(log, "wb") as log_file:
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + RUN_S
+            while proc.poll() is None:
+                assert time.monotonic() < deadline, "the run did not end:\n" + log.read_text()[-4000:]
+                for p in psutil.process_iter(["cmdline"]):
+                    if p.info["cmdline"]:
+                        command_lines.add("\0".join(p.info["cmdline"]))
+                for p in _descendants(proc.pid):
+                    try:
+                        environments.update(f"{k}={v}" for k, v in p.environ().items())
+                    except psutil.Error:
+                        pass
+                if password is None and (out / JOB_FILE).exists():
+                    job = read_job_file(str(out))
+                    password = Path(job["redis_password_file"]).read_text().strip()
+                    assert "***" in job["redis_url"] and "@127.0.0.1:" in job["redis_url"]   # one node
+                    # `gigpo status` finds the password through the job file.
+                    status_code = subprocess.run([str(REPO / ".venv/bin/gigpo"), "status", "--output-dir",
+                                                  str(out)], cwd=REPO, env=env, capture_output=True,
+                                                 timeout=60).returncode
+                time.sleep(0.3)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    output = log.read_text()
+    assert proc.returncode == 0, output[-4000:]
+    assert "trained 2 updates" in output, output[-4000:]
+    assert password and status_code == 0
+    assert len(command_lines) > 10 and len(environments) > 10      # the watch saw the run's processes
+    assert not [c for c in command_lines if password in c], "the password is on a command line"
+    assert not [e for e in environments if password in e], "the password is in a process's environment"
+    assert password not in output
+    assert _files_containing(out, password) == []
+    ray_logs = (out / "logs" / "ray").resolve()         # this run's Ray session logs (linked by the run)
+    assert ray_logs.is_dir() and any(ray_logs.iterdir())
+    assert _files_containing(ray_logs.parent, password) == []
+    assert not Path(job["redis_password_file"]).exists()     # the embedded Redis removed it when it stopped

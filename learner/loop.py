@@ -36,7 +36,7 @@ import numpy as np
 from common.config import ExperimentConfig
 from common.metrics import ActorMetrics
 from common.records import EpisodeGroup
-from learner.batching import build_batch
+from learner.batching import build_batch, check_group
 from learner.trainer import (PUSHED_VERSION, PolicyTrainer, checkpoint_dir_of, prepare_checkpoint_dir,
                              setup_distributed)
 
@@ -194,14 +194,32 @@ class Learner:
         need = self.cfg.learner.groups_per_batch
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while len(self._pending) < need:
+            # A group cannot claim a version newer than the newest pushed (policy_version: the push is done
+            # before the next read); the stream dead-letters one that does, and another run's records.
             got = self.stream.read(need - len(self._pending), self.read_block_ms, self.policy_version,
-                                   self.trained_group_ids, policy_lag=self.policy_lag)
+                                   self.trained_group_ids, policy_lag=self.policy_lag,
+                                   newest_version=self.policy_version)
             have = {r.group.group_id for r in self._pending}
-            self._pending.extend(r for r in got if r.group.group_id not in have)
+            self._pending.extend(r for r in self._valid(got) if r.group.group_id not in have)
             if deadline is not None and time.monotonic() > deadline and len(self._pending) < need:
                 return None
         batch, self._pending = self._pending[:need], self._pending[need:]
         return batch
+
+    def _valid(self, received: list) -> list:
+        """The groups that can be trained on; the others (token ids outside the vocabulary, inconsistent
+        lengths, non-finite numbers: `learner.batching.check_group`) go to the dead-letter stream with the
+        reason, so that one bad group neither crashes the learner nor comes back."""
+        good = []
+        for r in received:
+            try:
+                check_group(r.group, self.trainer.vocab_size)
+                good.append(r)
+            except ValueError as exc:
+                log.error("dead-lettering group %s: %s", r.group.group_id, exc)
+                self.stats["bad_groups"] += 1
+                self.stream.dead_letter([r], f"learner: {exc}")
+        return good
 
     def _broadcast(self, obj: Any) -> Any:
         if self.world_size == 1:
@@ -238,19 +256,24 @@ class Learner:
             batch = build_batch(groups, self.cfg.learner,
                                 invalid_action_penalty=self.cfg.rollout.invalid_action_penalty)
         except ValueError as e:
-            # Malformed rows in some group: train on the others, count the bad ones (they are acked
-            # with the batch, never retried: a retry would fail the same way).
+            # A group the checks on read let through but that cannot be batched: train on the others; the
+            # bad ones go to the dead-letter stream with the reason (a retry would fail the same way).
             log.error("dropping groups of a bad batch: %s", e)
             good = []
             for g in groups:
                 try:
                     build_batch([g], self.cfg.learner)
                     good.append(g)
-                except ValueError:
+                except ValueError as exc:
                     self.stats["bad_groups"] += 1
+                    if received is not None:
+                        bad = [r for r in received if r.group.group_id == g.group_id]
+                        self.stream.dead_letter(bad, f"learner: {exc}")
+                        received = [r for r in received if r.group.group_id != g.group_id]
             batch = build_batch(good, self.cfg.learner,
                                 invalid_action_penalty=self.cfg.rollout.invalid_action_penalty)
-            batch.group_ids = [g.group_id for g in groups]
+            batch.group_ids = [g.group_id for g in good]
+            groups = good
         build_s = time.perf_counter() - t_build
 
         lags = [self.policy_lag(g.policy_versions[0]) for g in groups   # of each group, as read

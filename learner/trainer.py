@@ -224,6 +224,8 @@ class PolicyTrainer:
         # fp32 master weights; DeepSpeed casts the module to bf16 when bf16 is on.
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         model.config.use_cache = False
+        # Rows to train must hold token ids below this (the embedding table's size): checked on read.
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
         self.pad_id = pad_id if pad_id is not None else (model.config.pad_token_id or 0)
         self.settings = LossSettings(clip_ratio=cfg.clip_ratio, dual_clip=cfg.dual_clip, kl_coef=cfg.kl_coef,
                                      entropy_coef=cfg.entropy_coef)

@@ -205,3 +205,27 @@ def test_run_id_is_new_for_a_fresh_run_and_kept_on_resume(tmp_path):
     assert prepare_output_dir(resumed) == run_id
     fresh = cfg_for(overwrite=True)
     assert prepare_output_dir(fresh) not in ("", run_id)
+
+
+@pytest.mark.fault
+def test_a_poison_group_is_dead_lettered_and_the_rest_of_its_batch_trains(model_path, tmp_path, redis_url):
+    """A group with token ids past the vocabulary (it would crash the forward pass, and after every restart
+    again) is dead-lettered with its reason on read; the good groups read with it are trained."""
+    import uuid
+
+    from common.stream import TrajectoryStream
+    cfg = learner_worker.learner_experiment(f"test:{uuid.uuid4().hex[:8]}")     # 2 groups per batch
+    learner = Learner(cfg, model_path, redis_url, checkpoint_dir="")
+    groups = synthetic_groups(3, 2, vocab_size=200, seed=5, max_steps=2)
+    poison = groups[0]      # read first, with a good one: the batch is completed by the third
+    poison.trajectories[0].steps[0].response_ids[0] = learner.trainer.vocab_size + 4000
+    producer = TrajectoryStream(redis_url, cfg.stream, consumer_name="producer")
+    for g in groups:
+        producer.publish(g)
+    metrics = learner.step(timeout_s=30)
+    assert metrics is not None and set(learner.last_group_ids) == {g.group_id for g in groups[1:]}
+    [dead] = learner.stream.dead_letters()
+    assert dead[b"orig.g"].decode() == poison.group_id
+    assert b"outside the vocabulary" in dead[b"reason"]
+    assert learner.stream.depth() == 0 and learner.stats["bad_groups"] == 1
+    learner.close()

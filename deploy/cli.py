@@ -76,7 +76,7 @@ def _channel(output_dir: str):
         url = job_redis_url(job)      # the password from $GIGPO_REDIS_PASSWORD or the job's password file
     except (FileNotFoundError, ValueError) as exc:
         raise UsageError(str(exc)) from None
-    return ControlChannel(connect(url), job["run"])
+    return ControlChannel(connect(url), job.get("run_id") or job["run"])
 
 
 NOT_STARTED = "not started yet"
@@ -129,7 +129,7 @@ def cmd_scale(args) -> int:
         raise UsageError(f"--rollout {args.rollout}: a number of actors must be >= 0")
     channel = _channel(args.output_dir)
     channel.send_command({"op": "scale_rollout", "num_actors": args.rollout, "drain": not args.discard})
-    print(f"asked run {channel.run_name!r} to run {args.rollout} rollout actors "
+    print(f"asked run {channel.run_id!r} to run {args.rollout} rollout actors "
           f"({'discarding' if args.discard else 'finishing'} the in-flight groups of removed actors); "
           "`gigpo status` shows when it is done")
     return 0

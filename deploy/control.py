@@ -27,13 +27,13 @@ def commands_key(run_name: str) -> str:
     return f"gigpo:{run_name}:commands"
 
 
-def write_job_file(output_dir: str, run_name: str, redis_url: str, ray_address: str) -> Path:
+def write_job_file(output_dir: str, run_name: str, redis_url: str, ray_address: str, run_id: str = "") -> Path:
     """<output_dir>/job.json: the run, its Redis URL without the password, the file holding the password
     (common.redis_server.password_file_for; "" when it came in the URL or from $GIGPO_REDIS_PASSWORD:
     `gigpo status` then needs GIGPO_REDIS_PASSWORD) and the Ray address."""
     path = Path(output_dir) / JOB_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"run": run_name, "redis_url": redact(redis_url),
+    path.write_text(json.dumps({"run": run_name, "run_id": run_id or run_name, "redis_url": redact(redis_url),
                                 "redis_password_file": password_file_for(redis_url), "ray_address": ray_address,
                                 "started_at": time.time()}, indent=2))
     path.chmod(0o600)      # only its owner's commands need it
@@ -68,27 +68,28 @@ def job_redis_url(job: dict, environ: dict | None = None) -> str:
 
 
 class ControlChannel:
-    """Status out, commands in, for one run."""
+    """Status out, commands in, for one run. Keyed by the run id (stream.run_id): two runs of the same name
+    on one Redis never read each other's commands."""
 
-    def __init__(self, client: redis.Redis, run_name: str):
+    def __init__(self, client: redis.Redis, run_id: str):
         self.client = client
-        self.run_name = run_name
+        self.run_id = run_id
 
     def publish_status(self, status: dict) -> None:
         status = {**status, "updated_at": time.time()}
-        self.client.set(status_key(self.run_name), json.dumps(status))
+        self.client.set(status_key(self.run_id), json.dumps(status))
 
     def read_status(self) -> dict | None:
-        raw = self.client.get(status_key(self.run_name))
+        raw = self.client.get(status_key(self.run_id))
         return json.loads(raw) if raw else None
 
     def send_command(self, command: dict) -> None:
-        self.client.rpush(commands_key(self.run_name), json.dumps(command))
+        self.client.rpush(commands_key(self.run_id), json.dumps(command))
 
     def pop_commands(self) -> list[dict]:
         out = []
         while True:
-            raw = self.client.lpop(commands_key(self.run_name))
+            raw = self.client.lpop(commands_key(self.run_id))
             if raw is None:
                 return out
             try:

@@ -151,8 +151,8 @@ class System:
         self.redis_url = None
         if not eval_only:
             self.redis_url, self.redis = redis_for(cfg.stream)
-            self.channel = ControlChannel(connect(self.redis_url), cfg.run.name)
-            write_job_file(cfg.run.output_dir, cfg.run.name, self.redis_url, address)
+            self.channel = ControlChannel(connect(self.redis_url), cfg.stream.run_id or cfg.run.name)
+            write_job_file(cfg.run.output_dir, cfg.run.name, self.redis_url, address, run_id=cfg.stream.run_id)
             self.tracker = Tracker(cfg.run.output_dir, cfg.run.name, to_dict(cfg), resume=cfg.run.resume)
 
         from actors.inference import create_inference_actors

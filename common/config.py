@@ -129,9 +129,12 @@ class StreamConfig:
     publish_timeout_s: float = F(600.0, "a producer blocked by backpressure this long raises TimeoutError")
     embedded_dir: str = F("", 'data dir of the embedded redis-server; "" makes a temporary one')
     embedded_aof: bool = F(True, "embedded redis-server keeps an append-only file (survives a restart)")
+    embedded_maxmemory_mb: int = F(4096, "memory bound of the embedded redis-server (untrained groups + dead "
+                                         "letters); when full, producers wait for the learner, then fail with a "
+                                         "message; 0: no bound")
     max_deliveries: int = F(3, "a group is handed to the learner at most this many times; delivered once more "
                                "(a learner crashed on it each time) it goes to the dead-letter stream instead")
-    dead_letter_max: int = F(1000, "the dead-letter stream keeps this many newest entries")
+    dead_letter_max: int = F(200, "the dead-letter stream keeps this many newest entries (each holds a whole group)")
 
 
 @dataclass
@@ -338,6 +341,7 @@ _FIELD_RULES: dict[str, tuple] = {
     "stream.reclaim_idle_s": _POSITIVE,
     "stream.max_deliveries": _ONE_OR_MORE,
     "stream.dead_letter_max": _ONE_OR_MORE,
+    "stream.embedded_maxmemory_mb": _ZERO_OR_MORE,
     "stream.publish_timeout_s": _POSITIVE,
     "learner.groups_per_batch": _ONE_OR_MORE,
     "learner.gamma": ((lambda v: 0 <= v <= 1), "must be in [0, 1]"),

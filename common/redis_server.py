@@ -218,11 +218,12 @@ class EmbeddedRedis:
 
     def __init__(self, port: int | None = None, password: str | None = None, data_dir: str | None = None,
                  aof: bool = False, appendfsync: str = "everysec", binary: str | None = None,
-                 die_with_parent: bool = True, host: str = "127.0.0.1"):
+                 die_with_parent: bool = True, host: str = "127.0.0.1", maxmemory_mb: int = 0):
         if appendfsync not in ("always", "everysec", "no"):
             raise ValueError(f"appendfsync must be always, everysec or no, got {appendfsync!r}")
         self.port = port
         self.host = host
+        self.maxmemory_mb = maxmemory_mb        # 0: no bound
         self.password = password or secrets.token_urlsafe(24)
         self.aof = aof
         self.appendfsync = appendfsync
@@ -275,6 +276,7 @@ class EmbeddedRedis:
             f"appendonly {'yes' if self.aof else 'no'}",
             f"appendfsync {self.appendfsync}",
             "appendfilename appendonly.aof",
+            f"maxmemory {int(self.maxmemory_mb)}mb",  # full: writes fail with OOM (producers wait, then say so)
             "maxmemory-policy noeviction",          # never silently drop untrained groups
             "logfile redis.log",
             "loglevel warning",
@@ -484,7 +486,7 @@ def redis_for(cfg: StreamConfig, host: str | None = None) -> tuple[str, Embedded
         return cfg.redis_url, None
     host = host or ray_cluster_host() or "127.0.0.1"
     server = EmbeddedRedis(data_dir=cfg.embedded_dir or None, aof=cfg.embedded_aof, appendfsync="everysec",
-                           host=host)
+                           host=host, maxmemory_mb=cfg.embedded_maxmemory_mb)
     try:
         server.start()
     except RuntimeError as exc:

@@ -134,3 +134,14 @@ def test_producer_waits_out_a_full_redis_and_says_why(redis_server, redis_url):
     finally:
         r.config_set("maxmemory", before[0])
         r.config_set("maxmemory-policy", before[1])
+
+
+def test_embedded_redis_memory_is_bounded(tmp_path):
+    from common.redis_server import redis_for
+    url, server = redis_for(StreamConfig(embedded_maxmemory_mb=64, embedded_dir=str(tmp_path / "redis")))
+    try:
+        r = connect(url)
+        assert int(r.config_get("maxmemory")["maxmemory"]) == 64 * 1024 * 1024
+        assert r.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
+    finally:
+        server.stop(cleanup=True)

@@ -78,7 +78,10 @@ def test_ray_cluster_installs_with_the_makefile_and_uses_token_auth():
     assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
     assert config["file_mounts"]["~/gigpo"] == "."
     redis_cmd = next(c for c in config["head_start_ray_commands"] if "redis-server" in c)
-    assert "--appendonly yes" in redis_cmd and "--requirepass" in redis_cmd and "--port 6380" in redis_cmd
+    assert "--appendonly yes" in redis_cmd and "--port 6380" in redis_cmd
+    # The password reaches redis-server on stdin (`redis-server -`) and redis-cli in REDISCLI_AUTH: in no argv.
+    assert "printf 'requirepass %s\\n'" in redis_cmd and "| redis-server - " in redis_cmd
+    assert "--requirepass" not in redis_cmd and " -a " not in redis_cmd and "REDISCLI_AUTH=" in redis_cmd
 
 
 # ---------------------------------------------------------------------------------------------------------

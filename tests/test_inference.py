@@ -8,6 +8,7 @@ import ray
 import torch
 
 from common.config import ExperimentConfig, to_dict
+from tests.weights import hf_model, perturbed
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -47,21 +48,8 @@ def _serve_initial_weights(actor, path) -> None:
     every test expects it to start (whatever the order they run in)."""
     from common.weight_transfer import ShmTransfer as WeightPublisher
 
-    WeightPublisher([actor]).push(_hf_model(path).state_dict().items(), version=0)
+    WeightPublisher([actor]).push(hf_model(path).state_dict().items(), version=0)
     assert ray.get(actor.policy_version.remote()) == 0
-
-
-def _perturbed(model, seed: int):
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for _, p in model.named_parameters():       # named_parameters: tied weights perturbed once
-            p.add_(0.05 * torch.randn_like(p))
-    return model
-
-
-def _hf_model(path):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def _hf_logprobs(model, prompt, response):
@@ -79,7 +67,7 @@ def _hf_greedy(model, prompt, n):
 def test_logprobs_match_transformers(setup):
     path, actor = setup
     outs = ray.get([actor.generate.remote(PROMPT, {"temperature": 1.0, "max_tokens": 32}) for _ in range(4)])
-    model = _hf_model(path)
+    model = hf_model(path)
     for out in outs:
         assert len(out["response_ids"]) == len(out["logprobs"]) > 0
         assert out["finish_reason"] in ("stop", "length") and out["policy_version"] == 0
@@ -124,13 +112,13 @@ def test_weight_update_in_place_between_requests(setup):
     from common.weight_transfer import ShmTransfer as WeightPublisher, read_manifest
 
     path, actor = setup
-    model = _hf_model(path)
+    model = hf_model(path)
     n = 40
     old = _hf_greedy(model, PROMPT, n)
     greedy = {"temperature": 0.0, "max_tokens": n}
     assert ray.get(actor.generate.remote(PROMPT, greedy))["response_ids"] == old
 
-    new = _hf_greedy(_perturbed(model, seed=1), PROMPT, n)
+    new = _hf_greedy(perturbed(model, seed=1), PROMPT, n)
     assert new != old
 
     publisher = WeightPublisher([actor], bucket_mb=1)     # tiny buckets: several files for 3 MB
@@ -182,7 +170,7 @@ def test_restarted_actor_resumes_with_the_newest_weights(setup):
     try:
         # Weights of its own, newer than the served ones, so that a restart that loaded no manifest shows.
         version = ray.get(actor.policy_version.remote()) + 1
-        WeightPublisher([actor]).push(_perturbed(_hf_model(path), seed=2).state_dict().items(), version=version)
+        WeightPublisher([actor]).push(perturbed(hf_model(path), seed=2).state_dict().items(), version=version)
         before = ray.get(actor.generate.remote(PROMPT, greedy))
         assert before["policy_version"] == version
         pid = ray.get(actor.pid.remote())

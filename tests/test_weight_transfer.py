@@ -15,6 +15,7 @@ import ray
 import torch
 
 from common.config import ExperimentConfig, to_dict
+from tests.weights import hf_model, perturbed
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -32,19 +33,6 @@ def _cfg(tmp_dir: str, **inference) -> dict:
                             weight_bucket_mb=1)     # 1 MB: several packed buffers / bucket files for ~2.6 MB
     cfg["inference"].update(inference)
     return cfg
-
-
-def _hf_model(path):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def _perturbed(model, seed: int):
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for _, p in model.named_parameters():       # named_parameters: tied weights perturbed once
-            p.add_(0.05 * torch.randn_like(p))
-    return model
 
 
 def _weights(model) -> list:
@@ -96,7 +84,7 @@ def disk(tiny_model_path, local_ray, tmp_path_factory):
 def _restore(disk) -> None:
     from common.weight_transfer import WeightTransfer
 
-    WeightTransfer([disk["actor"]], mode="shm", timeout_s=TIMEOUT_S).push(_weights(_hf_model(disk["path"])),
+    WeightTransfer([disk["actor"]], mode="shm", timeout_s=TIMEOUT_S).push(_weights(hf_model(disk["path"])),
                                                                           version=0)
     assert ray.get(disk["actor"].weights_digest.remote()) == disk["digest"]
 
@@ -105,7 +93,7 @@ def test_collective_push_serves_what_the_shm_push_serves(disk):
     from common.weight_transfer import WeightTransfer
 
     actor, path = disk["actor"], disk["path"]
-    model = _perturbed(_hf_model(path), seed=3)
+    model = perturbed(hf_model(path), seed=3)
     collective = WeightTransfer([actor], mode="collective", bucket_mb=1, timeout_s=TIMEOUT_S)
     try:
         assert collective.mode == "collective" and collective.transport.backend == "gloo"
@@ -147,7 +135,7 @@ def test_auto_picks_shm_on_one_node_and_ipc_needs_cuda(disk):
 
     transfer = create_weight_transfer(disk["cfg"], [disk["actor"]])      # inference.weight_transfer=auto
     assert transfer.mode == "shm" and "share node" in transfer.reason, transfer.reason
-    info = transfer.push(_weights(_hf_model(disk["path"])), version=0)
+    info = transfer.push(_weights(hf_model(disk["path"])), version=0)
     assert info["transfer"] == "shm" and info["buckets"] >= 2
     assert not transfer.needs_push(0) and transfer.needs_push(1)
     if not torch.cuda.is_available():
@@ -186,7 +174,7 @@ def test_a_peer_that_never_joins_fails_the_push_within_its_deadline(disk):
     try:
         t0 = time.monotonic()
         with pytest.raises(TimeoutError, match=r"inference actor 1 \(pid \d+ on .*did not join"):
-            transfer.push(_weights(_perturbed(_hf_model(disk["path"]), seed=4)), version=9)
+            transfer.push(_weights(perturbed(hf_model(disk["path"]), seed=4)), version=9)
         # the rendezvous' own timeout, plus the time to start the RPCs and build the error
         assert time.monotonic() - t0 < timeout_s + 20
         # The real actor joined, timed out, and left its model untouched: it serves its weights still.
@@ -213,7 +201,7 @@ def test_actor_without_weights_waits_for_version_0_and_a_failed_load_restarts_it
     shipped = ModelSource.ship(path, max_mb=64)
     elsewhere = dataclasses.replace(shipped, path=str(tmp_path / "not-on-this-node" / "tiny-policy"))
     actor = create_inference_actors(_cfg(str(tmp_path)), elsewhere, num_actors=1, max_restarts=1)[0]
-    model = _hf_model(path)
+    model = hf_model(path)
     want = disk["greedy"]["response_ids"]
     transfer = None
     try:
@@ -236,7 +224,7 @@ def test_actor_without_weights_waits_for_version_0_and_a_failed_load_restarts_it
         assert max(abs(a - b) for a, b in zip(ref, sampled["logprobs"])) < LOGPROB_TOL
         assert not transfer.needs_push(0)
 
-        bad = _weights(_perturbed(_hf_model(path), seed=5))
+        bad = _weights(perturbed(hf_model(path), seed=5))
         name, tensor = bad[-1]
         bad[-1] = (name, torch.zeros(tensor.numel() + 3))
         pid = ray.get(actor.pid.remote())

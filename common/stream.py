@@ -115,7 +115,6 @@ class TrajectoryStream:
         self.stats: dict[str, int] = {name: 0 for name in _STAT_NAMES}
         self._inflight: dict[str, str] = {}      # entry id -> group id, read but not yet acked
         self._inflight_groups: set[str] = set()
-        self._claim_cursor = "0-0"
         self._next_scan = 0.0                   # monotonic time of the next pending-list scan (see read)
         self._local = threading.local()      # per-thread encoder (publish may be called from many threads)
         # A blocking read must return before the socket times out: a timed-out XREADGROUP would be retried
@@ -351,12 +350,22 @@ class TrajectoryStream:
     def _reclaim(self, count: int) -> list:
         """Take over entries idle for `reclaim_idle_s` in other consumers' pending lists (dead consumers)."""
         min_idle_ms = max(0, int(self.cfg.reclaim_idle_s * 1000))
-        resp = self._group_call(self.redis.xautoclaim, self.key, self.consumer_group, self.consumer_name,
-                                min_idle_ms, start_id=self._claim_cursor, count=count)
-        cursor, entries = resp[0], resp[1]
-        self._claim_cursor = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
-        # Our own in-flight entries may come back if we took longer than min idle: we hold them already.
-        entries = [e for e in entries if e[0] is not None and e[0].decode() not in self._inflight]
+        # Other consumers' entries idle that long (XPENDING's IDLE filter; the pending list is bounded by
+        # max_stream_groups). Ours are not taken back here: we hold them (in flight) or _recover_own does, and
+        # a claim of our own would count as one more delivery of a group we are still training on.
+        rows = self._group_call(self.redis.xpending_range, self.key, self.consumer_group, min="-", max="+",
+                                count=count + self.cfg.max_stream_groups, idle=min_idle_ms)
+        ids = [r["message_id"] for r in rows if r["consumer"].decode() != self.consumer_name][:count]
+        if not ids:
+            return []
+        # XCLAIM re-checks the idle time (another learner may have claimed them meanwhile) and counts the
+        # delivery (see _without_poison).
+        entries = self._group_call(self.redis.xclaim, self.key, self.consumer_group, self.consumer_name,
+                                   min_idle_ms, ids)
+        gone = [e[0] for e in entries if e[0] is not None and not e[1]]      # deleted while pending
+        if gone:
+            self._group_call(self.redis.xack, self.key, self.consumer_group, *gone)
+        entries = [e for e in entries if e[0] is not None and e[1]]
         self.stats["reclaimed"] += len(entries)
         return self._without_poison(entries)
 

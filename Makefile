@@ -87,15 +87,8 @@ lock:
 data: $(STAMP)
 	$(PY) -m env_servers.data prepare
 
-# `make run ENV=webshop`: the embedded WebShop run (configs/webshop-embedded.yaml) on the 1,000-product
-# catalog, copied into $WEBSHOP_DATA first when it is not there yet. Any other ENV: $(CONFIG).
 run: $(STAMP)
-ifeq ($(ENV),webshop)
-	$(PY) -m env_servers.webshop.data
-	$(VENV)/bin/gigpo train configs/webshop-embedded.yaml
-else
 	$(VENV)/bin/gigpo train $(CONFIG)
-endif
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -15,8 +15,9 @@ sees half a group. `stop(drain=True)` starts no new groups and publishes the one
 `stop(drain=False)` discards them.
 
 Each step becomes a StepRow: the prompt the policy saw, the sampled response with its log-probs, the
-env reward (success_reward on the winning step, else 0), the anchor (the raw observation the action was
-taken from), whether the response parsed as a well-formed action, and the policy version that sampled it.
+env reward (`step_reward`: success_reward on the winning step, else 0; or that times the native score), the
+anchor (the raw observation the action was taken from), whether the response parsed as a well-formed
+action, and the policy version that sampled it.
 """
 from __future__ import annotations
 
@@ -340,7 +341,7 @@ class Rollout:
                 log.warning("step of %s on instance %d failed: %s", traj.traj_id, instance, res.error)
                 return self._end(traj, Termination.ENV_ERROR)
             nxt = res.report
-            reward = cfg.rollout.success_reward if nxt.won else 0.0
+            reward = step_reward(cfg.rollout, nxt)
             traj.steps.append(StepRow(
                 prompt_ids=prompt_ids, response_ids=out["response_ids"], response_logprobs=out["logprobs"],
                 reward=reward, anchor=report.anchor, valid=parsed.valid, step=step,
@@ -369,33 +370,56 @@ class Rollout:
         return traj
 
     async def _generate(self, instance: int, prompt_ids: list[int], sampling: dict) -> dict:
-        """One generation; an inference actor that died is retried (on the next actor when there are
-        several; Ray restarts the dead one, which reloads the newest weights)."""
+        """One generation. An inference actor that died is retried (on the next actor when there are several;
+        Ray restarts a dead one, which reloads the newest weights) for up to `inference.generate_timeout_s`;
+        one that has not answered within that deadline (hung, or on a lost node) is given up and the request
+        sent to the next actor. Fails, naming the actor, when every actor timed out or none came back."""
         t0 = time.perf_counter()
-        delay = 0.5
-        deadline = time.monotonic() + 300.0
-        attempt = 0
+        n = len(self.inference_actors)
+        timeout_s = self.cfg.inference.generate_timeout_s
+        deadline = time.monotonic() + timeout_s
+        delay, attempt, timeouts = 0.5, 0, 0
         try:
             while True:
-                actor = self.inference_actors[(instance + attempt) % len(self.inference_actors)]
+                index = (instance + attempt) % n
+                t1 = time.perf_counter()
+                ref = self.inference_actors[index].generate.remote(prompt_ids, sampling)
                 try:
-                    t1 = time.perf_counter()
-                    out = await actor.generate.remote(prompt_ids, sampling)
+                    out = await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout_s)
+                except asyncio.TimeoutError:
+                    ray.cancel(ref)          # a hung call must not run on later
+                    timeouts += 1
+                    self.counters["inference_timeouts"] += 1
+                    log.warning("inference actor %d gave no answer within %.0f s", index, timeout_s)
+                    if timeouts >= n:
+                        raise RuntimeError(f"inference actor {index} gave no answer within "
+                                           f"inference.generate_timeout_s ({timeout_s:.0f} s)"
+                                           + (f", nor did the other {n - 1}" if n > 1 else "")) from None
+                except _RETRYABLE as e:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"inference actor {index} unavailable for inference.generate_timeout_s "
+                                           f"({timeout_s:.0f} s): {e}") from e
+                else:
                     self.metrics.observe("generate_seconds", time.perf_counter() - t1)
                     weight_wait = float(out.get("weight_wait_s", 0.0))
                     self.timers["weight_wait_s"] += weight_wait
                     if weight_wait:
                         self.metrics.inc("rollout_weight_wait_seconds", weight_wait)
                     return out
-                except _RETRYABLE as e:
-                    attempt += 1
-                    self.counters["inference_retries"] += 1
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"inference unavailable for 300 s: {e}") from e
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 5.0)
+                attempt += 1
+                self.counters["inference_retries"] += 1
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
         finally:
             self.timers["gen_wait_s"] += time.perf_counter() - t0
+
+
+def step_reward(rollout_cfg, report) -> float:
+    """The reward of the step that led to `report` (an EnvReport): `rollout.reward` "success" gives
+    success_reward on the winning step, "score" gives success_reward x the native score on the last step."""
+    if rollout_cfg.reward == "score":
+        return rollout_cfg.success_reward * float(report.score) if report.done else 0.0
+    return rollout_cfg.success_reward if report.won else 0.0
 
 
 def _stable_seed(*parts) -> int:

@@ -84,6 +84,10 @@ class RolloutConfig:
                                        "outputs), for small models that cannot follow the format yet")
     invalid_action_penalty: float = F(0.1, "penalty for an invalid action, on that row only")
     success_reward: float = F(10.0, "reward on the winning step")
+    reward: Literal["success", "score"] = F(
+        "success", 'what the final step earns: "success" (the paper: success_reward on a win, else 0); "score": '
+                   "success_reward x the env's native score in [0, 1] (WebShop's purchase reward), a denser "
+                   "signal for a policy that rarely wins outright (configs/webshop-embedded.yaml)")
     cpus_per_actor: float = F(0.5, "CPUs Ray reserves for one rollout actor")
     resources: dict = F({}, 'Ray custom resources each rollout actor needs, e.g. {"cpu_node": 1}')
 
@@ -106,6 +110,11 @@ class InferenceConfig:
                 'rank 0 and every inference actor share a node, else collective')
     transfer_timeout_s: float = F(600.0, "deadline of one weight push (and of the collective's rendezvous): "
                                          "past it the push fails with an error instead of hanging")
+    generate_timeout_s: float = F(900.0, "deadline of one generation on one inference actor (a request waits "
+                                         "for a weight load in progress, so keep it above transfer_timeout_s): "
+                                         "an actor that has not answered by then (hung, or its node lost) is "
+                                         "given up and the request retried on the next actor; a request that "
+                                         "finds no live actor for this long fails its trajectory's actor")
     resources: dict = F({}, 'Ray custom resources each inference actor needs, e.g. {"gpu_node": 1} (the '
                             "node kinds it may run on: `ray start --resources`)")
 
@@ -336,6 +345,7 @@ _FIELD_RULES: dict[str, tuple] = {
     "inference.max_num_seqs": _ONE_OR_MORE,
     "inference.weight_bucket_mb": _ONE_OR_MORE,
     "inference.transfer_timeout_s": _POSITIVE,
+    "inference.generate_timeout_s": _POSITIVE,
     "stream.max_stream_groups": _ONE_OR_MORE,
     "stream.max_policy_lag": _ZERO_OR_MORE,
     "stream.reclaim_idle_s": _POSITIVE,

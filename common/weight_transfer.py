@@ -224,9 +224,20 @@ def call_actors(actors: list, method: str, args_of, deadline: float, what: str,
 
 
 def actor_states(actors: list, timeout_s: float) -> list[dict]:
-    """Each actor's `transfer_state()` (has_weights, version, group, backend, workers, pid, node)."""
-    return call_actors(actors, "transfer_state", lambda i: (), time.monotonic() + timeout_s,
-                       "report its weight state")
+    """Each actor's `transfer_state()` (has_weights, version, group, backend, workers, pid, node). An actor
+    that is restarting (its process or its node was lost; Ray brings it back when a node can take it) is
+    asked again until `timeout_s` has passed; then the ActorLost naming it is raised."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.5
+    while True:
+        try:
+            return call_actors(actors, "transfer_state", lambda i: (), deadline, "report its weight state")
+        except ActorLost as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("%s; asking again until it is back (inference.transfer_timeout_s)", exc)
+            time.sleep(delay)
+            delay = min(2 * delay, 10.0)
 
 
 # -- shm ----------------------------------------------------------------------------------------------------

@@ -118,6 +118,7 @@ class TwoNodeCluster:
     head: subprocess.Popen | None = None
     worker: subprocess.Popen | None = None
     _drivers: list = field(default_factory=list)
+    _worker_cmd: list = field(default_factory=list)
 
     @property
     def address(self) -> str:
@@ -155,6 +156,33 @@ class TwoNodeCluster:
                                 stdin=subprocess.DEVNULL, start_new_session=True, **kwargs)
         self._drivers.append(proc)
         return proc
+
+    # -- the worker node: lost and back ----------------------------------------------------------------
+
+    def start_worker(self) -> None:
+        """Start the worker node (again): a fresh machine, with its own empty /dev/shm and /tmp (a private
+        mount namespace holding two tmpfs), whose `ray start` is the process `self.worker` holds. Returns at
+        once; `wait_for_nodes(2)` waits until it has joined."""
+        private = ("mount -t tmpfs -o mode=1777,size=8g gmn-shm /dev/shm && "
+                   "mount -t tmpfs -o mode=1777 gmn-tmp /tmp && exec \"$@\"")
+        with open(self.root / "worker.out", "ab") as out:
+            self.worker = subprocess.Popen(
+                ["ip", "netns", "exec", self.worker_ns, "unshare", "--mount", "--propagation", "private",
+                 "sh", "-c", private, "sh", *self._worker_cmd],
+                env=self.env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True)
+
+    def lose_worker(self) -> None:
+        """The worker machine is gone at once, as a reclaimed spot node is: SIGKILL to every process in its
+        namespace (Ray's, the actors', their children), nothing told first. Its files go with it."""
+        left = _kill_namespace(self.worker_ns, term_s=0.0, first=signal.SIGKILL)
+        _reap(self.worker)
+        if left:
+            raise RuntimeError(f"processes {left} of the worker node survived SIGKILL")
+
+    def wait_for_nodes(self, nodes: int, timeout_s: float = 120.0) -> None:
+        """Until `nodes` Ray nodes are alive (the head's view)."""
+        _wait_for(self, nodes, time.monotonic() + timeout_s)
 
     # -- the worker's private files ------------------------------------------------------------------
 
@@ -221,10 +249,10 @@ def _namespace_pids(ns: str) -> list[int]:
     return [int(p) for p in out if p.isdigit()]
 
 
-def _kill_namespace(ns: str, term_s: float) -> list[int]:
-    """End every process in network namespace `ns` (all of them were started by this harness): SIGTERM,
-    then SIGKILL what is left after `term_s`. Returns the pids still there at the end."""
-    for sig, wait_s in ((signal.SIGTERM, term_s), (signal.SIGKILL, 10.0)):
+def _kill_namespace(ns: str, term_s: float, first: int = signal.SIGTERM) -> list[int]:
+    """End every process in network namespace `ns` (all of them were started by this harness): `first`
+    (SIGTERM), then SIGKILL what is left after `term_s`. Returns the pids still there at the end."""
+    for sig, wait_s in ((first, term_s), (signal.SIGKILL, 10.0)):
         for pid in _namespace_pids(ns):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
@@ -366,17 +394,9 @@ def two_node_cluster(head_cpus: float = 1, worker_cpus: float = 4, extra_env: di
                                             start_new_session=True)
         deadline = time.monotonic() + START_TIMEOUT_S
         _wait_for(cluster, 1, deadline)
-        worker_cmd = [*worker_start_argv(cluster.head_ip, cluster.worker_ip, worker_cpus), "--temp-dir",
-                      WORKER_RAY_TEMP, *harness_flags]
-        # Private /dev/shm and /tmp, then exec Ray: `ray start` is the process this Popen holds.
-        private = ("mount -t tmpfs -o mode=1777,size=8g gmn-shm /dev/shm && "
-                   "mount -t tmpfs -o mode=1777 gmn-tmp /tmp && exec \"$@\"")
-        with open(root / "worker.out", "wb") as out:
-            cluster.worker = subprocess.Popen(
-                ["ip", "netns", "exec", cluster.worker_ns, "unshare", "--mount", "--propagation", "private",
-                 "sh", "-c", private, "sh", *worker_cmd],
-                env=cluster.env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True)
+        cluster._worker_cmd = [*worker_start_argv(cluster.head_ip, cluster.worker_ip, worker_cpus), "--temp-dir",
+                               WORKER_RAY_TEMP, *harness_flags]
+        cluster.start_worker()
         _wait_for(cluster, 2, deadline)
         yield cluster
     finally:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import subprocess
 import time
 from pathlib import Path
 
@@ -209,3 +210,47 @@ def test_documented_layout_submitted_with_ray_job_submit(namespaces, tmp_path):
     # the head, whose copy of the run holds the driver's log only.
     assert {"learner-0.log", "inference-0.log", "rollout-0.log"} <= {p.name for p in worker_logs.glob("*.log")}
     assert {p.name for p in (run_dir / "logs").glob("*.log")} == {"driver.log"}
+
+
+# -- a worker node lost mid-run and back: the run goes on ----------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_worker_node_lost_mid_run_comes_back_and_the_run_finishes(namespaces, tmp_path):
+    """The learner-on-head layout (inference and rollout on the worker); after the second update every process
+    of the worker node is SIGKILLed at once (a reclaimed spot node: its /dev/shm and /tmp go too), and a
+    fresh worker node joins under the same address. Ray restarts both actors there; the driver restarts the
+    rollout loop, the learner rebuilds its weight-transfer group with the new vLLM (which starts on dummy
+    weights) and pushes the newest version, and the run ends with every update done."""
+    command = doc_layout("learner-on-head", head_cpus=1, worker_cpus=2)
+    iterations = 5
+    command = [f"run.iterations={iterations}" if arg == "run.iterations=2" else arg for arg in command]
+    assert f"run.iterations={iterations}" in command
+    # A push to the lost node's vLLM waits for its restart; give it time for the node to come back (the
+    # harness brings it back at once) but fail in bounded time if it never does.
+    command += ["inference.transfer_timeout_s=240"]
+    run_dir = tmp_path / "run"
+    metrics_path = run_dir / "metrics.jsonl"
+    with two_node_cluster(head_cpus=1, worker_cpus=2, keep_logs=tmp_path / "logs") as cluster:
+        driver = cluster.popen_on_head([str(VENV_BIN / "gigpo"), *in_run_dir(command[1:], run_dir)],
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 480
+        while not (metrics_path.is_file() and len(metrics_path.read_text().splitlines()) >= 2):
+            assert driver.poll() is None, driver.stdout.read()[-6000:]
+            assert time.monotonic() < deadline, "two updates not done in 480 s"
+            time.sleep(0.5)
+        cluster.lose_worker()
+        cluster.start_worker()
+        cluster.wait_for_nodes(2)
+        try:
+            out, _ = driver.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            driver.kill()
+            out, _ = driver.communicate()
+            raise AssertionError(f"the run did not finish within 600 s of the node's loss:\n{out[-6000:]}")
+    assert driver.returncode == 0, out[-6000:]
+    metrics = _run_metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(1, iterations + 1)), out[-6000:]
+    # The driver restarted the rollout actor's loop once; the updates after the loss trained on groups the
+    # new node sampled.
+    assert metrics[-1]["rollout/actor_restarts"] == 1, metrics[-1]

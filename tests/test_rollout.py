@@ -202,3 +202,40 @@ def test_add_and_remove_rollout_actors_during_a_run(setup):
     for actor in (a, b, *servers):
         ray.get(actor.close.remote())
         ray.kill(actor)
+
+
+@ray.remote
+class HungInference:
+    """An inference actor that accepts requests and never answers (a hung engine, or one on a node that is
+    gone without Ray noticing yet): a real actor, really hanging, not a mock of one."""
+
+    async def generate(self, prompt_ids, sampling):
+        import asyncio
+        await asyncio.Event().wait()
+
+
+def test_a_hung_inference_actor_is_given_up_after_the_deadline(setup):
+    from actors.rollout import create_rollout_actor
+
+    path, inference, url = setup
+    hung = HungInference.remote()
+    cfg = _cfg(path, "test:hung", groups_per_actor=1, group_size=1)
+    # The real actor answers a 24-token request in well under a second once warm (the warm-up below takes
+    # the first request's one-time costs out); 15 s leaves room for a loaded machine.
+    ray.get(inference[0].generate.remote([1, 2, 3], {"max_tokens": 4, "temperature": 1.0}), timeout=120)
+    cfg["inference"]["generate_timeout_s"] = 15.0
+    cfg["env"]["max_steps"] = 1
+    # Instance 0 asks actor 0 first: the hung one. Its request times out and goes to the real one.
+    actor = create_rollout_actor(cfg, "ro-h", [hung, inference[0]], None)
+    trajs = ray.get(actor.play_tasks.remote(["gen/train/00000"]), timeout=120)
+    stats = ray.get(actor.stats.remote())
+    assert len(trajs) == 1 and trajs[0].num_steps == 1
+    assert stats["inference_timeouts"] == 1 and stats["inference_retries"] == 1
+    ray.get(actor.close.remote())
+
+    # Only the hung actor: the request fails within the deadline, with an error that names the setting.
+    alone = create_rollout_actor(cfg, "ro-h2", [hung], None)
+    with pytest.raises(ray.exceptions.RayTaskError, match="generate_timeout_s"):
+        ray.get(alone.play_tasks.remote(["gen/train/00000"]), timeout=60)
+    ray.get(alone.close.remote())
+    ray.kill(hung)

@@ -235,7 +235,7 @@ class System:
         path = resolve_model_path(self.cfg.model.path, self.cfg.run.output_dir)
         if self.cfg.model.warm_start_steps > 0:
             from deploy.warm_start import warm_start
-            path = warm_start(self.cfg, path)
+            path = warm_start(self.cfg, path, progress=self.terminal.err if self.terminal else None)
         return path
 
     def _eval_model(self, scratch_dir: str) -> str:
@@ -462,7 +462,7 @@ class System:
             metrics = None
             while metrics is None:
                 self._check_rollouts_alive()
-                metrics = step_learner(self.learners, timeout_s=WAIT_FOR_DATA_S)
+                metrics = step_learner(self.learners, timeout_s=WAIT_FOR_DATA_S, on_wait=self._while_updating)
                 if metrics is None:        # no full batch yet: stay responsive (scale commands, status)
                     self._apply_commands()
                     self.reap_retired()
@@ -538,12 +538,24 @@ class System:
             except ray.exceptions.RayError as exc:
                 raise RuntimeError(f"rollout actor {actor_id} failed: {exc}") from exc
 
-    def _publish_waiting_status(self) -> None:
-        """While the learner waits for a batch: say why (paused by `scale --rollout 0`, or waiting)."""
+    def _while_updating(self) -> None:
+        """Every ON_WAIT_EVERY_S of a long update (e.g. a weight push waiting for an inference actor whose
+        node is gone): notice lost rollout actors and say so in the status."""
+        self._check_rollouts_alive()
+        self._publish_waiting_status(updating=True)
+
+    def _publish_waiting_status(self, updating: bool = False) -> None:
+        """While the driver waits on the learner: say why (paused by `scale --rollout 0`, rollout actors
+        coming back after a loss, an update in progress, or waiting for data)."""
         if self.channel is None:
             return
-        state = ("paused: no rollout actors (resume with `gigpo scale --rollout N`)" if not self.rollouts
-                 else "waiting for data")
+        if not self.rollouts:
+            state = "paused: no rollout actors (resume with `gigpo scale --rollout N`)"
+        elif self.restarting:
+            state = (f"waiting: {len(self.restarting)} rollout actor(s) coming back (their process or node was "
+                     f"lost; Ray restarts them when a node with their resources is there)")
+        else:
+            state = "training" if updating else "waiting for data"
         self._publish_status(self._last_metrics, state=state)
 
     def _apply_commands(self) -> None:
@@ -709,6 +721,9 @@ def format_summary(summary: dict) -> str:
     if summary.get("before") and summary.get("after"):
         b, a = summary["before"]["success"], summary["after"]["success"]
         lines.append(f"success before {100 * b:.1f}%  ->  after {100 * a:.1f}%   ({100 * (a - b):+.1f} points)")
+        if "score" in summary["before"] and "score" in summary["after"]:      # WebShop: the paper's other figure
+            b, a = summary["before"]["score"], summary["after"]["score"]
+            lines.append(f"score   before {100 * b:.1f}    ->  after {100 * a:.1f}    ({100 * (a - b):+.1f} points)")
         lines.append(format_eval("after training", summary["after"]))
     lines.append(f"outputs: {summary['outputs']} (tensorboard --logdir {summary['outputs']}/tensorboard)")
     lines.append("=" * 72)

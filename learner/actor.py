@@ -30,6 +30,7 @@ from common.process_env import apply_project_env
 log = logging.getLogger("gigpo")
 
 RENDEZVOUS_TIMEOUT_S = 300.0     # every rank joins torch.distributed within this (they are all placed by then)
+ON_WAIT_EVERY_S = 10.0           # how often a long wait on the learner lets the driver do its rounds
 STEP_TIMEOUT_S = 3600.0          # one update on every rank beyond its wait for data; generous: a large model's
                                  # update, a checkpoint and a weight push all fit
 
@@ -119,15 +120,21 @@ class LearnerWorkers(list):
         return ", ".join(f"rank {r} on {node_label(self.nodes[r])}" for r in ranks)
 
 
-def _wait_all(refs: list, timeout_s: float) -> list[int]:
+def _wait_all(refs: list, timeout_s: float, on_wait=None) -> list[int]:
     """Wait up to timeout_s for every ref; the indices of those still not ready. A call that failed raises
-    its error at once (the other ranks may be waiting for it in a collective that would never end)."""
+    its error at once (the other ranks may be waiting for it in a collective that would never end).
+    on_wait: called every ON_WAIT_EVERY_S while waiting (the driver looks after its other actors)."""
     deadline = time.monotonic() + timeout_s
     pending = list(refs)
     while pending:
-        done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        left = max(0.0, deadline - time.monotonic())
+        done, pending = ray.wait(pending, num_returns=1,
+                                 timeout=min(left, ON_WAIT_EVERY_S) if on_wait is not None else left)
         if not done:
-            break
+            if on_wait is None or time.monotonic() >= deadline:
+                break
+            on_wait()
+            continue
         ray.get(done)
     late = set(pending)
     return [i for i, ref in enumerate(refs) if ref in late]
@@ -174,13 +181,14 @@ def create_learner_workers(cfg: ExperimentConfig, model, stream_url: str | None,
     return workers
 
 
-def step_learner(workers: list, timeout_s: float | None = None, deadline_s: float = STEP_TIMEOUT_S) -> dict | None:
+def step_learner(workers: list, timeout_s: float | None = None, deadline_s: float = STEP_TIMEOUT_S,
+                 on_wait=None) -> dict | None:
     """One update on every rank (they run collectives together); rank 0's metrics. Raises TimeoutError
     naming the ranks and their nodes when they have not finished within timeout_s (the wait for data)
-    + deadline_s."""
+    + deadline_s. on_wait: called every ON_WAIT_EVERY_S while the update runs."""
     refs = [w.step.remote(timeout_s) for w in workers]
     limit = (timeout_s or 0.0) + deadline_s
-    late = _wait_all(refs, limit)
+    late = _wait_all(refs, limit, on_wait)
     if late:
         where = workers.where(late) if isinstance(workers, LearnerWorkers) else f"rank(s) {late}"
         raise TimeoutError(f"learner {where} did not finish an update within {limit:.0f} s (a hung collective or "

@@ -156,6 +156,7 @@ def test_many_concurrent_requests_batch(setup):
     assert stats["requests"] - stats0["requests"] == 64 and stats["inflight"] == 0
 
 
+@pytest.mark.fault
 def test_restarted_actor_resumes_with_the_newest_weights(setup):
     """A real crash (SIGKILL of the actor process): Ray restarts the actor, the constructor finds the
     weight manifest, and the caller's retried request is answered by the newest weights. What the killed

@@ -55,6 +55,7 @@ def _weights_digest(module) -> str:
     return digest.hexdigest()
 
 
+@pytest.mark.fault
 def test_a_need_no_node_has_is_one_clear_error_within_its_deadline(kinds_ray):
     wait_placeable({"a rollout actor": actor_need(1, 0, {"rollout_node": 1})}, timeout_s=0)   # offered: at once
     t0 = time.monotonic()
@@ -70,6 +71,7 @@ def test_a_need_no_node_has_is_one_clear_error_within_its_deadline(kinds_ray):
         pinned_node(actor_need(0.25, 0, {"cpu_node": 1}))
 
 
+@pytest.mark.fault
 def test_learner_with_resources_no_node_has_fails_within_the_deadline(kinds_ray, tiny_model_path):
     from learner.actor import create_learner_workers
 

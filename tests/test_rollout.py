@@ -214,6 +214,7 @@ class HungInference:
         await asyncio.Event().wait()
 
 
+@pytest.mark.fault
 def test_a_hung_inference_actor_is_given_up_after_the_deadline(setup):
     from actors.rollout import create_rollout_actor
 

@@ -15,6 +15,7 @@ from tests.stream_factory import make_group
 pytestmark = pytest.mark.timeout(90)
 
 
+@pytest.mark.fault
 def test_redis_crash_and_restart_with_aof_loses_no_group(tmp_path):
     cfg = StreamConfig(stream="restart:aof", reclaim_idle_s=60)
     server = EmbeddedRedis(data_dir=str(tmp_path), aof=True, appendfsync="always").start()
@@ -69,6 +70,7 @@ def test_redis_crash_and_restart_with_aof_loses_no_group(tmp_path):
         server.stop()
 
 
+@pytest.mark.fault
 def test_redis_restart_without_persistence_recreates_the_consumer_group(tmp_path):
     cfg = StreamConfig(stream="restart:mem", reclaim_idle_s=60)
     server = EmbeddedRedis(data_dir=str(tmp_path), aof=False).start()

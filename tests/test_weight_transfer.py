@@ -164,6 +164,7 @@ class SilentPeer:
         return None
 
 
+@pytest.mark.fault
 def test_a_peer_that_never_joins_fails_the_push_within_its_deadline(disk):
     from common.weight_transfer import WeightTransfer
 
@@ -187,6 +188,7 @@ def test_a_peer_that_never_joins_fails_the_push_within_its_deadline(disk):
         ray.kill(peer)
 
 
+@pytest.mark.fault
 def test_actor_without_weights_waits_for_version_0_and_a_failed_load_restarts_it(disk, tmp_path):
     """The model's directory is not on the actor's node (a path that does not exist here), its config and
     tokenizer are shipped: the engine starts with dummy weights and holds requests until the learner's

@@ -87,11 +87,19 @@ lock:
 data: $(STAMP)
 	$(PY) -m env_servers.data prepare
 
+# `make run ENV=webshop`: the embedded WebShop run (configs/webshop-embedded.yaml) on the 1,000-product
+# catalog, copied into $WEBSHOP_DATA first when it is not there yet. Any other ENV: $(CONFIG).
 run: $(STAMP)
+ifeq ($(ENV),webshop)
+	$(PY) -m env_servers.data prepare --only webshop
+	$(VENV)/bin/gigpo train configs/webshop-embedded.yaml
+else
 	$(VENV)/bin/gigpo train $(CONFIG)
+endif
 
+# --durations: the slowest tests, for keeping the suite's wall time in check.
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --durations=15 $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)

@@ -95,9 +95,41 @@ def regex_literal(text: str) -> str:
     return "".join("\\" + c if c in _REGEX_OPERATORS else c for c in text)
 
 
+# A free-text slot in an admissible action: WebShop lists "search[<your query>]", whose query the agent
+# writes. Constrained generation fixes the slot's shape, never its words: lower-case letters, digits,
+# spaces and the punctuation of product text (no brackets, which end the action, and no < or >, which
+# would start a tag), starting with a letter or digit, at most FREE_TEXT_MAX_CHARS characters.
+FREE_TEXT_SLOT = "<your query>"
+FREE_TEXT_CHARS = "a-z0-9 ,.:'&-"
+FREE_TEXT_MAX_CHARS = 160
+_FREE_TEXT = rf"[a-z0-9][{FREE_TEXT_CHARS}]{{0,{FREE_TEXT_MAX_CHARS - 1}}}"
+
+
+def _action_pattern(action: str) -> str:
+    """The regex of one admissible action: the action itself, its free-text slot (if any) as _FREE_TEXT."""
+    if FREE_TEXT_SLOT not in action:
+        return regex_literal(action)
+    return _FREE_TEXT.join(regex_literal(piece) for piece in action.split(FREE_TEXT_SLOT))
+
+
+def is_admissible(action: str, admissible: list[str]) -> bool:
+    """Whether constrained generation could produce `action` for this admissible list: one of the listed
+    actions, or one with its free-text slot filled in the allowed shape."""
+    return any(a == action or (FREE_TEXT_SLOT in a and re.fullmatch(_action_pattern(a), action))
+               for a in admissible if a != "help")
+
+
 def action_regex(admissible: list[str], max_think_chars: int = 200) -> str:
     """For `rollout.constrain_actions`: a short free-text think section, then exactly one admissible
-    action; the format tags stay, so parsing and validity work unchanged."""
-    choices = "|".join(regex_literal(a) for a in admissible if a != "help") or "look"
+    action (a free-text slot filled in its shape, see FREE_TEXT_SLOT); the format tags stay, so parsing and
+    validity work unchanged.
+
+    `max_think_chars` is sized by the caller so that the longest listed action fits the response budget;
+    a free-text slot can be longer than its placeholder, and the think section gives up the difference."""
+    actions = [a for a in admissible if a != "help"]
+    choices = "|".join(_action_pattern(a) for a in actions) or "look"
+    slot_growth = max((FREE_TEXT_MAX_CHARS - len(FREE_TEXT_SLOT) for a in actions if FREE_TEXT_SLOT in a),
+                      default=0)
+    think = max(0, max_think_chars - slot_growth)
     # Printable ASCII except < and >: no stray tags, and no CJK (which would make the response invalid).
-    return rf"<think>[ -;=?-~]{{0,{max_think_chars}}}</think> <action>({choices})</action>"
+    return rf"<think>[ -;=?-~]{{0,{think}}}</think> <action>({choices})</action>"

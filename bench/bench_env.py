@@ -10,7 +10,11 @@ Figures (one process, one thread, so per core; CPU time of this process, so othe
 does not count against either engine):
 - steps/s: env steps only; target: fast >= 3x upstream;
 - reset/s: load + reset of a game (first time each game is seen: nothing cached);
-- WebShop steps/s (env_servers.webshop), when that package is present.
+- WebShop, per catalog (the shipped 50-product sample; the 1,000-product one from $WEBSHOP_DATA after
+  `make data`, else the shared copy; the original full catalog when $WEBSHOP_DATA points at it): the
+  one-time build of the shop (products, goals, BM25 index), search latency over the index (the queries
+  of the first 500 goals' solution paths, i.e. the goal's words, and the goals' short product queries),
+  and env steps/s of scripted purchases (each episode: a search, paging, the item, sub pages, options, buy).
 
 Runs in ~1 minute on a 2-core machine.
 """
@@ -86,6 +90,54 @@ def play(engine_name: str, game_files: list[str]) -> dict:
     return {"steps": steps, "steps_per_s": steps / step_cpu, "resets_per_s": resets / reset_cpu, "trace": trace}
 
 
+def webshop_catalogs() -> list[tuple[str, str]]:
+    """(label, directory) of each WebShop catalog at hand: the shipped sample, $WEBSHOP_DATA, the shared copy
+    (`make data`'s source), each catalog once (a copy of one already listed is skipped)."""
+    from env_servers.webshop.catalog import PRODUCT_FILES, find_file, has_catalog
+    from env_servers.webshop.data import SAMPLE_DIR, default_source
+    found: dict[tuple, tuple[str, str]] = {}
+    for label, folder in (("shipped sample", SAMPLE_DIR), ("$WEBSHOP_DATA", os.environ.get("WEBSHOP_DATA", "")),
+                          ("shared copy", default_source())):
+        if folder and has_catalog(folder):
+            products = find_file(folder, PRODUCT_FILES)
+            found.setdefault((os.path.basename(products), os.path.getsize(products)), (label, folder))
+    return list(found.values())
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def bench_webshop(label: str, data_dir: str, num_goals: int = 500) -> None:
+    """Shop build time, search latency (wall per query, and CPU per query) and env steps/s of one catalog."""
+    from env_servers.webshop import bench_steps_per_second
+    from env_servers.webshop.env import get_shop, solution_query
+
+    t0 = time.perf_counter()
+    shop = get_shop(data_dir)
+    build_s = time.perf_counter() - t0
+    print(f"WebShop, {label}: {len(shop.products):,} products, {len(shop.goals):,} goals; shop built in "
+          f"{build_s:.1f}s (load, goals, BM25 index)")
+    goals = shop.goals[:num_goals]
+    for kind, queries in (("goal's words", [solution_query(g) for g in goals]),
+                          ("short product query", [g.query or "product" for g in goals])):
+        latencies = []
+        cpu0 = time.process_time()
+        for query in queries:
+            t1 = time.perf_counter()
+            shop.search(query)
+            latencies.append(1000 * (time.perf_counter() - t1))
+        cpu_ms = 1000 * (time.process_time() - cpu0) / len(queries)
+        words = sum(len(q.split()) for q in queries) / len(queries)
+        print(f"  search, {kind} ({words:.1f} words): {sum(latencies) / len(latencies):.2f} ms mean, "
+              f"p50 {percentile(latencies, 0.5):.2f}, p95 {percentile(latencies, 0.95):.2f}, "
+              f"max {max(latencies):.2f} ms; {cpu_ms:.2f} ms CPU per query ({len(queries)} queries)")
+    t0 = time.process_time()
+    rate = bench_steps_per_second(2000, data_dir=data_dir)
+    print(f"  env: {rate:,.0f} steps/s per core, scripted purchases ({time.process_time() - t0:.1f}s CPU)")
+
+
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         games = pick_games(tmp)
@@ -104,13 +156,12 @@ def main() -> None:
     print(f"  observations + admissible lists identical: {identical} ({len(up['trace'])} states compared)")
     print(f"  ({time.time() - start:.0f}s)")
     try:
-        from env_servers.webshop import bench_steps_per_second
+        import env_servers.webshop  # noqa: F401
     except ImportError:
         print("WebShop: env_servers.webshop not present; skipped")
     else:
-        t0 = time.process_time()
-        rate = bench_steps_per_second(2000)
-        print(f"WebShop: {rate:.0f} steps/s per core (sample catalog, {time.process_time() - t0:.1f}s CPU)")
+        for label, data_dir in webshop_catalogs():
+            bench_webshop(label, data_dir)
     if not identical:
         raise SystemExit("fast engine diverged from upstream")
 

@@ -7,6 +7,11 @@ Why: the embedded default's tiny random model is a near-uniform random policy ov
 run. A few dozen supervised steps on walkthroughs lift it off the floor while leaving room for RL
 (`model.warm_start_steps` keeps it partial on purpose).
 
+Solution paths come from the env's reset report, `info["walkthrough"]`: ALFWorld's generated games carry
+their walkthrough; WebShop builds one from the goal (env_servers.webshop.env.solution_path: search the
+goal's words, click the goal's product, choose its options, buy). WebShop's search query is free text: a
+step is usable when constrained generation could produce it (`actors.prompts.is_admissible`).
+
 How, so that the supervised rows look exactly like rollout rows:
 - each training game's walkthrough (the generator writes the solution into every game) is replayed
   through the real env (env_servers.registry.make_env), so observations, admissible actions and history
@@ -42,12 +47,22 @@ WARM_DIR = "warm_model"
 _INFO = "warm_start.json"
 
 
+# How many times a step whose action fills a free-text slot (WebShop's search query) is in the example pool,
+# against once for a step that picks a listed action. Writing a query means copying the goal's words token
+# by token, which the tiny model learns only after ~3,000 such rows (measured: greedy queries put the goal's
+# product on the first results page for 10/24 held-out goals after 1,600 search rows, 15/24 after 3,200);
+# choosing among listed actions takes far fewer. The search rows are also the cheap ones (the search page
+# is short), so repeating them costs little next to the long results and item pages.
+FREE_TEXT_REPEAT = 32
+
+
 @dataclass
 class Example:
     """One supervised row: the prompt the rollout would build and the response to learn."""
 
     prompt_ids: list[int]
     response_ids: list[int]
+    repeat: int = 1          # times in the example pool per pass (FREE_TEXT_REPEAT for a free-text step)
 
 
 def response_text(action: str) -> str:
@@ -67,7 +82,7 @@ def collect_examples(cfg: ExperimentConfig, tokenizer) -> tuple[list[Example], d
     from env_servers.server import EnvPool
 
     examples: list[Example] = []
-    counts = {"games": 0, "games_skipped": 0, "rows_too_long": 0}
+    counts = {"games": 0, "games_skipped": 0, "rows_too_long": 0, "free_text_rows": 0}
     eos = tokenizer.eos_token_id
 
     def report_of(results) -> "object":
@@ -83,13 +98,14 @@ def collect_examples(cfg: ExperimentConfig, tokenizer) -> tuple[list[Example], d
             walkthrough = list(report.info.get("walkthrough") or [])
             if not walkthrough:
                 raise ValueError(f"model.warm_start_steps > 0 needs games with solutions: task {task_id!r} of "
-                                 f"env {cfg.env.name!r} has no walkthrough (use env.name=alfworld, or set "
-                                 f"model.warm_start_steps=0)")
+                                 f"env {cfg.env.name!r} has no walkthrough (its env reports none at reset; "
+                                 f"set model.warm_start_steps=0)")
             rows: list[Example] = []
             history: list[tuple[str, str]] = []
             ok = True
             for step, action in enumerate(walkthrough[: cfg.env.max_steps]):
-                if action not in report.admissible_actions:
+                listed = action in report.admissible_actions
+                if not listed and not prompts.is_admissible(action, report.admissible_actions):
                     ok = False
                     break
                 message = prompts.build_user_message(cfg.env.name, report.task, report.observation,
@@ -98,7 +114,8 @@ def collect_examples(cfg: ExperimentConfig, tokenizer) -> tuple[list[Example], d
                 ids = prompts.prompt_ids(tokenizer, message)
                 if len(ids) <= cfg.model.max_prompt_tokens:
                     response = tokenizer.encode(response_text(action), add_special_tokens=False) + [eos]
-                    rows.append(Example(ids, response[: cfg.model.max_response_tokens]))
+                    rows.append(Example(ids, response[: cfg.model.max_response_tokens],
+                                        repeat=1 if listed else FREE_TEXT_REPEAT))
                 else:
                     counts["rows_too_long"] += 1
                 history.append((report.observation, action))
@@ -106,14 +123,17 @@ def collect_examples(cfg: ExperimentConfig, tokenizer) -> tuple[list[Example], d
             if ok and report.won:
                 examples.extend(rows)
                 counts["games"] += 1
+                counts["free_text_rows"] += sum(e.repeat > 1 for e in rows)
             else:
                 counts["games_skipped"] += 1
     return examples, counts
 
 
-def finetune(model, examples: list[Example], steps: int, lr: float, batch_size: int, seed: int) -> list[float]:
+def finetune(model, examples: list[Example], steps: int, lr: float, batch_size: int, seed: int,
+             on_step=None) -> list[float]:
     """`steps` AdamW steps of response-token cross-entropy on batches drawn from `examples` (whole
-    passes in shuffled order); returns the loss of each step."""
+    passes in shuffled order, each example `repeat` times per pass); returns the loss of each step.
+    on_step: called after each step (a progress bar's update)."""
     import torch
 
     rng = random.Random(seed)
@@ -126,27 +146,71 @@ def finetune(model, examples: list[Example], steps: int, lr: float, batch_size: 
         batch = []
         while len(batch) < batch_size:
             if not order:
-                order = list(range(len(examples)))
+                order = [i for i, e in enumerate(examples) for _ in range(e.repeat)]
                 rng.shuffle(order)
             batch.append(examples[order.pop()])
-        width = max(len(e.prompt_ids) + len(e.response_ids) for e in batch)
-        ids = torch.zeros(len(batch), width, dtype=torch.long)
-        labels = torch.full((len(batch), width), -100, dtype=torch.long)
-        mask = torch.zeros(len(batch), width, dtype=torch.long)
-        for i, e in enumerate(batch):
-            seq = e.prompt_ids + e.response_ids
-            ids[i, : len(seq)] = torch.tensor(seq)
-            mask[i, : len(seq)] = 1
-            labels[i, len(e.prompt_ids): len(seq)] = torch.tensor(e.response_ids)
-        # Token mean over the batch's response tokens (transformers shifts the labels itself).
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        parts = micro_batches(batch)
+        response_tokens = sum(len(e.response_ids) for e in batch)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        step_loss = 0.0
+        for part in parts:
+            ids, mask, labels = _padded(part)
+            # Token mean over the batch's response tokens (transformers shifts the labels itself): each
+            # micro-batch's mean weighted by its share of those tokens.
+            if len(parts) == 1:
+                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            else:
+                # Rows are right-padded, so under causal attention no real token sees a pad: without the
+                # mask the real tokens' logits are the same, and attention takes its fast causal path.
+                loss = model(input_ids=ids, labels=labels).loss
+                loss = loss * (sum(len(e.response_ids) for e in part) / response_tokens)
+            loss.backward()
+            step_loss += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        losses.append(loss.item())
+        losses.append(step_loss)
+        if on_step is not None:
+            on_step()
     model.eval()
     return losses
+
+
+# A batch whose rows, padded to its longest, fit in SINGLE_PASS_TOKENS runs as one forward/backward pass, as
+# always (every ALFWorld batch does: 16 rows of at most 1,584 tokens). A larger one (WebShop's results and
+# item pages run to ~3,500 tokens, its search page to ~300) is sorted by length and cut into micro-batches of
+# at most MICRO_BATCH_TOKENS padded tokens, so that short rows are not padded to the longest (~5x less
+# work on WebShop batches); their gradients add up to the same token mean.
+SINGLE_PASS_TOKENS = 32768
+MICRO_BATCH_TOKENS = 8192
+
+
+def micro_batches(batch: list[Example]) -> list[list[Example]]:
+    """The batch as one micro-batch, or cut by length (see SINGLE_PASS_TOKENS)."""
+    lengths = [len(e.prompt_ids) + len(e.response_ids) for e in batch]
+    if len(batch) * max(lengths) <= SINGLE_PASS_TOKENS:
+        return [batch]
+    parts: list[list[Example]] = [[]]
+    for length, e in sorted(zip(lengths, batch), key=lambda pair: pair[0]):
+        if parts[-1] and (len(parts[-1]) + 1) * length > MICRO_BATCH_TOKENS:   # (length: the longest so far)
+            parts.append([])
+        parts[-1].append(e)
+    return parts
+
+
+def _padded(batch: list[Example]):
+    """input ids, attention mask and labels (-100 outside the responses) of rows padded to the longest."""
+    import torch
+
+    width = max(len(e.prompt_ids) + len(e.response_ids) for e in batch)
+    ids = torch.zeros(len(batch), width, dtype=torch.long)
+    labels = torch.full((len(batch), width), -100, dtype=torch.long)
+    mask = torch.zeros(len(batch), width, dtype=torch.long)
+    for i, e in enumerate(batch):
+        seq = e.prompt_ids + e.response_ids
+        ids[i, : len(seq)] = torch.tensor(seq)
+        mask[i, : len(seq)] = 1
+        labels[i, len(e.prompt_ids): len(seq)] = torch.tensor(e.response_ids)
+    return ids, mask, labels
 
 
 def _settings(cfg: ExperimentConfig, model_path: str) -> dict:
@@ -155,11 +219,24 @@ def _settings(cfg: ExperimentConfig, model_path: str) -> dict:
     source = Path(model_path)
     build = source / "tiny_build.json"
     fingerprint = build.read_text() if build.exists() else str(source.resolve())
-    return {"steps": m.warm_start_steps, "games": m.warm_start_games, "lr": m.warm_start_lr,
-            "batch": m.warm_start_batch, "seed": cfg.run.seed, "env": cfg.env.name, "source": cfg.env.source,
-            "generator": cfg.env.generator, "train_split": cfg.env.train_split, "max_steps": cfg.env.max_steps,
-            "history_length": cfg.rollout.history_length, "max_prompt_tokens": m.max_prompt_tokens,
-            "initial_model": hashlib.sha256(fingerprint.encode()).hexdigest()[:16]}
+    settings = {"steps": m.warm_start_steps, "games": m.warm_start_games, "lr": m.warm_start_lr,
+                "batch": m.warm_start_batch, "seed": cfg.run.seed, "env": cfg.env.name, "source": cfg.env.source,
+                "generator": cfg.env.generator, "train_split": cfg.env.train_split,
+                "max_steps": cfg.env.max_steps, "history_length": cfg.rollout.history_length,
+                "max_prompt_tokens": m.max_prompt_tokens,
+                "initial_model": hashlib.sha256(fingerprint.encode()).hexdigest()[:16]}
+    if cfg.env.name == "webshop":     # (only then: ALFWorld's cached warm models stay valid)
+        settings.update(webshop_catalog=_webshop_catalog(), free_text_repeat=FREE_TEXT_REPEAT)
+    return settings
+
+
+def _webshop_catalog() -> str:
+    """Which catalog the WebShop env loads ($WEBSHOP_DATA, else the shipped sample): its files' names,
+    sizes and modification times (another catalog gives other goals, so another warm model)."""
+    from env_servers.webshop.data import resolve_data_dir
+    folder = Path(resolve_data_dir(None))
+    files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.glob("*.json"))
+    return hashlib.sha256(json.dumps(files).encode()).hexdigest()[:16]
 
 
 def existing_warm_model(output_dir: str) -> str | None:
@@ -168,10 +245,10 @@ def existing_warm_model(output_dir: str) -> str | None:
     return str(out) if (out / _INFO).is_file() else None
 
 
-def warm_start(cfg: ExperimentConfig, model_path: str, out_dir: str | None = None) -> str:
+def warm_start(cfg: ExperimentConfig, model_path: str, out_dir: str | None = None, progress=None) -> str:
     """The run's initial model: `model_path` itself when `model.warm_start_steps` is 0, else the warmed
     copy in `out_dir` (default `<run.output_dir>/warm_model`; built once, reused while the settings are
-    unchanged)."""
+    unchanged). progress: a text stream (the terminal) for a progress bar of the fine-tuning steps."""
     m = cfg.model
     if m.warm_start_steps <= 0:
         return model_path
@@ -200,11 +277,18 @@ def warm_start(cfg: ExperimentConfig, model_path: str, out_dir: str | None = Non
     t_collect = time.perf_counter() - t0
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
+    bar = None
     try:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        losses = finetune(model, examples, m.warm_start_steps, m.warm_start_lr, m.warm_start_batch, cfg.run.seed)
+        if progress is not None:
+            from tqdm import tqdm
+            bar = tqdm(total=m.warm_start_steps, desc="warm start", unit="step", dynamic_ncols=True, file=progress)
+        losses = finetune(model, examples, m.warm_start_steps, m.warm_start_lr, m.warm_start_batch, cfg.run.seed,
+                          on_step=bar.update if bar is not None else None)
     finally:
         torch.set_num_threads(threads)
+        if bar is not None:
+            bar.close()
     record = {"settings": settings, **counts, "rows": len(examples), "collect_s": round(t_collect, 1),
               "train_s": round(time.perf_counter() - t0 - t_collect, 1),
               "loss_first": losses[0], "loss_last": sum(losses[-5:]) / len(losses[-5:])}

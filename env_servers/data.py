@@ -161,7 +161,12 @@ def prepare_webshop(dest: str | None = None, log=print) -> None:
     except ImportError:
         log("WebShop: env_servers.webshop not present; skipped")
         return
-    webshop_data.prepare(dest or os.environ.get("WEBSHOP_DATA") or os.path.join(os.getcwd(), "data", "webshop"))
+    dest = dest or os.environ.get("WEBSHOP_DATA") or os.path.join(os.getcwd(), "data", "webshop")
+    if webshop_data.has_catalog(dest) and not webshop_data.has_catalog(webshop_data.default_source()):
+        log(f"WebShop: catalog in {dest} (nothing to copy it from; kept as it is)")
+        return
+    webshop_data.prepare(dest)
+    log(f"WebShop: catalog in {dest}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,10 +174,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=["prepare"])
     parser.add_argument("--only", choices=["alfworld", "webshop"], default=None)
     args = parser.parse_args(argv)
-    if args.only in (None, "alfworld"):
-        prepare_alfworld()
-    if args.only in (None, "webshop"):
-        prepare_webshop()
+    try:
+        if args.only in (None, "alfworld"):
+            prepare_alfworld()
+        if args.only in (None, "webshop"):
+            prepare_webshop()
+    except FileNotFoundError as exc:
+        print(f"{parser.prog}: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

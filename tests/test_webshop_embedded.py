@@ -205,7 +205,9 @@ def test_make_run_env_webshop_is_the_documented_command():
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[1]
-    out = subprocess.run(["make", "-n", "run", "ENV=webshop"], cwd=repo, capture_output=True, text=True,
-                         check=True).stdout.splitlines()
+    # As a user types it: not as a sub-make of `make test` (which would add "Entering directory" lines).
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    out = subprocess.run(["make", "--no-print-directory", "-n", "run", "ENV=webshop"], cwd=repo, env=env,
+                         capture_output=True, text=True, check=True).stdout.splitlines()
     assert out[-2].endswith("-m env_servers.data prepare --only webshop"), out
     assert out[-1].endswith("bin/gigpo train configs/webshop-embedded.yaml"), out

@@ -167,16 +167,22 @@ def solution_path(shop: Shop, index: int) -> list[str]:
         return list(cached)
     goal = shop.goals[index]
     query = solution_query(goal)
-    asins = [shop.products[i].asin for i in shop.search(query)]
-    actions = [f"search[{query}]"]
-    if goal.asin in asins:
-        actions += ["click[next >]"] * (asins.index(goal.asin) // PRODUCTS_PER_PAGE)
-        actions.append(f"click[{goal.asin.lower()}]")
-        if isinstance(goal.goal_options, dict):
-            actions += [f"click[{v}]" for v in goal.goal_options.values()]
-        actions.append("click[buy now]")
+    actions = [f"search[{query}]"] + (_buy_from_results(shop, goal, query) or [])
     shop.solutions[index] = actions     # (a race between threads only computes the same list twice)
     return list(actions)
+
+
+def _buy_from_results(shop: Shop, goal: Goal, query: str) -> list[str] | None:
+    """After searching `query`: page to the goal's product, click it, choose each of the goal's options,
+    buy. None when the search does not return the product."""
+    asins = [shop.products[i].asin for i in shop.search(query)]
+    if goal.asin not in asins:
+        return None
+    actions = ["click[next >]"] * (asins.index(goal.asin) // PRODUCTS_PER_PAGE)
+    actions.append(f"click[{goal.asin.lower()}]")
+    if isinstance(goal.goal_options, dict):
+        actions += [f"click[{v}]" for v in goal.goal_options.values()]
+    return actions + ["click[buy now]"]
 
 
 def scripted_purchase(env: WebShopEnv, task_id: str) -> list[str]:
@@ -184,16 +190,7 @@ def scripted_purchase(env: WebShopEnv, task_id: str) -> list[str]:
     through the results to the product, click each wanted option, buy. Used by tests and the bench."""
     goal = env.shop.goals[int(task_id)]
     query = goal.instruction_text.lower()
-    results = env.shop.search(query)
-    positions = [env.shop.products[i].asin for i in results]
-    actions = [f"search[{query}]"]
-    if goal.asin not in positions:
-        return actions + ["click[back to search]"]
-    actions += ["click[next >]"] * (positions.index(goal.asin) // 10)
-    actions.append(f"click[{goal.asin.lower()}]")
-    if isinstance(goal.goal_options, dict):
-        actions += [f"click[{v}]" for v in goal.goal_options.values()]
-    return actions + ["click[buy now]"]
+    return [f"search[{query}]"] + (_buy_from_results(env.shop, goal, query) or ["click[back to search]"])
 
 
 def bench_steps_per_second(n_steps: int = 2000, data_dir: str | None = None) -> float:

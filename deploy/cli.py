@@ -62,9 +62,15 @@ def cmd_eval(args) -> int:
             checkpoint_location(args.checkpoint)
         except FileNotFoundError as exc:
             raise UsageError(str(exc)) from None
-    run_checks(cfg, stream=False)
+    splits = [s.strip() for s in args.splits.split(",") if s.strip()] if args.splits else [cfg.env.eval_split]
+    for split in splits:       # each split is checked like env.eval_split (its games are there), before any start
+        cfg.env.eval_split = split
+        try:
+            run_checks(cfg, stream=False)
+        except PreflightError as exc:
+            raise PreflightError(f"--splits {split}: {exc}" if args.splits else str(exc)) from None
     from deploy.system import evaluate_only
-    evaluate_only(cfg, checkpoint=args.checkpoint)
+    evaluate_only(cfg, checkpoint=args.checkpoint, splits=splits)
     return 0
 
 
@@ -200,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default="",
                    help="a checkpoint directory, <run.output_dir>/checkpoints/update_* (default: the latest in "
                         "run.output_dir)")
+    p.add_argument("--splits", default="",
+                   help="comma-separated splits to evaluate, one table row each, e.g. valid_seen,valid_unseen "
+                        "(default: env.eval_split)")
     p = command("status", cmd_status, "what a running job is doing: versions, lags, throughput")
     p.add_argument("--output-dir", default="runs/embedded", help="the job's run.output_dir")
     p.add_argument("--watch", action="store_true", help="refresh until interrupted")

@@ -96,9 +96,20 @@ def check_alfworld_games(cfg: ExperimentConfig) -> None:
                                  f"{game_root} ({source}); {MAKE_DATA_HINT}, or set env.source=generated")
 
 
+def check_split_names(cfg: ExperimentConfig, splits: tuple[str, ...]) -> None:
+    """env.train_split and env.eval_split are among `splits` (the env's own list)."""
+    for field in ("train_split", "eval_split"):
+        split = getattr(cfg.env, field)
+        if split not in splits:
+            raise PreflightError(f"env.{field} {split!r} is not a split of {cfg.env.name} "
+                                 f"(env.source={cfg.env.source}); use one of {', '.join(splits)}")
+
+
 def check_generator(cfg: ExperimentConfig) -> None:
-    """env.source=generated: the generator options are ones the game generator knows."""
+    """env.source=generated: the split names and the generator options are ones the game generator knows."""
+    from env_servers.alfworld_env import GENERATED_SPLITS
     from env_servers.alfworld_gen import GeneratorOptions
+    check_split_names(cfg, GENERATED_SPLITS)
     try:
         GeneratorOptions.from_dict(cfg.env.generator)
     except (ValueError, TypeError) as exc:
@@ -111,6 +122,8 @@ def check_webshop_catalog(cfg: ExperimentConfig) -> None:
     refused, since a run asked for the real catalog."""
     from env_servers.webshop.catalog import ATTRIBUTE_FILES, PRODUCT_FILES, has_catalog
     from env_servers.webshop.data import SAMPLE_DIR, resolve_data_dir
+    from env_servers.webshop.env import SPLITS
+    check_split_names(cfg, SPLITS)
     wanted = os.environ.get("WEBSHOP_DATA")
     if wanted and not has_catalog(wanted):
         raise PreflightError(f"env.name=webshop, but $WEBSHOP_DATA ({wanted}) holds no WebShop catalog (one of "

@@ -15,6 +15,7 @@ record for `gigpo status`, and applies `gigpo scale` commands.
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -600,11 +601,16 @@ class System:
 
     # -- evaluation ------------------------------------------------------------------------------------
 
-    def evaluate(self) -> dict:
-        """Play the eval split once per task (group size 1, eval temperature) with the current weights."""
+    def evaluate(self, split: str = "") -> dict:
+        """Play the eval split (or `split`) once per task (group size 1, eval temperature) with the current
+        weights."""
         from actors.evaluation import evaluate_tasks
         from common.metrics import ActorMetrics
-        result = evaluate_tasks(self.cfg, self.inference, log_dir=self.log_dir, model=self.model)
+        cfg = self.cfg
+        if split and split != cfg.env.eval_split:
+            cfg = copy.deepcopy(cfg)
+            cfg.env.eval_split = split
+        result = evaluate_tasks(cfg, self.inference, log_dir=self.log_dir, model=self.model)
         if result.get("episodes"):
             ActorMetrics("driver", self.cfg.run.name).set("success_rate", float(result["success"]), split="eval")
         return result
@@ -633,7 +639,7 @@ def train(cfg: ExperimentConfig) -> dict:
         stats = system.rollout_stats()
         summary = {"ok": True, "updates": len(history), "train_s": train_s,
                    "env_steps": stats.get("env_steps", 0.0), "before": before, "after": after,
-                   "outputs": str(system.out.resolve())}
+                   "eval_split": cfg.env.eval_split, "outputs": str(system.out.resolve())}
         terminal.print(format_summary(summary))
         return summary
 
@@ -650,13 +656,15 @@ def checkpoint_location(checkpoint: str) -> tuple[str, str]:
     return str(path.parent.parent), path.name
 
 
-def evaluate_only(cfg: ExperimentConfig, checkpoint: str = "") -> dict:
+def evaluate_only(cfg: ExperimentConfig, checkpoint: str = "", splits: list[str] | None = None) -> dict:
     """`gigpo eval`: the weights of `checkpoint` (a checkpoint directory), else of the latest checkpoint
-    in run.output_dir, else the initial model. The result, with the update and policy version evaluated,
-    is printed and saved as <output_dir>/eval/update_<N>.json, its logs go to <output_dir>/eval/logs/;
-    nothing else in the run is touched (it may still be training). The run's own tiny / warm model is used
-    as it is, whatever this config's settings for them; one the run lacks is built in a temporary
-    directory, removed afterwards."""
+    in run.output_dir, else the initial model, on each of `splits` (default: env.eval_split). The result,
+    {"update", "policy_version", "splits": {split: summary}} (a summary per split as `summarize` makes it,
+    per-episode records included), is printed in the paper's table layout and saved as
+    <output_dir>/eval/update_<N>.json; its logs go to <output_dir>/eval/logs/. Nothing else in the run is
+    touched (it may still be training). The run's own tiny / warm model is used as it is, whatever this
+    config's settings for them; one the run lacks is built in a temporary directory, removed afterwards."""
+    splits = list(splits or [cfg.env.eval_split])
     cfg.run.resume = True
     if checkpoint:
         cfg.run.output_dir, cfg.run.resume_tag = checkpoint_location(checkpoint)
@@ -674,10 +682,13 @@ def evaluate_only(cfg: ExperimentConfig, checkpoint: str = "") -> dict:
             system.log_dir, system.terminal = str(eval_dir / "logs"), terminal
             system.start(eval_only=True, scratch_dir=scratch)
             served = ray.get(system.inference[0].policy_version.remote())
-            result = {**system.evaluate(), "update": system.update, "policy_version": served}
+            result = {"update": system.update, "policy_version": served, "splits": {}}
+            for split in splits:
+                result["splits"][split] = system.evaluate(split)
+                terminal.print(eval_line(f"({split})", result["splits"][split]))
             path = eval_dir / f"update_{result['update']:07d}.json"
             path.write_text(json.dumps(result, indent=2))
-            terminal.print(format_eval(f"evaluation ({cfg.env.eval_split}) of update {result['update']}", result))
+            terminal.print(format_eval(f"update {result['update']} (policy version {served})", result["splits"]))
             terminal.print(f"saved to {path}")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -698,20 +709,34 @@ def eval_line(when: str, result: dict) -> str:
     return " | ".join(parts)
 
 
-def format_eval(title: str, result: dict) -> str:
-    """The paper's table layout: success per task type and overall (WebShop: score and success)."""
-    lines = [f"== {title}: {result.get('episodes', 0)} episodes"]
-    per_type = result.get("per_task_type", {})
-    if per_type:
-        names = sorted(per_type)
-        widths = [max(len(n), 6) for n in names]      # whole task names: the paper's column headers
-        lines.append(" | ".join(f"{n:>{w}}" for n, w in zip(names, widths)) + " |    All")
-        lines.append(" | ".join(f"{100 * per_type[n]:{w}.1f}" for n, w in zip(names, widths))
-                     + f" | {100 * result['success']:6.1f}")
-    else:
-        lines.append(f"success {100 * result.get('success', 0.0):.1f}%")
-    if "score" in result:
-        lines.append(f"score {100 * result['score']:.1f}")
+# The paper's ALFWorld table: its column per task type, in its order (Table 1: Pick, Look, Clean, Heat,
+# Cool, Pick2, All). Other task names (none in the standard game set) keep their own name, after these.
+PAPER_COLUMNS = {
+    "pick_and_place_simple": "Pick", "look_at_obj_in_light": "Look", "pick_clean_then_place_in_recep": "Clean",
+    "pick_heat_then_place_in_recep": "Heat", "pick_cool_then_place_in_recep": "Cool",
+    "pick_two_obj_and_place": "Pick2",
+}
+
+
+def format_eval(title: str, results: dict[str, dict]) -> str:
+    """The paper's table layout, one row per split (`results`: split -> summary): success in % per task
+    type and All for ALFWorld; score and success (Succ.) for WebShop; then the episodes played. A task type
+    a split did not play shows "-"."""
+    types = {t for r in results.values() for t in r.get("per_task_type", {}) if t not in ("all", "webshop")}
+    order = list(PAPER_COLUMNS)
+    types = sorted(types, key=lambda t: (order.index(t) if t in order else len(order), t))
+    webshop = any("score" in r for r in results.values())
+    columns = ([("Score", lambda r: 100 * r["score"] if "score" in r else None)] if webshop else []) + [
+        (PAPER_COLUMNS.get(t, t), lambda r, t=t: 100 * r["per_task_type"][t] if t in r.get("per_task_type", {})
+         else None) for t in types] + [("Succ." if webshop else "All", lambda r: 100 * r.get("success", 0.0))]
+    width = max([len("split")] + [len(s) for s in results])
+    header = f"{'split':<{width}} | " + " | ".join(f"{name:>6}" for name, _ in columns) + " | episodes"
+    lines = [f"== {title}: success per task type, %", header]
+    for split, r in results.items():
+        cells = [value(r) for _, value in columns]
+        lines.append(f"{split:<{width}} | " + " | ".join(
+            f"{'-':>{max(6, len(name))}}" if v is None else f"{v:{max(6, len(name))}.1f}"
+            for (name, _), v in zip(columns, cells)) + f" | {r.get('episodes', 0):8d}")
     return "\n".join(lines)
 
 
@@ -724,7 +749,7 @@ def format_summary(summary: dict) -> str:
         if "score" in summary["before"] and "score" in summary["after"]:      # WebShop: the paper's other figure
             b, a = summary["before"]["score"], summary["after"]["score"]
             lines.append(f"score   before {100 * b:.1f}    ->  after {100 * a:.1f}    ({100 * (a - b):+.1f} points)")
-        lines.append(format_eval("after training", summary["after"]))
+        lines.append(format_eval("after training", {summary.get("eval_split", "eval"): summary["after"]}))
     lines.append(f"outputs: {summary['outputs']} (tensorboard --logdir {summary['outputs']}/tensorboard)")
     lines.append("=" * 72)
     return "\n".join(lines)

@@ -17,6 +17,7 @@ the room description and the task; afterwards e.g. "You arrive at desk 1. On the
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections import OrderedDict
@@ -30,6 +31,8 @@ GAME_SET = "json_2.1.1"
 GAME_FILE = "game.tw-pddl"
 DATA_SPLITS = ("train", "valid_seen", "valid_unseen", "valid_train")
 SPLIT_ALIASES = {"eval": "valid_unseen", "test": "valid_unseen"}
+# Generated games have two splits, train and eval; the standard names of held-out splits all mean eval.
+GENERATED_SPLITS = ("train", "eval", "valid_seen", "valid_unseen", "test")
 BANNER = "-= Welcome to TextWorld, ALFRED! =-\n\n"
 TASK_PREFIX = "Your task is to: "
 HIDDEN_ACTIONS = ("help",)   # admissible to the engine, but only ever prints the command list
@@ -48,25 +51,29 @@ def task_type_of(game_dir_name: str) -> str:
 
 def list_data_tasks(game_root: str | os.PathLike, split: str) -> list[str]:
     """Task ids of a split of the standard game set: the index written by `make data` when present
-    (solvable games only), else every directory holding a game file."""
+    (solvable games only), else every directory holding a game file. Task types take turns (the first game
+    of each type, then the second, ...), so that any first N games (`run.eval_episodes: N`) cover every task
+    type evenly instead of the alphabetically first one."""
     root = Path(game_root)
     index = root / "index.json"
+    ids = None
     if index.exists():
         with open(index) as f:
             ids = json.load(f).get(split)
-        if ids is not None:
-            return list(ids)
-    split_dir = root / split
-    if not split_dir.is_dir():
-        return []
-    ids = []
-    for game_dir in sorted(split_dir.iterdir()):
-        if not game_dir.is_dir() or "movable" in game_dir.name or "Sliced" in game_dir.name:
-            continue   # ALFWorld's loader skips these too
-        for trial in sorted(game_dir.iterdir()):
-            if (trial / GAME_FILE).exists():
-                ids.append(f"{split}/{game_dir.name}/{trial.name}")
-    return ids
+    if ids is None:
+        split_dir = root / split
+        ids = []
+        for game_dir in sorted(split_dir.iterdir()) if split_dir.is_dir() else ():
+            if not game_dir.is_dir() or "movable" in game_dir.name or "Sliced" in game_dir.name:
+                continue   # ALFWorld's loader skips these too
+            for trial in sorted(game_dir.iterdir()):
+                if (trial / GAME_FILE).exists():
+                    ids.append(f"{split}/{game_dir.name}/{trial.name}")
+    by_type: dict[str, list[str]] = {}
+    for task_id in ids:
+        by_type.setdefault(task_type_of(task_id.split("/")[1]), []).append(task_id)
+    turns = itertools.zip_longest(*by_type.values())
+    return [task_id for turn in turns for task_id in turn if task_id is not None]
 
 
 class ALFWorldEnv:
@@ -107,7 +114,7 @@ class ALFWorldEnv:
     def task_ids(self, split: str) -> list[str]:
         if self.source == "generated":
             gsplit = "train" if split == "train" else "eval"
-            if split not in ("train", "eval", "valid_seen", "valid_unseen", "test"):
+            if split not in GENERATED_SPLITS:
                 raise KeyError(f"unknown split {split!r} for generated ALFWorld games: use 'train' or 'eval'")
             return [f"gen/{gsplit}/{i:05d}" for i in range(self.num_generated[gsplit])]
         split = SPLIT_ALIASES.get(split, split)

@@ -18,6 +18,7 @@ from deploy.cli import build_parser
 REPO = Path(__file__).resolve().parents[1]
 EMBEDDED = "configs/embedded.yaml"
 EMBEDDED_PATH = REPO / EMBEDDED
+WEBSHOP = "configs/webshop-embedded.yaml"
 # A password that must never show in an error message (it is in the URL the command is given).
 SECRET = "s3cret-never-printed"
 
@@ -138,6 +139,17 @@ def test_empty_alfworld_data(tmp_path, out):
     one_line_error(gigpo("train", EMBEDDED, f"run.output_dir={out}", "env.source=data",
                          env={"ALFWORLD_DATA": str(tmp_path / "alfworld")}),
                    "env.source=data", "no ALFWorld games of split 'train'", "make data")
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["eval", EMBEDDED, "--splits", "eval,valid_sen"],
+     ["--splits valid_sen", "env.eval_split 'valid_sen' is not a split of alfworld", "use one of train, eval"]),
+    (["train", EMBEDDED, "env.eval_split=tset"], ["env.eval_split 'tset'", "env.source=generated"]),
+    (["train", WEBSHOP, "env.eval_split=valid_unseen"], ["not a split of webshop", "use one of train, eval, all"]),
+], ids=["eval-splits", "generated", "webshop"])
+def test_unknown_split(args, expected, out):
+    """A split the env does not have: one line before anything starts (not a KeyError in an actor)."""
+    one_line_error(gigpo(*args, f"run.output_dir={out}"), *expected)
 
 
 def test_webshop_data_without_a_catalog(tmp_path, out):

@@ -68,3 +68,20 @@ def test_eval_of_a_directory_that_is_no_checkpoint_exits_with_the_reason(tmp_pat
     not_a_checkpoint.mkdir(parents=True)
     assert cli.main(["eval", "configs/embedded.yaml", "--checkpoint", str(not_a_checkpoint)]) == 2
     assert "update_0000004 is not a checkpoint directory" in capsys.readouterr().err
+
+
+def test_eval_table_has_the_papers_columns():
+    """`gigpo eval`'s table: ALFWorld's task types in the paper's order (Pick, Look, Clean, Heat, Cool, Pick2,
+    All), one row per split, '-' where a split played no task of a type; WebShop: Score and Succ."""
+    from deploy.system import format_eval
+    seen = {"episodes": 3, "success": 2 / 3, "per_task_type": {"pick_two_obj_and_place": 0.5,
+                                                                 "pick_and_place_simple": 1.0}}
+    unseen = {"episodes": 1, "success": 0.0, "per_task_type": {"look_at_obj_in_light": 0.0}}
+    lines = format_eval("update 8", {"valid_seen": seen, "valid_unseen": unseen}).splitlines()
+    assert [cell.strip() for cell in lines[1].split("|")] == ["split", "Pick", "Look", "Pick2", "All", "episodes"]
+    assert [cell.strip() for cell in lines[2].split("|")] == ["valid_seen", "100.0", "-", "50.0", "66.7", "3"]
+    assert [cell.strip() for cell in lines[3].split("|")] == ["valid_unseen", "-", "0.0", "-", "0.0", "1"]
+    shop = {"episodes": 32, "success": 0.0625, "score": 0.22, "per_task_type": {"webshop": 0.0625}}
+    lines = format_eval("after training", {"eval": shop}).splitlines()
+    assert [cell.strip() for cell in lines[1].split("|")] == ["split", "Score", "Succ.", "episodes"]
+    assert [cell.strip() for cell in lines[2].split("|")] == ["eval", "22.0", "6.2", "32"]

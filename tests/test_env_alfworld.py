@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-from env_servers.alfworld_env import ALFWorldEnv
+from env_servers.alfworld_env import GAME_FILE, ALFWorldEnv, list_data_tasks
 from env_servers.alfworld_engine import make_engine
 from env_servers.alfworld_gen import TASK_TYPES, GeneratorOptions, generate_game, write_games
 from env_servers.base import TextEnv
-from env_servers.data import prepare_alfworld, traj_data_for
+from env_servers.data import build_metadata, prepare_alfworld, traj_data_for
 from tests.alfworld_games import REAL_GAMES, extract_games, real_archive
 
 needs_archive = pytest.mark.skipif(real_archive() is None, reason="shared ALFWorld archive not present")
@@ -248,6 +248,22 @@ def test_prepare_unpacks_indexes_and_is_idempotent(tmp_path):
         assert env.reset(index["valid_unseen"][0]).task_type == "pick_and_place_simple"
     finally:
         env.close()
+
+
+def test_data_splits_list_task_types_in_turns(tmp_path):
+    """Any first N games of a split cover its task types evenly (run.eval_episodes: N), with or without
+    the index `make data` writes."""
+    root = tmp_path / "json_2.1.1"
+    for name in ("look_at_obj_in_light-A-None-DeskLamp-1", "look_at_obj_in_light-B-None-DeskLamp-2",
+                 "pick_and_place_simple-C-None-Shelf-3", "pick_two_obj_and_place-D-None-Shelf-4"):
+        (root / "valid_seen" / name / "trial_T0").mkdir(parents=True)
+        (root / "valid_seen" / name / "trial_T0" / GAME_FILE).write_text('{"solvable": true}')
+    want = ["look_at_obj_in_light-A-None-DeskLamp-1", "pick_and_place_simple-C-None-Shelf-3",
+            "pick_two_obj_and_place-D-None-Shelf-4", "look_at_obj_in_light-B-None-DeskLamp-2"]
+    want = [f"valid_seen/{name}/trial_T0" for name in want]
+    assert list_data_tasks(root, "valid_seen") == want
+    build_metadata(root)
+    assert list_data_tasks(root, "valid_seen") == want
 
 
 def test_traj_data_from_directory_names():

@@ -17,8 +17,10 @@ from common.metrics import METRICS, exported_name, metrics_url, scrape
 from deploy.control import JOB_FILE
 from deploy.synthetic_metrics import EMITTED_BY
 from deploy.system import System, evaluate_only, format_eval
+from env_servers.data import build_metadata
 from learner.loop import PUSHED_VERSION
 from learner.trainer import LEARNER_STATE
+from tests.alfworld_games import REAL_GAMES, extract_games
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -35,7 +37,7 @@ OVERRIDES = [
 ]
 
 
-def test_two_iterations_of_the_full_system(tmp_path):
+def test_two_iterations_of_the_full_system(tmp_path, monkeypatch):
     cfg = load_config("configs/embedded.yaml", [f"run.output_dir={tmp_path / 'run'}", *OVERRIDES])
     with System(cfg) as system:
         system.start()
@@ -58,7 +60,7 @@ def test_two_iterations_of_the_full_system(tmp_path):
         result = system.evaluate()
         assert result["episodes"] == 2 and 0.0 <= result["success"] <= 1.0
         assert set(result["per_task_type"]) == {"pick_and_place_simple"}
-        assert "All" in format_eval("after", result)
+        assert "All" in format_eval("after", {"eval": result})
         # Removing an actor finishes its in-flight groups: nothing is discarded or half-published.
         system.scale_rollout(1, drain=True)
         system.reap_retired(timeout_s=300)
@@ -74,7 +76,7 @@ def test_two_iterations_of_the_full_system(tmp_path):
     lines = (run / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2]
     assert any(p.name.startswith("events") for p in (run / "tensorboard").iterdir())
-    check_eval_of_an_older_checkpoint(run)
+    check_eval_of_an_older_checkpoint(run, tmp_path, monkeypatch)
 
 
 def run_files(run: Path) -> dict[str, str]:
@@ -89,20 +91,45 @@ def run_files(run: Path) -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
-def check_eval_of_an_older_checkpoint(run):
-    """`gigpo eval --checkpoint` of update 1 while update 2 is the latest: the inference actor serves that
-    checkpoint (its policy version), the result is saved beside the run, and nothing else of the run
-    changes (a run being evaluated may still be training): every file outside eval/ stays byte for byte,
-    even with an env setting that would make a training run rebuild its warm model."""
+# Real ALFWorld games for `gigpo eval --splits valid_seen,valid_unseen`: two task types per split, one shared.
+EVAL_GAMES = (
+    "valid_seen/look_at_obj_in_light-AlarmClock-None-DeskLamp-323/trial_T20190909_044715_250790",
+    "valid_seen/pick_heat_then_place_in_recep-Apple-None-DiningTable-26/trial_T20190907_060234_011675",
+    *REAL_GAMES,      # valid_unseen: a cleaning task and a lamp task
+)
+
+
+def check_eval_of_an_older_checkpoint(run, tmp_path, monkeypatch):
+    """`gigpo eval --checkpoint --splits valid_seen,valid_unseen` of update 1 while update 2 is the latest,
+    on real ALFWorld games (a small game set in the standard layout): the inference actor serves that
+    checkpoint (its policy version), each split is a row of the paper's table with per-episode records, the
+    result is saved beside the run, and nothing else of the run changes (a run being evaluated may still be
+    training): every file outside eval/ stays byte for byte, even with env settings that would make a
+    training run rebuild its warm model."""
     ckpt = run / "checkpoints" / "update_0000001"
     assert (run / "checkpoints" / "update_0000002").is_dir()
     assert (run / "warm_model" / "warm_start.json").is_file() and (run / "tiny_model").is_dir()
+    game_dirs = extract_games(tmp_path / "alfworld", EVAL_GAMES)
+    build_metadata(Path(game_dirs[0]).parents[2])
+    monkeypatch.setenv("ALFWORLD_DATA", str(tmp_path / "alfworld"))
     before = run_files(run)
     assert JOB_FILE in before and f"checkpoints/{PUSHED_VERSION}" in before and "metrics.jsonl" in before
-    cfg = load_config("configs/embedded.yaml", [*OVERRIDES, "env.max_steps=5"])     # warm start key differs
-    result = evaluate_only(cfg, checkpoint=str(ckpt))
+    cfg = load_config("configs/embedded.yaml", [*OVERRIDES, "env.source=data", "env.max_steps=3",
+                                                "run.eval_episodes=0", "model.max_prompt_tokens=2048"])
+    result = evaluate_only(cfg, checkpoint=str(ckpt), splits=["valid_seen", "valid_unseen"])
     want_version = json.loads((ckpt / LEARNER_STATE).read_text())["policy_version"]
-    assert result["update"] == 1 and result["policy_version"] == want_version and result["episodes"] == 2
+    assert result["update"] == 1 and result["policy_version"] == want_version
+    assert list(result["splits"]) == ["valid_seen", "valid_unseen"]
+    for split, summary in result["splits"].items():
+        played = sorted(e["task_id"] for e in summary["episodes_detail"])
+        assert played == sorted(g for g in EVAL_GAMES if g.startswith(split + "/")), split
+        assert summary["episodes"] == 2 and all(e["policy_version"] == want_version
+                                                for e in summary["episodes_detail"] if e["steps"])
+    assert set(result["splits"]["valid_seen"]["per_task_type"]) == {
+        "look_at_obj_in_light", "pick_heat_then_place_in_recep"}
+    table = format_eval("update 1", result["splits"]).splitlines()
+    assert table[1].split() == ["split", "|", "Look", "|", "Clean", "|", "Heat", "|", "All", "|", "episodes"]
+    assert table[2].split()[0] == "valid_seen" and table[2].split()[4] == "-"       # no cleaning task there
     assert json.loads((run / "eval" / "update_0000001.json").read_text()) == result
     after = run_files(run)
     assert {k: v for k, v in after.items() if not k.startswith("eval/")} == before

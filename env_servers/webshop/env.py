@@ -1,7 +1,7 @@
 """WebShop as a TextEnv.
 
 Many instances share one read-only `Shop` per (catalog, options) in a process: products, prices, goals
-and the BM25 index are built once (an env server hosts many instances). An instance only holds its
+and the BM25 index are built once (an env pool hosts many instances). An instance only holds its
 session state.
 
 Reports: `observation` and `anchor` are the page without the instruction (each text part in single
@@ -28,6 +28,7 @@ from env_servers.webshop.reward import noun_method
 from env_servers.webshop.search import SearchIndex
 
 TASK_TYPE = "webshop"
+SPLITS = ("train", "eval", "all")      # eval: the first DEFAULT_EVAL_GOALS goals, never trained on
 DEFAULT_EVAL_GOALS = 500
 
 
@@ -93,7 +94,7 @@ class WebShopEnv:
             return [str(i) for i in range(n_eval, n)]
         if split == "all":
             return [str(i) for i in range(n)]
-        raise KeyError(f"unknown WebShop split {split!r}; splits: train, eval, all")
+        raise KeyError(f"unknown WebShop split {split!r}; splits: {', '.join(SPLITS)}")
 
     def reset(self, task_id: str, seed: int = 0) -> EnvReport:
         try:

@@ -6,8 +6,8 @@ steps), observation strings shaped like ALFWorld's. Targets (issue 2): >= 50x th
 Two loop baselines, both measured here:
 - "tensor loop": the reference implementation's style: per-row loops that index and update torch tensors
   element by element (verl-agent spends ~0.5 s per 4,700-row batch this way);
-- "dict loop": a tuned pure-Python loop over floats and dicts (tests/reference_advantages.py), the
-  fastest per-row implementation we could write; a much harder baseline.
+- "dict loop": a tuned pure-Python loop over floats and dicts (learner.advantages.gigpo_readable,
+  the definition the tests check against); a much harder baseline.
 """
 import os
 import sys
@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import numpy as np  # noqa: E402
 
 from learner.advantages import anchor_group_summary, gigpo_advantages, gigpo_parts  # noqa: E402
-from tests.reference_advantages import loop_gigpo  # noqa: E402
+from learner.advantages import gigpo_readable as loop_gigpo  # noqa: E402
 
 RECEPTACLES = ["cabinet 1", "cabinet 2", "countertop 1", "countertop 2", "drawer 1", "drawer 2", "fridge 1",
                "microwave 1", "sinkbasin 1", "stoveburner 1", "shelf 1", "diningtable 1", "garbagecan 1"]

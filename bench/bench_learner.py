@@ -37,7 +37,7 @@ import torch  # noqa: E402
 from common.config import LearnerConfig  # noqa: E402
 from common.tiny_model import build_tiny_model  # noqa: E402
 from learner.batching import build_batch  # noqa: E402
-from learner.synthetic import synthetic_groups  # noqa: E402
+from tests.synthetic import synthetic_groups  # noqa: E402
 from learner.trainer import PolicyTrainer, teardown_distributed  # noqa: E402
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")

@@ -24,13 +24,85 @@ Conventions (those of the reference implementation, verl-agent, unless noted):
 """
 from __future__ import annotations
 
+import difflib
 import itertools
+import math
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
 
 EPISODE_STATS = ("rows", "trajectories")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The definition: GiGPO one episode group at a time, with loops (Eqs. 3-8). The tests' oracle; the
+# vectorized `gigpo_advantages` below equals it (to 1e-9, tests/test_advantages.py) and is what runs.
+# ----------------------------------------------------------------------------------------------------------
+
+def gigpo_readable(group_ids, traj_ids, steps, rewards, anchors, *, gamma=0.95, omega=1.0, normalize_std=True,
+                   episode_stats="rows", similarity=None, eps=1e-6, penalties=None) -> list[float]:
+    """GiGPO advantage per row, written as the paper defines it; arguments as `gigpo_advantages`."""
+    penalties = [0.0] * len(group_ids) if penalties is None else [float(p) for p in penalties]
+    rows_of_group = defaultdict(list)
+    for i, g in enumerate(group_ids):
+        rows_of_group[g].append(i)
+    advantage = [0.0] * len(group_ids)
+    for rows in rows_of_group.values():
+        trajectories = defaultdict(list)          # trajectory id -> its rows in step order
+        for i in sorted(rows, key=lambda i: steps[i]):
+            trajectories[traj_ids[i]].append(i)
+        return_to_go = {}                         # R_t (Eq. 5)
+        for traj_rows in trajectories.values():
+            running = 0.0
+            for i in reversed(traj_rows):
+                running = float(rewards[i]) + gamma * running
+                return_to_go[i] = running
+        # A^E (Eq. 3): each row's episode score R(tau) - its penalty, normalized over the group's rows
+        # (episode_stats="rows") or over its trajectories' mean scores ("trajectories").
+        traj_return = {t: sum(float(rewards[i]) for i in traj_rows) for t, traj_rows in trajectories.items()}
+        score = {i: traj_return[traj_ids[i]] - penalties[i] for i in rows}
+        if episode_stats == "rows":
+            members = [score[i] for i in rows]
+        else:
+            members = [sum(score[i] for i in t) / len(t) for t in trajectories.values()]
+        episode = {i: _normalized(score[i], members, normalize_std, eps, alone="mean0_std1") for i in rows}
+        # A^S (Eqs. 6-7): the step's return R_t - its penalty, normalized within its anchor-state group.
+        for anchor_rows in _anchor_groups(rows, anchors, similarity):
+            values = [return_to_go[i] - penalties[i] for i in anchor_rows]
+            for i, value in zip(anchor_rows, values):
+                step = _normalized(value, values, normalize_std, eps, alone="zero")
+                advantage[i] = episode[i] + omega * step          # Eq. 8
+    return advantage
+
+
+def _normalized(value: float, members: list[float], normalize_std: bool, eps: float, alone: str) -> float:
+    """(value - mean) / (unbiased std + eps) over `members`; 0 when all members are equal; a group of one:
+    mean 0, std 1 (alone="mean0_std1") or 0 (alone="zero")."""
+    if len(members) == 1:
+        if alone == "zero":
+            return 0.0
+        return value / (1.0 + eps) if normalize_std else value
+    if all(m == members[0] for m in members):
+        return 0.0
+    mean = sum(members) / len(members)
+    std = math.sqrt(sum((m - mean) ** 2 for m in members) / (len(members) - 1))
+    return (value - mean) / (std + eps) if normalize_std else value - mean
+
+
+def _anchor_groups(rows: list[int], anchors, similarity: float | None) -> list[list[int]]:
+    """The anchor-state groups of one episode group's rows (Eq. 6): identical anchors; with `similarity`,
+    each anchor joins the first earlier group whose first anchor is at least that similar."""
+    groups: dict[Any, list[int]] = {}
+    for i in rows:
+        key = anchors[i]
+        if similarity is not None:
+            text = str(key)
+            key = next((rep for rep in groups if rep == text or
+                        difflib.SequenceMatcher(None, rep, text).ratio() >= similarity), text)
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -276,7 +348,7 @@ def gigpo_parts(group_ids, traj_ids, steps, rewards, anchors, *, gamma: float = 
 def gigpo_advantages(group_ids, traj_ids, steps, rewards, anchors, *, gamma: float = 0.95,
                      omega: float = 1.0, normalize_std: bool = True, episode_stats: str = "rows",
                      similarity: float | None = None, eps: float = 1e-6, penalties=None) -> np.ndarray:
-    """GiGPO advantage per row: A = A^E + omega * A^S (Eq. 8).
+    """GiGPO advantage per row: A = A^E + omega * A^S (Eq. 8). Vectorized; equals `gigpo_readable`.
 
     Args:
         group_ids: episode-group id per row (any hashable).

@@ -1,10 +1,10 @@
-"""GiGPO / GRPO / RLOO advantages against hand-computed values and a per-row reference loop."""
+"""GiGPO / GRPO / RLOO advantages against hand-computed values, and the vectorized GiGPO against its readable
+definition (learner.advantages.gigpo_readable)."""
 import numpy as np
 import pytest
 
-from learner.advantages import (anchor_group_summary, gigpo_advantages, gigpo_parts, grpo_advantages,
-                                rloo_advantages)
-from tests.reference_advantages import loop_gigpo
+from learner.advantages import (anchor_group_summary, gigpo_advantages, gigpo_parts, gigpo_readable,
+                                grpo_advantages, rloo_advantages)
 
 # The worked example of ../shared/reference/gigpo.md §1: N = 2, gamma 0.95, mean_norm, stats over rows.
 EX = dict(group_ids=["g"] * 5, traj_ids=["a", "a", "b", "b", "b"], steps=[0, 1, 0, 1, 2],
@@ -103,7 +103,7 @@ def test_normalize_std_both_ways():
     for std in (True, False):
         for stats in ("rows", "trajectories"):
             ours = gigpo_advantages(g, t, s, r, an, normalize_std=std, episode_stats=stats, omega=0.7)
-            ref = loop_gigpo(g, t, s, r, an, normalize_std=std, episode_stats=stats, omega=0.7)
+            ref = gigpo_readable(g, t, s, r, an, normalize_std=std, episode_stats=stats, omega=0.7)
             np.testing.assert_allclose(ours, ref, rtol=1e-10, atol=1e-10)
 
 
@@ -151,7 +151,7 @@ def test_similarity_groups_texts_differing_by_one_word():
     assert sim.anchor_group[0] == sim.anchor_group[1] == sim.anchor_group[3]
     assert sim.anchor_group[2] != sim.anchor_group[0]
     # Greedy clustering in order of first appearance matches the reference loop.
-    ref = loop_gigpo(g, t, s, r, an, similarity=0.9)
+    ref = gigpo_readable(g, t, s, r, an, similarity=0.9)
     np.testing.assert_allclose(sim.episode + sim.step, ref, rtol=1e-10)
 
 
@@ -196,7 +196,7 @@ def test_matches_reference_loop_on_random_batches():
         g, t, s, r, an = _random_batch(rng, groups=4, n=6, max_len=10)
         pen = (rng.random(len(g)) < 0.2) * 0.1
         ours = gigpo_advantages(g, t, s, r, an, penalties=pen)
-        ref = loop_gigpo(g, t, s, r, an, penalties=pen)
+        ref = gigpo_readable(g, t, s, r, an, penalties=pen)
         np.testing.assert_allclose(ours, ref, rtol=1e-9, atol=1e-9)
 
 

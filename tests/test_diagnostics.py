@@ -20,7 +20,7 @@ from common.records import Termination
 from learner.advantages import grpo_advantages
 from learner.batching import build_batch, collate, plan_micro_batches
 from learner.loss import LossSettings, policy_loss
-from learner.synthetic import synthetic_groups
+from tests.synthetic import synthetic_groups
 from learner.trainer import PolicyTrainer
 
 

@@ -12,7 +12,7 @@ from common.config import LearnerConfig
 from learner.advantages import gigpo_advantages, grpo_advantages
 from learner.batching import build_batch, collate, mini_batches, pack_by_tokens, plan_micro_batches
 from learner.loss import LossSettings, policy_loss, token_logprobs_and_entropy
-from learner.synthetic import synthetic_groups
+from tests.synthetic import synthetic_groups
 
 
 def _reference_token_loss(lp, old, a, ref, ent, clip=0.2, c=3.0, kl_coef=0.01, ent_coef=0.001):

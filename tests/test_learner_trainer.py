@@ -18,7 +18,7 @@ import torch
 from common.config import LearnerConfig
 from learner.batching import build_batch
 from learner.loop import PUSHED_VERSION, Learner
-from learner.synthetic import synthetic_groups
+from tests.synthetic import synthetic_groups
 from learner.trainer import PolicyTrainer
 from tests import learner_worker
 

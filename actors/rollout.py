@@ -7,8 +7,8 @@
 One episode group = N trajectories of the same task, reset with the same task id and seed. The actor runs
 `rollout.groups_per_actor` groups at once, each on its own N env instances. Everything is one asyncio
 loop: while one trajectory waits for its environment, the others generate (the inference actors batch all
-concurrent requests), so neither side idles on the other. Env calls never block the loop: the in-process
-EnvPool runs its instances in worker processes and hands back futures; EnvServer actors are awaited.
+concurrent requests), so neither side idles on the other. Env calls never block the loop: the actor's EnvPool
+runs its instances in worker processes and hands back futures.
 
 A group is published only when all its trajectories have ended, as one stream entry, so a consumer never
 sees half a group. `stop(drain=True)` starts no new groups and publishes the ones in flight;
@@ -48,17 +48,11 @@ _RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError
 
 
 class _EnvClient:
-    """Env calls of one trajectory step, awaited without blocking the event loop.
+    """Env calls of one trajectory step on the actor's EnvPool, awaited without blocking the event loop (calls
+    on instances in different worker processes run in parallel)."""
 
-    `backend` is an in-process EnvPool (its futures API: calls on instances in different worker processes
-    run in parallel) or a list of EnvServer actor handles (instance k of this actor lives on server
-    k // per_server).
-    """
-
-    def __init__(self, backend, per_server: int = 0):
-        self.backend = backend
-        self.remote = isinstance(backend, list)
-        self.per_server = per_server
+    def __init__(self, pool):
+        self.pool = pool
         self.wait_s = 0.0
         self.calls = 0
 
@@ -66,12 +60,7 @@ class _EnvClient:
         """kind "reset": (instance, task_id, seed); kind "step": (instance, action). -> InstanceResult."""
         t0 = time.perf_counter()
         try:
-            if self.remote:
-                server = self.backend[request[0] // self.per_server]
-                local = (request[0] % self.per_server, *request[1:])
-                method = server.reset_batch if kind == "reset" else server.step_batch
-                return (await method.remote([local]))[0]
-            submit = self.backend.submit_resets if kind == "reset" else self.backend.submit_steps
+            submit = self.pool.submit_resets if kind == "reset" else self.pool.submit_steps
             return await asyncio.wrap_future(submit([request])[0])
         finally:
             self.calls += 1
@@ -82,7 +71,7 @@ class Rollout:
     """The actor's body (a plain class so that tests and benches can also drive it in-process)."""
 
     def __init__(self, cfg: dict, actor_id: str, inference_actors: list, stream_url: str | None,
-                 env_servers: list | None = None, cpus: str = "", nice: int = 0, log_dir: str = "",
+                 cpus: str = "", nice: int = 0, log_dir: str = "",
                  model: ModelSource | None = None):
         """model: where the tokenizer comes from (a ModelSource shipped by the driver, which this node may
         not see on disk); None: model.path as this node sees it (in-process use on one node)."""
@@ -108,20 +97,9 @@ class Rollout:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
 
         self.num_instances = r.groups_per_actor * r.group_size
-        self._env_servers = env_servers
-        if env_servers:
-            per = min(ray.get([s.num_instances.remote() for s in env_servers]))
-            if per * len(env_servers) < self.num_instances:
-                raise ValueError(f"{len(env_servers)} env servers x {per} instances < the {self.num_instances} "
-                                 f"instances this actor needs (groups_per_actor x group_size)")
-            self._env_backend, self._per_server = list(env_servers), per
-            self.task_ids = ray.get(env_servers[0].task_ids.remote(self.cfg.env.train_split))
-        else:
-            from env_servers.server import EnvPool
-            self._env_backend = EnvPool(self.cfg.env, self.num_instances, seed=self.cfg.run.seed,
-                                        metrics_id=actor_id)
-            self._per_server = 0
-            self.task_ids = self._env_backend.task_ids(self.cfg.env.train_split)
+        from env_servers.server import EnvPool
+        self._env_pool = EnvPool(self.cfg.env, self.num_instances, seed=self.cfg.run.seed, metrics_id=actor_id)
+        self.task_ids = self._env_pool.task_ids(self.cfg.env.train_split)
         if not self.task_ids:
             raise ValueError(f"env {self.cfg.env.name!r} has no tasks in split {self.cfg.env.train_split!r}")
 
@@ -162,7 +140,7 @@ class Rollout:
         self._running = loop.create_future()
         self._stopping, self._drain = False, True
         self._started = time.perf_counter()
-        self._env = _EnvClient(self._env_backend, self._per_server)
+        self._env = _EnvClient(self._env_pool)
         self._max_groups = max_groups
         self._run_started = 0
         try:
@@ -182,7 +160,7 @@ class Rollout:
         instances; nothing is published. Used for evaluation."""
         if self._running is not None:
             raise RuntimeError(f"rollout actor {self.actor_id} is running: evaluate with another actor")
-        self._env = _EnvClient(self._env_backend, self._per_server)
+        self._env = _EnvClient(self._env_pool)
         queue = list(enumerate(task_ids))[::-1]
         results: list[Trajectory | None] = [None] * len(task_ids)
 
@@ -226,18 +204,15 @@ class Rollout:
         return out
 
     def env_worker_pid(self, instance: int) -> int:
-        """Process id of the env worker hosting `instance` (in-process pool only; for fault tests)."""
-        if self._env_servers:
-            raise RuntimeError("env instances live in env-server actors; ask them")
-        return self._env_backend.worker_pid(instance)
+        """Process id of the env worker hosting `instance` (for fault tests)."""
+        return self._env_pool.worker_pid(instance)
 
     def take_groups(self) -> list[EpisodeGroup]:
         groups, self.kept_groups = self.kept_groups, []
         return groups
 
     def close(self) -> None:
-        if not self._env_servers:
-            self._env_backend.close()
+        self._env_pool.close()
         if self.stream is not None:
             self.stream.close()
 
@@ -432,14 +407,14 @@ RolloutActor = ray.remote(Rollout)
 
 
 def create_rollout_actor(cfg: dict, actor_id: str, inference_actors: list, stream_url: str | None,
-                         env_servers: list | None = None, log_dir: str = "", model: ModelSource | None = None):
+                         log_dir: str = "", model: ModelSource | None = None):
     """A rollout actor with the CPU share and the custom resources (`rollout.resources`: which nodes it may
-    run on) the config asks for; its env instances live inside it unless env servers are given; log_dir:
+    run on) the config asks for, hosting its env instances (in worker processes); log_dir:
     its output goes to <log_dir>/<actor_id>.log; model: see `Rollout`."""
     ro = cfg["rollout"]
     # max_restarts=-1: an actor lost with its process or node comes back whenever Ray can place it again
     # (deploy.system restarts its loop); its run() is not retried by Ray, so the driver sees the loss.
     return RolloutActor.options(num_cpus=ro["cpus_per_actor"], resources=ro.get("resources") or None, name=None,
                                 max_concurrency=1000, max_restarts=-1, max_task_retries=0).remote(
-        cfg, actor_id, inference_actors, stream_url, env_servers, cfg["run"].get("rollout_cpus", ""),
+        cfg, actor_id, inference_actors, stream_url, cfg["run"].get("rollout_cpus", ""),
         int(cfg["run"].get("rollout_nice", 0)), log_dir, model)

@@ -63,11 +63,10 @@ class EnvConfig:
                             'receptacles, 1-3 objects, pick_and_place_simple); {"preset": "default"} all six task '
                             'types, 4-8 receptacles, 2-6 objects; or set rooms, receptacles, objects, task_types, '
                             'openable, seed')
-    instances_per_server: int = F(16, "env instances hosted by one env-server actor")
     step_timeout_s: float = F(60.0, "an env call slower than this counts as hung: the instance restarts")
-    cpus_per_server: float = F(1.0, "CPUs Ray reserves for one env-server actor")
-    instances_per_process: int = F(4, "env instances per worker subprocess of an env server (a crashed or "
-                                      "hung worker restarts, and all its instances lose their episode)")
+    instances_per_process: int = F(4, "env instances per worker subprocess of a rollout actor's env pool (a "
+                                      "crashed or hung worker restarts, and all its instances lose their "
+                                      "episode)")
     engine: Literal["fast", "upstream"] = F(
         "fast", 'ALFWorld text engine: "fast" (memoized, byte-identical) or "upstream"')
 
@@ -325,9 +324,7 @@ _FIELD_RULES: dict[str, tuple] = {
     "env.eval_split": _NAMED,
     "env.max_steps": _ONE_OR_MORE,
     "env.num_generated_games": _ONE_OR_MORE,
-    "env.instances_per_server": _ONE_OR_MORE,
     "env.step_timeout_s": _POSITIVE,
-    "env.cpus_per_server": _ZERO_OR_MORE,
     "env.instances_per_process": _ONE_OR_MORE,
     "rollout.num_actors": _ZERO_OR_MORE,            # 0: start none, add them with `gigpo scale`
     "rollout.groups_per_actor": _ONE_OR_MORE,

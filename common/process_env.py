@@ -2,7 +2,7 @@
 
 `apply_project_env()` runs where the project starts or becomes a process: at the start of the `gigpo`
 command and of `deploy.system.start_ray` (the driver, and through it a local Ray's processes), and as the
-first line of every actor constructor (inference, rollout, learner, env server), before vLLM or DeepSpeed
+first line of every actor constructor (inference, rollout, learner), before vLLM or DeepSpeed
 is imported. So `.venv/bin/gigpo`, `ray job submit`, the container and KubeRay need no `make` or env.sh.
 Each variable is set with setdefault: a value the user (or a job's runtime env) gave wins.
 
@@ -76,7 +76,7 @@ def usable_memory_bytes() -> int:
 
 def cpu_kv_cache_gib(memory_bytes: int) -> int:
     """VLLM_CPU_KVCACHE_SPACE for a node with `memory_bytes`: 1/16 of it (a node runs a few engines beside
-    the learner and the env servers), at least 1 GiB (what the tiny model and short prompts need), at most
+    the learner and the env workers), at least 1 GiB (what the tiny model and short prompts need), at most
     16 GiB (tens of thousands of tokens of a 1.5B model's cache, more than a CPU engine gets through)."""
     return max(1, min(16, memory_bytes // (16 * GIB)))
 

@@ -1,6 +1,6 @@
 """The records every plane shares: a step row, a trajectory, an episode group.
 
-Data flows one way: env servers produce observations, rollout actors turn each environment step into a
+Data flows one way: env instances produce observations, rollout actors turn each environment step into a
 `StepRow`, collect the rows of one rollout into a `Trajectory`, and publish the N trajectories of one task
 as an `EpisodeGroup`. The learner trains on the rows. These classes are plain data: encoding for the wire
 lives in `common.codec`.

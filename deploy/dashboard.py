@@ -123,11 +123,11 @@ ROWS: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]]]]]] = [
     ]),
     ("Health", [
         ("Env errors and restarts / min", "short",
-         "Env calls that failed or hung, and env instances restarted, per minute by env server. Their "
+         "Env calls that failed or hung, and env instances restarted, per minute by rollout actor (its env pool). Their "
          "trajectories end as env_error (see episodes by ending).",
-         [(f"sum by (actor_id) (rate({N('env_errors')}{{{F}}}[{RATE}])) * 60", "errors, server {{actor_id}}"),
+         [(f"sum by (actor_id) (rate({N('env_errors')}{{{F}}}[{RATE}])) * 60", "errors, {{actor_id}}"),
           (f"sum by (actor_id) (rate({N('env_restarts')}{{{F}}}[{RATE}])) * 60",
-           "restarts, server {{actor_id}}")]),
+           "restarts, {{actor_id}}")]),
     ]),
 ]
 

@@ -3,7 +3,7 @@ that follow from the tick number alone, so that a test (or `deploy/check_dashboa
 the scrape endpoint and Prometheus show without running the real planes.
 
 Which kind records what is the same split the real planes use: rollout actors count env steps, tokens,
-episodes and published groups; env servers count errors and restarts; inference actors report their
+episodes and published groups; env pools count errors and restarts; inference actors report their
 queue and served version; the learner reports the stream, lags, phases and learning figures (train
 success: its last batch); the driver reports evaluation success.
 """

@@ -1,4 +1,4 @@
-"""Env servers: many environment instances behind batched reset/step calls.
+"""The env pool: many environment instances behind batched reset/step calls, hosted by each rollout actor.
 
 `EnvPool` hosts `num_instances` instances in worker subprocesses (`EnvConfig.instances_per_process` each;
 instance i lives in worker i // instances_per_process). The TextWorld engine keeps C state in a shared
@@ -11,13 +11,9 @@ and started again; the request that found it so gets an `InstanceResult` with `e
 `restarted=True`, and so does the next step of every other instance it hosted (their episodes were lost with
 the process; a reset starts them afresh). Errors raised by an environment itself (an unknown task id, a step
 before reset) come back in `error` with `restarted=False`; nothing in a batch raises.
-
-`EnvServer` is the Ray actor around an EnvPool: async methods that await the pool's futures, so concurrent
-calls (different episode groups) overlap and no event loop is ever blocked by an engine call.
 """
 from __future__ import annotations
 
-import asyncio
 import math
 import multiprocessing
 import os
@@ -28,7 +24,6 @@ from dataclasses import dataclass
 
 from common.config import EnvConfig
 from common.metrics import ActorMetrics
-from common.process_env import apply_project_env
 from env_servers.base import EnvReport
 
 
@@ -317,63 +312,3 @@ class EnvPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Ray actor
-# ----------------------------------------------------------------------------------------------------------
-
-class _EnvServerImpl:
-    """Ray actor body: an EnvPool with async methods (calls from different groups overlap)."""
-
-    def __init__(self, env_cfg: EnvConfig, num_instances: int, seed: int = 0, metrics_id: str = ""):
-        apply_project_env()     # vLLM's, DeepSpeed's, ... variables first
-        self.pool = EnvPool(env_cfg, num_instances, seed, metrics_id=metrics_id)
-
-    async def reset_batch(self, requests: list[tuple[int, str, int]]) -> list[InstanceResult]:
-        return list(await asyncio.gather(*map(asyncio.wrap_future, self.pool.submit_resets(requests))))
-
-    async def step_batch(self, requests: list[tuple[int, str]]) -> list[InstanceResult]:
-        return list(await asyncio.gather(*map(asyncio.wrap_future, self.pool.submit_steps(requests))))
-
-    async def task_ids(self, split: str) -> list[str]:
-        return await asyncio.get_running_loop().run_in_executor(None, self.pool.task_ids, split)
-
-    async def worker_pid(self, instance: int) -> int:
-        return self.pool.worker_pid(instance)
-
-    async def num_instances(self) -> int:
-        return self.pool.num_instances
-
-    async def stats(self) -> dict:
-        return self.pool.stats()
-
-    async def close(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self.pool.close)
-
-
-def _ray_actor_class():
-    import ray
-    return ray.remote(_EnvServerImpl)
-
-
-class _LazyActorClass:
-    """`EnvServer` as a module attribute without importing Ray at import time."""
-
-    _cls = None
-
-    def __getattr__(self, name):
-        if _LazyActorClass._cls is None:
-            _LazyActorClass._cls = _ray_actor_class()
-        return getattr(_LazyActorClass._cls, name)
-
-
-EnvServer = _LazyActorClass()
-
-
-def create_env_servers(env_cfg: EnvConfig, num_servers: int, seed: int) -> list:
-    """Start `num_servers` EnvServer actors of `env_cfg.instances_per_server` instances each. Each reserves
-    `env_cfg.cpus_per_server` CPUs: its worker processes do the env work, so the reservation is real."""
-    return [EnvServer.options(num_cpus=env_cfg.cpus_per_server, max_concurrency=1000).remote(
-                env_cfg, env_cfg.instances_per_server, seed * 7919 + i, metrics_id=f"{seed}-{i}")
-            for i in range(num_servers)]

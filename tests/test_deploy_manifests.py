@@ -12,7 +12,6 @@ from __future__ import annotations
 import configparser
 import copy
 import json
-import math
 import os
 import re
 import subprocess
@@ -195,10 +194,8 @@ def _gpu_cpu_needs(cfg) -> tuple[float, float]:
 
 
 def _rollout_cpu_needs(cfg) -> float:
-    # Env servers host every concurrent trajectory: actors x groups each x group size instances.
-    instances = cfg.rollout.num_actors * cfg.rollout.groups_per_actor * cfg.rollout.group_size
-    servers = math.ceil(instances / cfg.env.instances_per_server)
-    return servers * cfg.env.cpus_per_server + cfg.rollout.num_actors * cfg.rollout.cpus_per_actor
+    # Each rollout actor hosts the env instances of its groups in its own worker processes.
+    return cfg.rollout.num_actors * cfg.rollout.cpus_per_actor
 
 
 def test_resource_requests_fit_what_the_actors_ask_for():

@@ -1,5 +1,4 @@
-"""Env servers: EnvPool worker processes (batching, crash and hang recovery), the Ray EnvServer actor,
-and the registry. Real ALFWorld engine on generated games; real worker processes killed for real."""
+"""The env pool: EnvPool worker processes (batching, crash and hang recovery), and the registry. Real ALFWorld engine on generated games; real worker processes killed for real."""
 from __future__ import annotations
 
 import json
@@ -11,7 +10,7 @@ import pytest
 
 from common.config import EnvConfig
 from env_servers.registry import make_env
-from env_servers.server import EnvPool, InstanceResult, create_env_servers
+from env_servers.server import EnvPool, InstanceResult
 
 GEN = {"preset": "tiny"}
 
@@ -113,28 +112,24 @@ def test_registry_dispatches_and_rejects_unknown(tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_env_server_actor_steps_32_instances_in_batches(local_ray):
-    ray = local_ray
-    env_cfg = cfg(instances_per_server=32, instances_per_process=8, cpus_per_server=1.0)
-    (server,) = create_env_servers(env_cfg, num_servers=1, seed=0)
-    tasks = ray.get(server.task_ids.remote("train"))[:4]
-    # 4 episode groups of 8 instances, one task each.
-    requests = [(i, tasks[i // 8], 0) for i in range(32)]
-    results = ray.get(server.reset_batch.remote(requests))
-    assert all(isinstance(r, InstanceResult) and r.error is None for r in results)
-    for g in range(4):
-        assert len({json.dumps(r.report.__dict__, sort_keys=True) for r in results[g * 8:(g + 1) * 8]}) == 1
-    plans = [r.report.info["walkthrough"] for r in results]
-    won = [False] * 32
-    for k in range(max(map(len, plans))):
-        batch = [(i, plans[i][k]) for i in range(32) if k < len(plans[i])]
-        # Two half batches in flight at once: the actor overlaps them.
-        halves = [server.step_batch.remote(batch[:len(batch) // 2]),
-                  server.step_batch.remote(batch[len(batch) // 2:])]
-        for r in sum(ray.get(halves), []):
-            assert r.error is None
-            won[r.instance] = won[r.instance] or r.report.won
-    assert all(won)
-    stats = ray.get(server.stats.remote())
-    assert stats["instances"] == 32 and stats["workers"] == 4 and stats["restarts"] == 0
-    ray.get(server.close.remote())
+def test_pool_steps_32_instances_in_overlapping_batches():
+    """A rollout actor's pool at the size of two groups x 16: 4 worker processes, batches in flight at once."""
+    with EnvPool(cfg(instances_per_process=8), 32, seed=0) as pool:
+        tasks = pool.task_ids("train")[:4]
+        # 4 episode groups of 8 instances, one task each.
+        results = [f.result() for f in pool.submit_resets([(i, tasks[i // 8], 0) for i in range(32)])]
+        assert all(isinstance(r, InstanceResult) and r.error is None for r in results)
+        for g in range(4):
+            assert len({json.dumps(r.report.__dict__, sort_keys=True) for r in results[g * 8:(g + 1) * 8]}) == 1
+        plans = [r.report.info["walkthrough"] for r in results]
+        won = [False] * 32
+        for k in range(max(map(len, plans))):
+            batch = [(i, plans[i][k]) for i in range(32) if k < len(plans[i])]
+            # Two half batches in flight at once (two groups' steps): their futures overlap.
+            halves = pool.submit_steps(batch[:len(batch) // 2]) + pool.submit_steps(batch[len(batch) // 2:])
+            for r in (f.result() for f in halves):
+                assert r.error is None
+                won[r.instance] = won[r.instance] or r.report.won
+        assert all(won)
+        stats = pool.stats()
+        assert stats["instances"] == 32 and stats["workers"] == 4 and stats["restarts"] == 0

@@ -67,9 +67,10 @@ def test_driver_runtime_env_merges_with_a_jobs_runtime_env():
 
 
 # Every class the project runs as a Ray actor, by file: its constructor sets the environment first (below,
-# the env server's is run for real; the others start vLLM or DeepSpeed, far too heavy for this check).
+# a real actor whose constructor does the same is run; these start vLLM, DeepSpeed or env workers, far too
+# heavy for this check).
 ACTOR_CLASSES = {"actors/inference.py": "InferenceEngine", "actors/rollout.py": "Rollout",
-                 "learner/actor.py": "LearnerWorker", "env_servers/server.py": "_EnvServerImpl"}
+                 "learner/actor.py": "LearnerWorker"}
 
 
 @pytest.mark.parametrize("path, name", sorted(ACTOR_CLASSES.items()))
@@ -86,8 +87,8 @@ def test_every_actor_constructor_sets_the_environment_first(path, name):
 
 
 # The script a clean process runs (no make, no env.sh: only PATH and HOME). Phase 1: a Ray started directly,
-# so its processes inherit none of the project's variables, and a real actor (the env server, reporting its
-# environment) sets them in its constructor. Phase 2: deploy.system.start_ray under a simulated `ray job
+# so its processes inherit none of the project's variables, and a real actor (reporting its environment)
+# sets them in its constructor as the project's actors do. Phase 2: deploy.system.start_ray under a simulated `ray job
 # submit` (the supervisor's RAY_JOB_CONFIG_JSON_ENV_VAR, and the job's variable in the environment).
 CLEAN_PROCESS = r"""
 import json, os, sys
@@ -96,21 +97,24 @@ keys = json.loads(sys.argv[1])
 out = {"driver_before": {k: os.environ.get(k) for k in keys}}
 
 ray.init(address="local", num_cpus=1, include_dashboard=False, object_store_memory=80 * 1024**2)
-from common.config import EnvConfig, ExperimentConfig
-from env_servers.server import _EnvServerImpl
+from common.config import ExperimentConfig
+from common.process_env import apply_project_env
 
-class EnvServerShowingItsEnvironment(_EnvServerImpl):
-    async def environment(self):
+class ActorShowingItsEnvironment:
+    def __init__(self):
+        apply_project_env()      # the first line of every actor constructor (the test above checks them)
+
+    def environment(self):
         return {k: os.environ.get(k) for k in keys}
 
 @ray.remote
 def plain_task():
     return {k: os.environ.get(k) for k in keys}
 
-actor = ray.remote(EnvServerShowingItsEnvironment).remote(EnvConfig(name="webshop"), 1)
+actor = ray.remote(ActorShowingItsEnvironment).remote()
 out["actor"] = ray.get(actor.environment.remote(), timeout=120)
 out["plain_task"] = ray.get(plain_task.remote(), timeout=120)
-ray.get(actor.close.remote(), timeout=60)
+ray.kill(actor)
 ray.shutdown()
 
 job_vars = {"VLLM_CPU_KVCACHE_SPACE": "3"}

@@ -89,7 +89,7 @@ _SPLIT = re.compile(r"[^\w'’]+|_")
 _POSSESSIVE_END = re.compile(r"['’]s$")
 
 _nlp_lock = threading.Lock()
-_tag_lock = threading.Lock()     # env servers step instances from worker threads
+_tag_lock = threading.Lock()     # an env pool steps instances from worker threads
 _nlp = None                      # spaCy pipeline with a tagger, when en_core_web_sm is installed
 _noun_cache: dict[str, tuple[str, ...]] = {}
 

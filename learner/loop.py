@@ -26,6 +26,7 @@ policy lag is measured in the learner's own history: see `Learner._resume`.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -235,65 +236,86 @@ class Learner:
         unless given. Returns the update's metrics, or None when no full batch arrived in time."""
         if self.read_only:
             raise RuntimeError("this learner is read-only (it serves a checkpoint for evaluation): no training")
-        t_wait = time.perf_counter()
+        t_start = time.perf_counter()
+        groups, received = self._next_groups(groups, timeout_s)          # read (stale groups: not returned)
+        if groups is None:
+            self._no_batch(time.perf_counter() - t_start)
+            return None
+        times = {"time/wait_data_s": time.perf_counter() - t_start}
+        with _timed(times, "time/build_batch_s"):
+            batch, groups, received = self._build_batch(groups, received)     # advantages (bad groups out)
+        lags = [self.policy_lag(g.policy_versions[0]) for g in groups if g.policy_versions[0] >= 0]
+        train = self._train(batch, groups)
+        with _timed(times, "time/push_weights_s"):
+            # Nothing trained (every group skipped): the actors' weights stand.
+            push_info = self.publish_weights() if batch.num_rows else {}
+        with _timed(times, "time/checkpoint_s"):
+            checkpointed = self._commit(received)                        # checkpoint, then ack
+        metrics = self._step_metrics(batch, train, push_info, groups, lags, times, checkpointed)
+        if self.metrics is not None:
+            self._record_metrics(metrics, groups, received, batch.skipped_group_ids, bool(lags),
+                                 wait_s=times["time/wait_data_s"], push_s=times["time/push_weights_s"],
+                                 step_s=time.perf_counter() - t_start)
+        return metrics
+
+    def _next_groups(self, groups: list[EpisodeGroup] | None, timeout_s: float | None
+                     ) -> tuple[list[EpisodeGroup] | None, list | None]:
+        """The batch's groups on every process (rank 0 reads them from the stream unless given) and, when
+        read, the stream entries they came in (to ack once trained)."""
         received = None
         if self.rank == 0 and groups is None:
             if self.stream is None:
                 raise ValueError("Learner.step() without groups needs a stream_url")
             received = self._read_groups(timeout_s)
             groups = None if received is None else [r.group for r in received]
-        groups = self._broadcast(groups)
-        if groups is None:
-            self.repush_if_needed()      # an inference actor back from a restart without weights
-            if self.metrics is not None:     # the time waited for a batch that did not come is still spent
-                self.metrics.inc("learner_seconds", time.perf_counter() - t_wait, phase="wait_data")
-                self._record_stream_metrics(None)
-            return None
-        wait_s = time.perf_counter() - t_wait
+        return self._broadcast(groups), received
 
-        t_build = time.perf_counter()
+    def _no_batch(self, waited_s: float) -> None:
+        self.repush_if_needed()      # an inference actor back from a restart without weights
+        if self.metrics is not None:     # the time waited for a batch that did not come is still spent
+            self.metrics.inc("learner_seconds", waited_s, phase="wait_data")
+            self._record_stream_metrics(None)
+
+    def _build_batch(self, groups: list[EpisodeGroup], received: list | None):
+        """(batch, groups, received) with advantages. A group the checks on read let through but that cannot
+        be batched is dropped: the others are trained, the bad ones go to the dead-letter stream with the
+        reason (a retry would fail the same way)."""
+        penalty = self.cfg.rollout.invalid_action_penalty
         try:
-            batch = build_batch(groups, self.cfg.learner,
-                                invalid_action_penalty=self.cfg.rollout.invalid_action_penalty)
+            return build_batch(groups, self.cfg.learner, invalid_action_penalty=penalty), groups, received
         except ValueError as e:
-            # A group the checks on read let through but that cannot be batched: train on the others; the
-            # bad ones go to the dead-letter stream with the reason (a retry would fail the same way).
             log.error("dropping groups of a bad batch: %s", e)
-            good = []
-            for g in groups:
-                try:
-                    build_batch([g], self.cfg.learner)
-                    good.append(g)
-                except ValueError as exc:
-                    self.stats["bad_groups"] += 1
-                    if received is not None:
-                        bad = [r for r in received if r.group.group_id == g.group_id]
-                        self.stream.dead_letter(bad, f"learner: {exc}")
-                        received = [r for r in received if r.group.group_id != g.group_id]
-            batch = build_batch(good, self.cfg.learner,
-                                invalid_action_penalty=self.cfg.rollout.invalid_action_penalty)
-            batch.group_ids = [g.group_id for g in good]
-            groups = good
-        build_s = time.perf_counter() - t_build
+        good = []
+        for g in groups:
+            try:
+                build_batch([g], self.cfg.learner)
+                good.append(g)
+            except ValueError as exc:
+                self.stats["bad_groups"] += 1
+                if received is not None:
+                    self.stream.dead_letter([r for r in received if r.group.group_id == g.group_id],
+                                            f"learner: {exc}")
+                    received = [r for r in received if r.group.group_id != g.group_id]
+        batch = build_batch(good, self.cfg.learner, invalid_action_penalty=penalty)
+        batch.group_ids = [g.group_id for g in good]
+        return batch, good, received
 
-        lags = [self.policy_lag(g.policy_versions[0]) for g in groups   # of each group, as read
-                if g.policy_versions[0] >= 0]
+    def _train(self, batch, groups: list[EpisodeGroup]) -> dict[str, float]:
+        """One optimizer pass over the batch; the update and its groups are counted as trained."""
         train = self.trainer.train_step(batch, update=self.updates)
         self.updates += 1
         self.trained_group_ids.update(batch.group_ids)
         self.last_group_ids = list(batch.group_ids)
         self.stats["groups_trained"] += len(groups) - len(batch.skipped_group_ids) - len(batch.env_error_group_ids)
         self.stats["groups_skipped_equal_returns"] += len(batch.skipped_group_ids)
+        return train
 
-        t_push = time.perf_counter()
-        push_info: dict = {}
-        if batch.num_rows:          # nothing trained (every group skipped): the actors' weights stand
-            push_info = self.publish_weights()
-        push_s = time.perf_counter() - t_push
-
+    def _commit(self, received: list | None) -> bool:
+        """Ack the update's stream entries: at once, or (learner.ack_on_checkpoint) with the checkpoint that
+        covers them, taken every learner.checkpoint_every updates or earlier when the unacked groups crowd
+        the stream. Returns whether a checkpoint was taken."""
         if received is not None:
             self._unacked.extend(received)
-        t_ckpt = time.perf_counter()
         checkpointed = False
         if self.checkpoint_dir:
             every = self.cfg.learner.checkpoint_every
@@ -308,34 +330,31 @@ class Learner:
                 checkpointed = True
         if not self.checkpoint_dir or not self.cfg.learner.ack_on_checkpoint:
             self._ack()
-        ckpt_s = time.perf_counter() - t_ckpt
+        return checkpointed
 
+    def _step_metrics(self, batch, train: dict, push_info: dict, groups: list[EpisodeGroup], lags: list[int],
+                      times: dict[str, float], checkpointed: bool) -> dict[str, float]:
+        """The update's metrics (metrics.jsonl, TensorBoard): the batch's, the training's, the push's, lags,
+        phase times, the stream's and the learner's counters."""
         now = time.time()
+        ages = [now - g.created_at for g in groups if g.created_at > 0]
         metrics: dict[str, float] = dict(batch.metrics)
         metrics.update(train)
-        metrics.update({f"push/{k}": float(v) for k, v in push_info.items()
-                        if isinstance(v, (int, float))})
+        metrics.update({f"push/{k}": float(v) for k, v in push_info.items() if isinstance(v, (int, float))})
         metrics.update({
             "update": float(self.updates),
             "policy_version": float(self.policy_version),
             "lag/policy_versions_min": float(min(lags)) if lags else 0.0,
             "lag/policy_versions_mean": float(np.mean(lags)) if lags else 0.0,
             "lag/policy_versions_max": float(max(lags)) if lags else 0.0,
-            "lag/group_age_s_mean": float(np.mean([now - g.created_at for g in groups if g.created_at > 0]))
-            if any(g.created_at > 0 for g in groups) else 0.0,
-            "time/wait_data_s": wait_s,
-            "time/build_batch_s": build_s,
-            "time/push_weights_s": push_s,
-            "time/checkpoint_s": ckpt_s,
+            "lag/group_age_s_mean": float(np.mean(ages)) if ages else 0.0,
+            **times,
             "checkpointed": float(checkpointed),
         })
         if self.stream is not None:
             metrics.update({f"stream/{k}": float(v) for k, v in self.stream.stats.items()})
             metrics["stream/depth"] = float(self.stream.depth())
         metrics.update({f"learner/{k}": float(v) for k, v in self.stats.items()})
-        if self.metrics is not None:
-            self._record_metrics(metrics, groups, received, batch.skipped_group_ids, bool(lags),
-                                 wait_s=wait_s, push_s=push_s, step_s=time.perf_counter() - t_wait)
         return metrics
 
     def _record_metrics(self, metrics: dict[str, float], groups: list[EpisodeGroup], received: list | None,
@@ -469,3 +488,13 @@ class Learner:
         if checkpoint and self.checkpoint_dir and self.trained_group_ids != self.committed_group_ids:
             self.save_checkpoint()
         self.trainer.close()
+
+
+@contextlib.contextmanager
+def _timed(times: dict[str, float], key: str):
+    """times[key] = the seconds the with-block took."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        times[key] = time.perf_counter() - t0

@@ -40,6 +40,7 @@ LEARNER_CLOSE_S = 300    # a learner's close may save a checkpoint (of a large m
 ROLLOUT_STOP_S = 30      # rollout actors told to stop without draining (they discard what is in flight)
 RATE_WINDOW = 8      # updates the progress bar's env steps/s is measured over
 WAIT_FOR_DATA_S = 10.0   # the learner's wait for a batch, between which the driver handles commands and status
+EVALS_FILE = "evals.jsonl"     # a training run's evaluations, one line each (System.evaluate)
 
 
 def start_ray(cfg: ExperimentConfig) -> str:
@@ -92,6 +93,7 @@ class System:
         self.cfg = cfg
         self.out = Path(cfg.run.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
+        self._evals_started = False       # this run has written evals.jsonl (see evaluate)
         self.redis = None
         self.rollouts: dict[str, object] = {}       # actor id -> handle
         self.rollout_runs: dict[str, object] = {}   # actor id -> ObjectRef of its run() (async mode)
@@ -488,7 +490,7 @@ class System:
             steps_per_s = (steps_last - steps_first) / max(t_last - t_first, 1e-9)
             update = self.update = int(metrics["update"])
             if cfg.run.eval_every and update % cfg.run.eval_every == 0 and update < cfg.run.iterations:
-                self.last_eval = self.evaluate()
+                self.last_eval = self.evaluate(record=f"after update {update}")
                 metrics.update({f"eval/{k}": v for k, v in self.last_eval.items() if isinstance(v, float)})
                 terminal.print(eval_line(f"after update {update}", self.last_eval))
             metrics["rollout/actor_restarts"] = float(self.rollout_restarts)
@@ -601,9 +603,11 @@ class System:
 
     # -- evaluation ------------------------------------------------------------------------------------
 
-    def evaluate(self, split: str = "") -> dict:
+    def evaluate(self, split: str = "", record: str = "") -> dict:
         """Play the eval split (or `split`) once per task (group size 1, eval temperature) with the current
-        weights."""
+        weights. record: when the evaluation is ("before training", "after update 8", ...): the result,
+        per-episode records included, is appended to <run.output_dir>/evals.jsonl under that label with the
+        update and the policy version that played it (`gigpo eval` saves its own, in eval/)."""
         from actors.evaluation import evaluate_tasks
         from common.metrics import ActorMetrics
         cfg = self.cfg
@@ -613,6 +617,14 @@ class System:
         result = evaluate_tasks(cfg, self.inference, log_dir=self.log_dir, model=self.model)
         if result.get("episodes"):
             ActorMetrics("driver", self.cfg.run.name).set("success_rate", float(result["success"]), split="eval")
+        if record:
+            line = {"when": record, "update": self.update, "split": cfg.env.eval_split,
+                    "policy_version": ray.get(self.inference[0].policy_version.remote()), **result}
+            # Appended by a resumed run, started anew otherwise (as metrics.jsonl).
+            mode = "a" if self._evals_started or self.cfg.run.resume else "w"
+            with open(self.out / EVALS_FILE, mode) as f:
+                f.write(json.dumps(line) + "\n")
+            self._evals_started = True
         return result
 
 
@@ -625,14 +637,14 @@ def train(cfg: ExperimentConfig) -> dict:
         system.terminal = terminal
         terminal.print(f"run {cfg.run.name}: starting (logs in {log_dir})")
         system.start()
-        before = system.evaluate() if cfg.run.eval_every else None
+        before = system.evaluate(record="before training") if cfg.run.eval_every else None
         if before:
             terminal.print(eval_line("before training", before))
         t0 = time.perf_counter()
         history = system.train()
         train_s = time.perf_counter() - t0
         ray.get([w.save_checkpoint.remote() for w in system.learners])
-        after = system.evaluate() if cfg.run.eval_every else None
+        after = system.evaluate(record="after training") if cfg.run.eval_every else None
         if after:
             terminal.print(eval_line("after training", after))
         system._publish_status(history[-1] if history else {}, state="finished")

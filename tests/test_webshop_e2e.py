@@ -12,7 +12,7 @@ import os
 import pytest
 
 from common.config import load_config
-from deploy.system import eval_line, format_summary, train
+from deploy.system import EVALS_FILE, eval_line, format_summary, train
 from env_servers.webshop.catalog import has_catalog
 from env_servers.webshop.data import SAMPLE_DIR, default_source
 
@@ -58,6 +58,12 @@ def test_shortened_embedded_webshop_run(tmp_path, monkeypatch):
     assert f"score   before {100 * summary['before']['score']:.1f}" in format_summary(summary)
 
     run = tmp_path / "run"
+    # Both evaluations are saved with their per-episode records, the update and the weights that played.
+    evals = [json.loads(line) for line in (run / EVALS_FILE).read_text().splitlines()]
+    assert [(e["when"], e["update"], e["policy_version"], e["split"]) for e in evals] == [
+        ("before training", 0, 0, "eval"), ("after training", 2, 2, "eval")]
+    assert [e["episodes_detail"] for e in evals] == [summary["before"]["episodes_detail"],
+                                                     summary["after"]["episodes_detail"]]
     warm = json.loads((run / "warm_model" / "warm_start.json").read_text())
     # Solution paths of training goals (search the goal's words, click its product, its options, buy):
     # at least one of the 4 replayed wins, and every usable one gives >= 3 rows (search, click, buy).

@@ -67,28 +67,29 @@ def gigpo_readable(group_ids, traj_ids, steps, rewards, anchors, *, gamma=0.95, 
             members = [score[i] for i in rows]
         else:
             members = [sum(score[i] for i in t) / len(t) for t in trajectories.values()]
-        episode = {i: _normalized(score[i], members, normalize_std, eps, alone="mean0_std1") for i in rows}
+        mean, divisor, zero = _group_norm(members, normalize_std, eps, alone="mean0_std1")
+        episode = {i: 0.0 if zero else (score[i] - mean) / divisor for i in rows}
         # A^S (Eqs. 6-7): the step's return R_t - its penalty, normalized within its anchor-state group.
         for anchor_rows in _anchor_groups(rows, anchors, similarity):
             values = [return_to_go[i] - penalties[i] for i in anchor_rows]
+            mean, divisor, zero = _group_norm(values, normalize_std, eps, alone="zero")
             for i, value in zip(anchor_rows, values):
-                step = _normalized(value, values, normalize_std, eps, alone="zero")
+                step = 0.0 if zero else (value - mean) / divisor
                 advantage[i] = episode[i] + omega * step          # Eq. 8
     return advantage
 
 
-def _normalized(value: float, members: list[float], normalize_std: bool, eps: float, alone: str) -> float:
-    """(value - mean) / (unbiased std + eps) over `members`; 0 when all members are equal; a group of one:
-    mean 0, std 1 (alone="mean0_std1") or 0 (alone="zero")."""
+def _group_norm(members: list[float], normalize_std: bool, eps: float, alone: str) -> tuple[float, float, bool]:
+    """(mean, divisor, zero) of a group: a member's normalized value is 0 if zero, else (value - mean) /
+    divisor, with divisor = unbiased std + eps (normalize_std) or 1. All members equal: zero. A group of one:
+    mean 0, std 1 (alone="mean0_std1") or zero (alone="zero")."""
     if len(members) == 1:
-        if alone == "zero":
-            return 0.0
-        return value / (1.0 + eps) if normalize_std else value
+        return 0.0, (1.0 + eps if normalize_std else 1.0), alone == "zero"
     if all(m == members[0] for m in members):
-        return 0.0
+        return 0.0, 1.0, True
     mean = sum(members) / len(members)
     std = math.sqrt(sum((m - mean) ** 2 for m in members) / (len(members) - 1))
-    return (value - mean) / (std + eps) if normalize_std else value - mean
+    return mean, (std + eps if normalize_std else 1.0), False
 
 
 def _anchor_groups(rows: list[int], anchors, similarity: float | None) -> list[list[int]]:

@@ -83,12 +83,10 @@ def check_alfworld_games(cfg: ExperimentConfig) -> None:
     """env.source=data: the standard game set under $ALFWORLD_DATA holds games of both configured splits."""
     from env_servers.alfworld_env import (DATA_SPLITS, GAME_SET, MAKE_DATA_HINT, SPLIT_ALIASES, default_data_dir,
                                           list_data_tasks)
+    check_split_names(cfg, (*DATA_SPLITS, *SPLIT_ALIASES))       # (eval and test: valid_unseen)
     game_root = os.path.join(default_data_dir(), GAME_SET)
     for field in ("train_split", "eval_split"):
         split = getattr(cfg.env, field)
-        if SPLIT_ALIASES.get(split, split) not in DATA_SPLITS:
-            raise PreflightError(f"env.{field} {split!r} is not an ALFWorld split; use one of "
-                                 f"{', '.join(DATA_SPLITS)} or eval (= valid_unseen)")
         if not list_data_tasks(game_root, SPLIT_ALIASES.get(split, split)):
             source = ("$ALFWORLD_DATA" if os.environ.get("ALFWORLD_DATA") else
                       "$ALFWORLD_DATA is unset, so ./data/alfworld")

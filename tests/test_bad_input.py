@@ -146,7 +146,9 @@ def test_empty_alfworld_data(tmp_path, out):
      ["--splits valid_sen", "env.eval_split 'valid_sen' is not a split of alfworld", "use one of train, eval"]),
     (["train", EMBEDDED, "env.eval_split=tset"], ["env.eval_split 'tset'", "env.source=generated"]),
     (["train", WEBSHOP, "env.eval_split=valid_unseen"], ["not a split of webshop", "use one of train, eval, all"]),
-], ids=["eval-splits", "generated", "webshop"])
+    (["train", EMBEDDED, "env.source=data", "env.eval_split=valid_sen"],
+     ["env.eval_split 'valid_sen'", "(env.source=data)", "valid_seen, valid_unseen"]),
+], ids=["eval-splits", "generated", "webshop", "alfworld-data"])
 def test_unknown_split(args, expected, out):
     """A split the env does not have: one line before anything starts (not a KeyError in an actor)."""
     one_line_error(gigpo(*args, f"run.output_dir={out}"), *expected)

@@ -741,14 +741,14 @@ def format_eval(title: str, results: dict[str, dict]) -> str:
     columns = ([("Score", lambda r: 100 * r["score"] if "score" in r else None)] if webshop else []) + [
         (PAPER_COLUMNS.get(t, t), lambda r, t=t: 100 * r["per_task_type"][t] if t in r.get("per_task_type", {})
          else None) for t in types] + [("Succ." if webshop else "All", lambda r: 100 * r.get("success", 0.0))]
-    width = max([len("split")] + [len(s) for s in results])
-    header = f"{'split':<{width}} | " + " | ".join(f"{name:>6}" for name, _ in columns) + " | episodes"
-    lines = [f"== {title}: success per task type, %", header]
+    first = max([len("split")] + [len(s) for s in results])
+    widths = [max(6, len(name)) for name, _ in columns]
+    lines = [f"== {title}: %", f"{'split':<{first}} | " + " | ".join(
+        f"{name:>{w}}" for (name, _), w in zip(columns, widths)) + " | episodes"]
     for split, r in results.items():
-        cells = [value(r) for _, value in columns]
-        lines.append(f"{split:<{width}} | " + " | ".join(
-            f"{'-':>{max(6, len(name))}}" if v is None else f"{v:{max(6, len(name))}.1f}"
-            for (name, _), v in zip(columns, cells)) + f" | {r.get('episodes', 0):8d}")
+        cells = ["-" if v is None else f"{v:.1f}" for v in (value(r) for _, value in columns)]
+        lines.append(f"{split:<{first}} | " + " | ".join(f"{c:>{w}}" for c, w in zip(cells, widths))
+                     + f" | {r.get('episodes', 0):8d}")
     return "\n".join(lines)
 
 

@@ -1,47 +1,94 @@
-"""Learning check: GiGPO against GRPO on the embedded task, a few seeds each, the same budget.
+"""Learning check: does GiGPO shorten episodes where GRPO cannot? GiGPO against GRPO from one warm start.
 
-    python -m deploy.experiment --out docs                       # `make experiment`
-    python -m deploy.experiment --out /tmp/x --seeds 1 --iterations 4 --target 0.3
+    make experiment                                        # = python -m deploy.experiment --out docs
+    python -m deploy.experiment --quick --out /tmp/pilot   # the pilot: 1 seed each, fewer updates and games
 
-Each run is a plain `gigpo train <config>` in its own process (own Ray, own embedded Redis) with
-`learner.algorithm` and `run.seed` set and in-training evaluation off; everything else (warm start
-included) comes from the config, so both algorithms see the same start and the same number of learner
-updates. Success is the training rollouts' success rate per update (`batch/success_rate` in each run's
-metrics.jsonl: the trajectories of the groups that update trained on) against the env steps played so far (`rollout/env_steps_total`).
+Why this set-up: GiGPO's step advantage differs from GRPO's episode advantage where the rollouts of a group
+share states and differ in length, most of all when most of them succeed: a group where every rollout
+succeeds gives GRPO no gradient at all, while GiGPO still ranks the steps of the shorter path above the
+detours. So the policy starts where most rollouts succeed, and the measure is the number of steps:
+1. one supervised warm start (deploy/warm_start.py, on training walkthroughs) lifts the tiny model to
+   roughly half of the held-out games solved;
+2. from that same model, each seed trains GiGPO and GRPO for the same number of updates on the generated
+   games (`Protocol`: tasks x rollouts per update, a step budget);
+3. every run evaluates the held-out games before and after training at the eval temperature, saving each
+   episode (`<run>/evals.jsonl`).
 
-Writes <out>/learning-check.png (success against env steps: mean over seeds, one line per algorithm, the
-seeds faint) and <out>/learning-check.md (the command, a table of start/end success per algorithm and the
-env steps each needed to first reach --target, smoothed over --smooth updates).
+Primary measure: steps to finish each held-out game after training, a failure counting as the step
+budget, paired game by game between the algorithms. Secondary: success within `Protocol.fast_steps`
+steps, and plain success. 95% intervals two ways: over games (each game's difference averaged over seeds,
+Student t with games - 1 degrees of freedom) and over seeds (each seed's mean difference over games).
+
+Each run is a plain `gigpo train` in its own process (own Ray, own embedded Redis). Writes
+<out>/learning-check.md (protocol, tables, diagnostics) and <out>/learning-check.png (training-batch success
+and mean steps over updates, both algorithms, every seed). Run directories stay under --work-dir.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import shlex
-import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ALGORITHMS = ("gigpo", "grpo")
 
 
-def run_one(config: str, algorithm: str, seed: int, iterations: int, run_dir: Path, overrides: list[str],
-            timeout_s: float, reuse_from: Path | None = None) -> dict:
-    """One training run in a subprocess; returns {"ok", "wall_s", "log"} (its metrics stay in run_dir)."""
+@dataclass(frozen=True)
+class Protocol:
+    seeds: int = 3
+    updates: int = 12
+    tasks_per_update: int = 8
+    rollouts_per_task: int = 8
+    train_games: int = 512           # the generator's eval split gets a quarter as many: 128 held-out games
+    eval_games: int = 128
+    step_budget: int = 30            # env.max_steps: a failure counts as this many steps
+    history_length: int = 0          # the observation alone: half the prompt tokens of the default's 2
+    fast_steps: int = 8              # secondary measure: success within this many steps
+    eval_temperature: float = 0.4
+    warm_start_steps: int = 200
+    warm_start_games: int = 256
+
+    def overrides(self) -> list[str]:
+        """Config overrides every run of the experiment shares (the warm start's included)."""
+        return [f"env.num_generated_games={self.train_games}", f"env.max_steps={self.step_budget}",
+                f"rollout.groups_per_actor={self.tasks_per_update}", f"rollout.group_size={self.rollouts_per_task}",
+                f"rollout.history_length={self.history_length}",
+                f"learner.groups_per_batch={self.tasks_per_update}",
+                f"stream.max_stream_groups={2 * self.tasks_per_update}",   # = max_policy_lag x groups per batch
+                f"rollout.eval_temperature={self.eval_temperature}", f"run.eval_episodes={self.eval_games}",
+                f"model.warm_start_steps={self.warm_start_steps}", f"model.warm_start_games={self.warm_start_games}"]
+
+
+QUICK = Protocol(seeds=1, updates=4, eval_games=32)
+
+
+# -- runs ------------------------------------------------------------------------------------------------
+
+def build_warm_model(config: str, protocol: Protocol, work: Path, overrides: list[str]) -> str:
+    """The one warm-started model every run starts from (reused when its settings are unchanged)."""
+    from common.config import load_config
+    from common.tiny_model import resolve_model_path
+    from deploy.warm_start import warm_start
+    cfg = load_config(config, [*protocol.overrides(), *overrides, f"run.output_dir={work / 'warm'}", "run.seed=0"])
+    return str(Path(warm_start(cfg, resolve_model_path(cfg.model.path, cfg.run.output_dir))).resolve())
+
+
+def run_one(config: str, protocol: Protocol, algorithm: str, seed: int, warm_model: str, run_dir: Path,
+            overrides: list[str], timeout_s: float) -> dict:
+    """One training run in a subprocess: before-eval, `protocol.updates` updates, after-eval. Returns
+    {"ok", "rc", "wall_s", "log"}; its metrics and evaluations stay in run_dir."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    if reuse_from is not None:
-        # Same seed, same warm-start settings: the other algorithm's initial model is this one's too
-        # (warm_start reuses it when its recorded settings match, so nothing is trained twice).
-        for name in ("tiny_model", "warm_model"):
-            if (reuse_from / name).is_dir() and not (run_dir / name).exists():
-                shutil.copytree(reuse_from / name, run_dir / name)
-    cmd = [sys.executable, "-m", "deploy.cli", "train", config, f"run.output_dir={run_dir}",
-           f"run.seed={seed}", f"learner.algorithm={algorithm}", f"run.iterations={iterations}",
-           "run.eval_every=0", f"run.name={algorithm}-s{seed}",
-           "run.overwrite=true",       # a re-run of the experiment starts each run afresh
-           *overrides]
+    cmd = [sys.executable, "-m", "deploy.cli", "train", config, *protocol.overrides(), *overrides,
+           f"model.path={warm_model}", "model.warm_start_steps=0",   # every run starts from the same model
+           f"run.output_dir={run_dir}", f"run.seed={seed}", f"learner.algorithm={algorithm}",
+           f"run.iterations={protocol.updates}", f"run.eval_every={protocol.updates}",  # before and after only
+           f"run.name={algorithm}-s{seed}", "run.overwrite=true"]
     log_path = run_dir / "train.log"
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
@@ -52,138 +99,244 @@ def run_one(config: str, algorithm: str, seed: int, iterations: int, run_dir: Pa
     return {"ok": rc == 0, "rc": rc, "wall_s": time.perf_counter() - t0, "log": str(log_path)}
 
 
-def read_curve(run_dir: Path) -> list[tuple[float, float]]:
-    """(env steps played so far, success rate of the batch trained on) per update of one run."""
+def read_evals(run_dir: Path) -> dict[str, list[dict]]:
+    """{"before": episodes, "after": episodes} of a run's evals.jsonl (missing ones left out)."""
+    path = run_dir / "evals.jsonl"
+    out: dict[str, list[dict]] = {}
+    for line in (path.read_text().splitlines() if path.exists() else []):
+        e = json.loads(line)
+        key = {"before training": "before", "after training": "after"}.get(e.get("when"))
+        if key:
+            out[key] = e["episodes_detail"]
+    return out
+
+
+def read_curves(run_dir: Path) -> list[dict]:
+    """Per update of one run: its metrics.jsonl line (training-batch success, steps, diagnostics)."""
     path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    curve = []
-    for line in path.read_text().splitlines():
-        m = json.loads(line)
-        if "rollout/env_steps_total" in m and "batch/success_rate" in m:
-            curve.append((float(m["rollout/env_steps_total"]), float(m["batch/success_rate"])))
-    return curve
+    lines = [json.loads(x) for x in (path.read_text().splitlines() if path.exists() else [])]
+    return [m for m in lines if "batch/success_rate" in m]
 
 
-def smooth(values: list[float], k: int) -> list[float]:
-    """Trailing mean over the last k values (fewer at the start)."""
-    return [sum(values[max(0, i - k + 1): i + 1]) / len(values[max(0, i - k + 1): i + 1]) for i in range(len(values))]
+# -- statistics --------------------------------------------------------------------------------------------
+
+def per_game(episodes: list[dict], budget: int, fast_steps: int) -> dict[str, dict[str, float]]:
+    """task id -> {"steps": steps to finish (a failure: the budget), "fast": solved within fast_steps,
+    "success": solved}; a game played more than once gets the mean of its episodes."""
+    acc: dict[str, list[tuple[float, float, float]]] = {}
+    for e in episodes:
+        won = bool(e["success"])
+        acc.setdefault(e["task_id"], []).append((float(e["steps"]) if won else float(budget),
+                                                 float(won and e["steps"] <= fast_steps), float(won)))
+    return {g: {k: sum(v[i] for v in vals) / len(vals) for i, k in enumerate(("steps", "fast", "success"))}
+            for g, vals in acc.items()}
 
 
-def steps_to_reach(curve: list[tuple[float, float]], target: float, k: int) -> float | None:
-    """Env steps at the first update whose smoothed success reaches target (None: never)."""
-    sm = smooth([s for _, s in curve], k)
-    return next((curve[i][0] for i, v in enumerate(sm) if v >= target), None)
+def t_quantile_975(dof: int) -> float:
+    """Two-sided 95% quantile of Student's t (exact table to 10 degrees of freedom, Cornish-Fisher beyond:
+    within 0.002 of the exact value from 11 on)."""
+    table = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+    if dof < 1:
+        return float("nan")
+    if dof <= len(table):
+        return table[dof - 1]
+    z = 1.959964
+    return z + (z ** 3 + z) / (4 * dof) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * dof ** 2)
 
 
-def summarize(curves: dict[str, dict[int, list]], target: float, k: int) -> list[dict]:
-    rows = []
+def mean_ci(values: list[float]) -> tuple[float, float]:
+    """(mean, half-width of its 95% t interval); the half-width is NaN for fewer than 2 values."""
+    n = len(values)
+    if n == 0:
+        return float("nan"), float("nan")
+    m = sum(values) / n
+    if n < 2:
+        return m, float("nan")
+    sd = math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1))
+    return m, t_quantile_975(n - 1) * sd / math.sqrt(n)
+
+
+def paired(a: dict[int, dict[str, dict]], b: dict[int, dict[str, dict]], key: str) -> dict:
+    """A against B on one measure, games paired: a/b are {seed: per_game table} after training. Returns
+    the mean difference (A - B) with its 95% interval over games (each game's difference averaged over the
+    seeds both have) and over seeds (each seed's mean difference over its games)."""
+    seeds = sorted(set(a) & set(b))
+    games = sorted(set.intersection(*(set(a[s]) & set(b[s]) for s in seeds))) if seeds else []
+    by_game = [sum(a[s][g][key] - b[s][g][key] for s in seeds) / len(seeds) for g in games]
+    by_seed = [sum(a[s][g][key] - b[s][g][key] for g in games) / len(games) for s in seeds] if games else []
+    (m, ci_games), (_, ci_seeds) = mean_ci(by_game), mean_ci(by_seed)
+    return {"diff": m, "ci_games": ci_games, "ci_seeds": ci_seeds, "games": len(games), "seeds": len(seeds)}
+
+
+def measures(table: dict[str, dict]) -> dict[str, float]:
+    """Mean of each measure over the games of one evaluation."""
+    n = max(len(table), 1)
+    return {k: sum(v[k] for v in table.values()) / n for k in ("steps", "fast", "success")}
+
+
+# -- report --------------------------------------------------------------------------------------------------
+
+MEASURES = (("steps", "mean steps (failure = budget)", 1.0, ""), ("fast", "success within {fast} steps", 100.0, "%"),
+            ("success", "success", 100.0, "%"))
+
+
+def summarize(evals: dict[str, dict[int, dict]], protocol: Protocol) -> dict:
+    """evals: {algorithm: {seed: {"before": episodes, "after": episodes}}} -> every figure the report shows."""
+    tables = {a: {s: {w: per_game(e[w], protocol.step_budget, protocol.fast_steps) for w in ("before", "after")
+                      if w in e} for s, e in by_seed.items()} for a, by_seed in evals.items()}
+    out: dict = {"algorithms": {}, "paired": {}}
+    for algo, by_seed in tables.items():
+        row = {}
+        for when in ("before", "after"):
+            per_seed = [measures(t[when]) for t in by_seed.values() if when in t]
+            row[when] = {k: mean_ci([m[k] for m in per_seed]) for k in ("steps", "fast", "success")}
+        row["seeds"] = sum(1 for t in by_seed.values() if "after" in t)
+        out["algorithms"][algo] = row
+    if all(a in tables for a in ALGORITHMS):
+        after = {a: {s: t["after"] for s, t in tables[a].items() if "after" in t} for a in ALGORITHMS}
+        out["paired"] = {k: paired(after["gigpo"], after["grpo"], k) for k, *_ in MEASURES}
+    return out
+
+
+def diagnostics(curves: dict[str, dict[int, list[dict]]]) -> dict[str, dict[str, float]]:
+    """Per algorithm, the mean over every update of every seed of the advantage diagnostics."""
+    keys = ("diag/adv_cosine_vs_grpo", "diag/adv_sign_differs_share", "diag/groups_all_success_share",
+            "diag/success_episode_length_mean", "anchor/nonzero_step_adv_share")
+    out = {}
     for algo, by_seed in curves.items():
-        done = {s: c for s, c in by_seed.items() if c}
-        reach = {s: steps_to_reach(c, target, k) for s, c in done.items()}
-        firsts = [sum(v for _, v in c[:k]) / len(c[:k]) for c in done.values()]
-        lasts = [sum(v for _, v in c[-k:]) / len(c[-k:]) for c in done.values()]
-        rows.append({"algorithm": algo, "seeds": len(done),
-                     "start": sum(firsts) / len(firsts) if firsts else float("nan"),
-                     "end": sum(lasts) / len(lasts) if lasts else float("nan"),
-                     "end_per_seed": lasts, "reach": reach,
-                     "env_steps": sum(c[-1][0] for c in done.values()) / max(len(done), 1)})
-    return rows
+        vals = {k: [m[k] for c in by_seed.values() for m in c if isinstance(m.get(k), float) and not math.isnan(m[k])]
+                for k in keys}
+        out[algo] = {k: sum(v) / len(v) for k, v in vals.items() if v}
+    return out
 
 
-def plot(curves: dict[str, dict[int, list]], path: Path, target: float, k: int) -> None:
+def plot(curves: dict[str, dict[int, list[dict]]], path: Path, protocol: Protocol) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
-    for color, (algo, by_seed) in zip(("tab:blue", "tab:orange", "tab:green"), curves.items()):
-        done = [c for c in by_seed.values() if c]
-        for c in done:
-            ax.plot([x for x, _ in c], smooth([y for _, y in c], k), color=color, alpha=0.25, lw=1)
-        if done:
-            n = min(len(c) for c in done)
-            xs = np.mean([[x for x, _ in c[:n]] for c in done], axis=0)
-            ys = np.mean([smooth([y for _, y in c], k)[:n] for c in done], axis=0)
-            ax.plot(xs, ys, color=color, lw=2.2, label=f"{algo} (mean of {len(done)} seeds)")
-    ax.axhline(target, color="gray", ls="--", lw=1, label=f"target {target:.0%}")
-    ax.set_xlabel("env steps")
-    ax.set_ylabel(f"training success rate (trailing mean of {k} updates)")
-    ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper left", fontsize=8)
-    ax.set_title("Embedded task (tiny model, generated ALFWorld games): GiGPO vs GRPO", fontsize=9)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), dpi=120)
+    for ax, key, label in ((axes[0], "batch/success_rate", "training success rate"),
+                           (axes[1], "batch/episode_steps_mean", "training mean steps per episode")):
+        for color, (algo, by_seed) in zip(("tab:blue", "tab:orange"), curves.items()):
+            done = [c for c in by_seed.values() if c]
+            for c in done:
+                ax.plot([m["update"] for m in c], [m.get(key, np.nan) for m in c], color=color, alpha=0.3, lw=1)
+            if done:
+                n = min(len(c) for c in done)
+                ax.plot([m["update"] for m in done[0][:n]], np.mean([[m.get(key, np.nan) for m in c[:n]] for c in done],
+                        axis=0), color=color, lw=2.2, label=f"{algo} (mean of {len(done)} seeds; faint: each)")
+        ax.set_xlabel("update")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylim(0, 1)
+    axes[1].set_ylim(0, protocol.step_budget)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"GiGPO vs GRPO from one warm start: generated ALFWorld, {protocol.tasks_per_update} tasks x "
+                 f"{protocol.rollouts_per_task} rollouts per update, step budget {protocol.step_budget}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
 
-def write_markdown(rows: list[dict], path: Path, command: str, target: float, k: int, runs: dict,
-                   iterations: int) -> None:
-    fmt = lambda v: "never" if v is None else f"{v:,.0f}"
-    lines = ["# Learning check: GiGPO vs GRPO on the embedded task", "",
+def _fmt(mean_ci_pair: tuple[float, float], scale: float, unit: str) -> str:
+    m, ci = mean_ci_pair
+    return f"{scale * m:.1f}{unit}" + ("" if math.isnan(ci) else f" ± {scale * ci:.1f}")
+
+
+def write_markdown(summary: dict, diags: dict, runs: dict, protocol: Protocol, command: str, path: Path) -> None:
+    p = protocol
+    lines = ["# Learning check: GiGPO vs GRPO where they should differ", "",
              f"Made by `{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}).", "",
-             f"Each run: `gigpo train` of the embedded config, {iterations} learner updates, in-training "
-             "evaluation off; success = training-rollout success rate per update "
-             f"(trailing mean of {k} updates). Plot: learning-check.png. Both algorithms of a seed start "
-             "from the same warm-started model.", "",
-             f"| algorithm | seeds | success at start | success at end | per seed at end | env steps per run "
-             f"| env steps to reach {target:.0%} (per seed) |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        reach = ", ".join(f"s{s}: {fmt(v)}" for s, v in sorted(r["reach"].items()))
-        lines.append(f"| {r['algorithm']} | {r['seeds']} | {100 * r['start']:.1f}% | {100 * r['end']:.1f}% | "
-                     f"{', '.join(f'{100 * v:.0f}%' for v in r['end_per_seed'])} | {r['env_steps']:,.0f} | "
-                     f"{reach} |")
+             f"Protocol: one warm start ({p.warm_start_steps} supervised steps on the walkthroughs of "
+             f"{p.warm_start_games} training games), then for each of {p.seeds} seed(s) one GiGPO and one GRPO run "
+             f"from it: {p.updates} updates of {p.tasks_per_update} tasks x {p.rollouts_per_task} rollouts on "
+             f"{p.train_games} generated games, step budget {p.step_budget}. Each run evaluates the same "
+             f"{p.eval_games} held-out games before and after training at temperature {p.eval_temperature}. "
+             "Steps: steps to finish a game, a failure counting as the budget. Intervals: 95%, over seeds "
+             "(here) and, for the paired differences, also over games.", "",
+             "| algorithm | seeds | | " + " | ".join(t.format(fast=p.fast_steps) for _, t, *_ in MEASURES) + " |",
+             "|---|---|---|" + "---|" * len(MEASURES)]
+    for algo, row in summary["algorithms"].items():
+        for when in ("before", "after"):
+            cells = [_fmt(row[when][k], scale, unit) for k, _, scale, unit in MEASURES]
+            lines.append(f"| {algo} | {row['seeds']} | {when} | " + " | ".join(cells) + " |")
+    if summary["paired"]:
+        lines += ["", "Paired by held-out game, after training, GiGPO minus GRPO (negative steps: GiGPO finishes "
+                  "sooner):", "", "| measure | difference | 95% interval over games | 95% interval over seeds |",
+                  "|---|---|---|---|"]
+        for k, title, scale, unit in MEASURES:
+            d = summary["paired"][k]
+            ci = lambda v: "n/a" if math.isnan(v) else f"± {scale * v:.1f}{unit}"
+            lines.append(f"| {title.format(fast=p.fast_steps)} | {scale * d['diff']:+.1f}{unit} | {ci(d['ci_games'])} "
+                         f"({d['games']} games) | {ci(d['ci_seeds'])} ({d['seeds']} seeds) |")
+    if diags:
+        lines += ["", "Advantage diagnostics, mean over every update of every seed (`diag/*` in metrics.jsonl):", "",
+                  "| algorithm | cosine GiGPO vs GRPO advantages | rows whose sign differs | groups all successful "
+                  "| steps of successful episodes | rows with a non-zero step advantage |", "|---|---|---|---|---|---|"]
+        for algo, d in diags.items():
+            get = lambda k, f: f.format(d[k]) if k in d else "-"
+            lines.append(f"| {algo} | {get('diag/adv_cosine_vs_grpo', '{:.3f}')} | "
+                         f"{get('diag/adv_sign_differs_share', '{:.1%}')} | {get('diag/groups_all_success_share', '{:.1%}')} | "
+                         f"{get('diag/success_episode_length_mean', '{:.1f}')} | {get('anchor/nonzero_step_adv_share', '{:.1%}')} |")
     failed = [f"{name} (rc {info['rc']}, log {info['log']})" for name, info in runs.items() if not info["ok"]]
     if failed:
         lines += ["", "Runs that did not finish: " + "; ".join(failed)]
     walls = [info["wall_s"] for info in runs.values()]
     if walls:
-        lines += ["", f"Wall time per run: {min(walls) / 60:.1f}-{max(walls) / 60:.1f} min on this machine."]
+        lines += ["", f"Wall time per run: {min(walls) / 60:.1f}-{max(walls) / 60:.1f} min on this machine. "
+                  "Plot: learning-check.png."]
     path.write_text("\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="GiGPO vs GRPO learning check on the embedded task.")
+    ap = argparse.ArgumentParser(description="GiGPO vs GRPO learning check from one warm start.")
     ap.add_argument("--out", default="docs", help="where learning-check.png / .md go")
     ap.add_argument("--config", default="configs/embedded.yaml")
-    ap.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS))
-    ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--iterations", type=int, default=24, help="learner updates per run (same for all)")
-    ap.add_argument("--target", type=float, default=0.3, help="success rate whose first crossing is reported")
-    ap.add_argument("--smooth", type=int, default=3, help="updates in the trailing mean")
-    ap.add_argument("--work-dir", default="runs/experiment", help="run directories (kept: metrics, logs)")
-    ap.add_argument("--timeout-min", type=float, default=20.0, help="a run slower than this is stopped")
+    ap.add_argument("--quick", action="store_true", help=f"the pilot: {QUICK}")
+    ap.add_argument("--seeds", type=int, help="seeds per algorithm (default: the protocol's)")
+    ap.add_argument("--updates", type=int, help="learner updates per run (default: the protocol's)")
+    ap.add_argument("--work-dir", default="runs/experiment", help="run directories (kept: metrics, evals, logs)")
+    ap.add_argument("--timeout-min", type=float, default=45.0, help="a run slower than this is stopped")
     ap.add_argument("overrides", nargs="*", help="config overrides for every run (section.field=value)")
     args = ap.parse_args(argv)
 
+    protocol = QUICK if args.quick else Protocol()
+    protocol = dataclasses.replace(protocol, **{k: v for k, v in (("seeds", args.seeds), ("updates", args.updates))
+                                                if v is not None})
     out, work = Path(args.out), Path(args.work_dir)
     out.mkdir(parents=True, exist_ok=True)
     command = "python -m deploy.experiment " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    curves: dict[str, dict[int, list]] = {a: {} for a in args.algorithms}
+    t0 = time.perf_counter()
+    print(f"[experiment] {protocol}", flush=True)
+    warm = build_warm_model(args.config, protocol, work, args.overrides)
+    print(f"[experiment] warm model {warm} ({(time.perf_counter() - t0) / 60:.1f} min)", flush=True)
+    evals: dict[str, dict[int, dict]] = {a: {} for a in ALGORITHMS}
+    curves: dict[str, dict[int, list]] = {a: {} for a in ALGORITHMS}
     runs: dict[str, dict] = {}
-    for seed in range(args.seeds):                 # seed-major: a cut-short experiment still compares
-        for algo in args.algorithms:
+    for seed in range(protocol.seeds):                 # seed-major: a cut-short experiment still compares
+        for algo in ALGORITHMS:
             run_dir = work / f"{algo}-s{seed}"
             print(f"[experiment] {algo} seed {seed} -> {run_dir}", flush=True)
-            first = work / f"{args.algorithms[0]}-s{seed}"
-            info = run_one(args.config, algo, seed, args.iterations, run_dir, args.overrides, 60 * args.timeout_min,
-                           reuse_from=first if first != run_dir else None)
-            runs[f"{algo}-s{seed}"] = info
-            curves[algo][seed] = read_curve(run_dir)
-            c = curves[algo][seed]
-            print(f"[experiment] {algo} seed {seed}: {'ok' if info['ok'] else 'FAILED'} in "
-                  f"{info['wall_s'] / 60:.1f} min; success {c[0][1] if c else float('nan'):.2f} -> "
-                  f"{c[-1][1] if c else float('nan'):.2f}", flush=True)
-            rows = summarize(curves, args.target, args.smooth)
-            plot(curves, out / "learning-check.png", args.target, args.smooth)
-            write_markdown(rows, out / "learning-check.md", command, args.target, args.smooth, runs, args.iterations)
-    for r in summarize(curves, args.target, args.smooth):
-        print(f"{r['algorithm']:>6}: success {100 * r['start']:.1f}% -> {100 * r['end']:.1f}% over {r['seeds']} "
-              f"seeds; env steps to {args.target:.0%}: {r['reach']}")
-    print(f"wrote {out / 'learning-check.png'} and {out / 'learning-check.md'}")
+            info = runs[f"{algo}-s{seed}"] = run_one(args.config, protocol, algo, seed, warm, run_dir, args.overrides,
+                                                      60 * args.timeout_min)
+            evals[algo][seed], curves[algo][seed] = read_evals(run_dir), read_curves(run_dir)
+            got = {w: measures(per_game(e, protocol.step_budget, protocol.fast_steps))
+                   for w, e in evals[algo][seed].items()}
+            print(f"[experiment] {algo} seed {seed}: {'ok' if info['ok'] else 'FAILED'} in {info['wall_s'] / 60:.1f} min; "
+                  + "; ".join(f"{w}: {m['steps']:.1f} steps, success {m['success']:.0%}" for w, m in got.items()),
+                  flush=True)
+            summary = summarize(evals, protocol)
+            plot(curves, out / "learning-check.png", protocol)
+            write_markdown(summary, diagnostics(curves), runs, protocol, command, out / "learning-check.md")
+    for k, title, scale, unit in MEASURES:
+        if summary["paired"]:
+            d = summary["paired"][k]
+            print(f"GiGPO - GRPO, {title.format(fast=protocol.fast_steps)}: {scale * d['diff']:+.1f}{unit} "
+                  f"(95% over games ± {scale * d['ci_games']:.1f}, over seeds ± {scale * d['ci_seeds']:.1f})")
+    print(f"wrote {out / 'learning-check.png'} and {out / 'learning-check.md'} in "
+          f"{(time.perf_counter() - t0) / 60:.0f} min")
     return 0 if all(i["ok"] for i in runs.values()) else 1
 
 

@@ -169,11 +169,12 @@ def build_batch(groups: list[EpisodeGroup], cfg: LearnerConfig, *, invalid_actio
 
     gid, tid, steps, rewards, anchors, pens = [], [], [], [], [], []
     prompts, responses, logps = [], [], []
-    episode_returns, successes = [], []
+    episode_returns, successes, lengths = [], [], []
     for g in kept:
         for t in g.trajectories:
             episode_returns.append(t.episode_return)
             successes.append(float(t.success))
+            lengths.append(t.num_steps)
             for s in t.steps:
                 gid.append(g.group_id)
                 tid.append(t.traj_id)
@@ -228,6 +229,7 @@ def build_batch(groups: list[EpisodeGroup], cfg: LearnerConfig, *, invalid_actio
         "batch/forced_tokens": float(forced),
         "batch/episode_return_mean": float(np.mean(episode_returns)) if episode_returns else 0.0,
         "batch/success_rate": float(np.mean(successes)) if successes else 0.0,
+        "batch/episode_steps_mean": float(np.mean(lengths)) if lengths else 0.0,
         "adv/mean": float(a.mean()) if len(a) else 0.0,
         "adv/std": float(a.std()) if len(a) else 0.0,
         "adv/min": float(a.min()) if len(a) else 0.0,

@@ -1,0 +1,58 @@
+"""The learning check's statistics (deploy/experiment.py): per-game measures, paired differences and
+their intervals, on hand-made evaluations whose answers follow from the arithmetic."""
+import math
+
+import pytest
+
+from deploy.experiment import Protocol, mean_ci, paired, per_game, read_evals, summarize, t_quantile_975
+
+
+def ep(task, success, steps):
+    return {"task_id": task, "success": success, "steps": steps}
+
+
+def test_per_game_counts_a_failure_as_the_budget_and_success_within_fast_steps():
+    table = per_game([ep("a", True, 5), ep("b", True, 12), ep("c", False, 30), ep("a", True, 9)],
+                     budget=30, fast_steps=8)
+    assert table["a"] == {"steps": 7.0, "fast": 0.5, "success": 1.0}     # two episodes: their mean
+    assert table["b"] == {"steps": 12.0, "fast": 0.0, "success": 1.0}    # solved, but not within 8
+    assert table["c"] == {"steps": 30.0, "fast": 0.0, "success": 0.0}
+
+
+def test_t_quantiles_match_the_table_and_the_normal_limit():
+    assert t_quantile_975(2) == 4.303
+    assert t_quantile_975(10) == pytest.approx(2.228, abs=0.002)
+    assert t_quantile_975(127) == pytest.approx(1.979, abs=0.002)
+    assert t_quantile_975(10 ** 6) == pytest.approx(1.96, abs=1e-3)
+
+
+def test_mean_ci_of_known_values():
+    m, ci = mean_ci([1.0, 2.0, 3.0])          # sd 1, n 3: 4.303 / sqrt(3)
+    assert m == 2.0 and ci == pytest.approx(4.303 / math.sqrt(3))
+    assert math.isnan(mean_ci([5.0])[1])
+
+
+def test_paired_difference_over_games_and_over_seeds():
+    # Seed 0: A is 2 steps shorter on every game; seed 1: 4 shorter. By game: -3 each (no spread); by seed:
+    # -2 and -4 (mean -3, sd sqrt(2), t(1) = 12.706).
+    a = {0: {"g1": {"steps": 8.0}, "g2": {"steps": 10.0}}, 1: {"g1": {"steps": 6.0}, "g2": {"steps": 8.0}}}
+    b = {0: {"g1": {"steps": 10.0}, "g2": {"steps": 12.0}}, 1: {"g1": {"steps": 10.0}, "g2": {"steps": 12.0}}}
+    d = paired(a, b, "steps")
+    assert d["diff"] == pytest.approx(-3.0) and d["ci_games"] == pytest.approx(0.0)
+    assert d["ci_seeds"] == pytest.approx(12.706 * math.sqrt(2) / math.sqrt(2))
+    assert (d["games"], d["seeds"]) == (2, 2)
+
+
+def test_summarize_reads_the_runs_evaluations(tmp_path):
+    protocol = Protocol(step_budget=30, fast_steps=8)
+    (tmp_path / "evals.jsonl").write_text(
+        '{"when": "before training", "episodes_detail": [{"task_id": "g", "success": false, "steps": 30}]}\n'
+        '{"when": "after update 4", "episodes_detail": []}\n'
+        '{"when": "after training", "episodes_detail": [{"task_id": "g", "success": true, "steps": 6}]}\n')
+    gigpo = read_evals(tmp_path)
+    assert set(gigpo) == {"before", "after"}
+    grpo = {"before": gigpo["before"], "after": [ep("g", True, 10)]}
+    s = summarize({"gigpo": {0: gigpo}, "grpo": {0: grpo}}, protocol)
+    assert s["algorithms"]["gigpo"]["before"]["steps"][0] == 30.0
+    assert s["algorithms"]["gigpo"]["after"]["fast"][0] == 1.0
+    assert s["paired"]["steps"]["diff"] == -4.0 and s["paired"]["fast"]["diff"] == 1.0

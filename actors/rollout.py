@@ -40,6 +40,7 @@ from common.model_files import ModelSource
 from common.placement import this_node
 from common.process_env import apply_project_env
 from common.records import EpisodeGroup, StepRow, Termination, Trajectory
+from common.transport import InMemoryTrajectories, TrajectorySink
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +71,13 @@ class _EnvClient:
 class Rollout:
     """The actor's body (a plain class so that tests and benches can also drive it in-process)."""
 
-    def __init__(self, cfg: dict, actor_id: str, inference_actors: list, stream_url: str | None,
+    def __init__(self, cfg: dict, actor_id: str, inference_actors: list, trajectories: str | TrajectorySink | None,
                  cpus: str = "", nice: int = 0, log_dir: str = "",
                  model: ModelSource | None = None):
-        """model: where the tokenizer comes from (a ModelSource shipped by the driver, which this node may
-        not see on disk); None: model.path as this node sees it (in-process use on one node)."""
+        """trajectories: where finished groups go (common.transport.TrajectorySink): a Redis URL (the run's
+        stream) or the sink itself; None: an in-memory one (`self.stream`, for tests and benches).
+        model: where the tokenizer comes from (a ModelSource shipped by the driver, which this node may not
+        see on disk); None: model.path as this node sees it (in-process use on one node)."""
         apply_project_env()     # vLLM's, DeepSpeed's, ... variables first
         send_output_to(log_dir, actor_id)    # <log_dir>/<actor_id>.log, before env workers inherit the fds
         place_this_process(cpus, nice)    # run.rollout_cpus / rollout_nice, before env workers are forked
@@ -103,11 +106,10 @@ class Rollout:
         if not self.task_ids:
             raise ValueError(f"env {self.cfg.env.name!r} has no tasks in split {self.cfg.env.train_split!r}")
 
-        self.stream = None
-        if stream_url:
+        if isinstance(trajectories, str) and trajectories:
             from common.stream import TrajectoryStream
-            self.stream = TrajectoryStream(stream_url, self.cfg.stream, consumer_name=f"producer-{actor_id}")
-        self.kept_groups: list[EpisodeGroup] = []     # without a stream: completed groups, for tests/benches
+            trajectories = TrajectoryStream(trajectories, self.cfg.stream, consumer_name=f"producer-{actor_id}")
+        self.stream: TrajectorySink = trajectories or InMemoryTrajectories()
         self._rng = random.Random(_stable_seed(self.cfg.run.seed, actor_id))
         self._stopping = False
         self._drain = True
@@ -207,14 +209,9 @@ class Rollout:
         """Process id of the env worker hosting `instance` (for fault tests)."""
         return self._env_pool.worker_pid(instance)
 
-    def take_groups(self) -> list[EpisodeGroup]:
-        groups, self.kept_groups = self.kept_groups, []
-        return groups
-
     def close(self) -> None:
         self._env_pool.close()
-        if self.stream is not None:
-            self.stream.close()
+        self.stream.close()
 
     # -- one slot: groups back to back -------------------------------------------------------------------
 
@@ -244,10 +241,6 @@ class Rollout:
     async def _publish(self, group: EpisodeGroup) -> None:
         if group.num_rows == 0:          # e.g. every reset failed: nothing to train on
             self.counters["groups_empty"] += 1
-            return
-        if self.stream is None:
-            self.kept_groups.append(group)
-            self.counters["groups_published"] += 1
             return
         t0 = time.perf_counter()
         try:

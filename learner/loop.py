@@ -30,7 +30,7 @@ import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -40,6 +40,9 @@ from common.records import EpisodeGroup
 from learner.batching import build_batch, check_group
 from learner.trainer import (PUSHED_VERSION, PolicyTrainer, checkpoint_dir_of, prepare_checkpoint_dir,
                              setup_distributed)
+
+if TYPE_CHECKING:
+    from common.transport import TrajectorySource, WeightPublisher
 
 log = logging.getLogger(__name__)
 
@@ -54,18 +57,19 @@ def _read_int(path: Path) -> int | None:
 class Learner:
     """One learner process: owns the trainer, and on rank 0 the stream reader and weight publisher."""
 
-    def __init__(self, cfg: ExperimentConfig, model_path: str, stream_url: str | None = None, *,
-                 publisher: Any = None, inference_actors: list | None = None,
+    def __init__(self, cfg: ExperimentConfig, model_path: str, trajectories: str | TrajectorySource | None = None,
+                 *, publisher: WeightPublisher | None = None, inference_actors: list | None = None,
                  checkpoint_dir: str | None = None, resume: bool | None = None,
                  consumer_name: str = "learner-0", read_block_ms: int = 1000, read_only: bool = False):
         """
         Args:
             cfg: the experiment config (learner, stream, model, rollout sections are used).
             model_path: local path of the initial policy (Hugging Face format).
-            stream_url: Redis URL of the trajectory stream (rank 0; None: groups come through `step(groups)`).
-            publisher: an object with `push(named_tensors, version) -> dict` (and optionally
-                `needs_push(version) -> bool`); None builds `common.weight_transfer.create_weight_transfer`
-                over `inference_actors` when those are given (inference.weight_transfer picks the way).
+            trajectories: where rank 0 reads groups (common.transport.TrajectorySource): a Redis URL (the
+                run's stream) or the source itself; None: groups come through `step(groups)`.
+            publisher: where the weights go (common.transport.WeightPublisher; `needs_push` optional);
+                None builds `common.weight_transfer.create_weight_transfer` over `inference_actors` when
+                those are given (inference.weight_transfer picks the way).
             checkpoint_dir: where checkpoints go (default: <run.output_dir>/checkpoints); "" disables them.
             resume: load the latest checkpoint there, or cfg.run.resume_tag (default: cfg.run.resume).
                 Without it, a checkpoint_dir that holds checkpoints is refused (ValueError) unless
@@ -89,10 +93,12 @@ class Learner:
                                      temperature=cfg.rollout.temperature)
         self.rank, self.world_size = self.trainer.rank, self.trainer.world_size
         self.read_block_ms = read_block_ms
-        self.stream = None
-        if self.rank == 0 and stream_url:
+        self.stream: TrajectorySource | None = None
+        if self.rank == 0 and isinstance(trajectories, str) and trajectories:
             from common.stream import TrajectoryStream
-            self.stream = TrajectoryStream(stream_url, cfg.stream, consumer_name=consumer_name)
+            self.stream = TrajectoryStream(trajectories, cfg.stream, consumer_name=consumer_name)
+        elif self.rank == 0 and trajectories:
+            self.stream = trajectories
         if publisher is None and inference_actors and self.rank == 0:
             from common.weight_transfer import create_weight_transfer
             publisher = create_weight_transfer(cfg, inference_actors)
@@ -265,7 +271,7 @@ class Learner:
         received = None
         if self.rank == 0 and groups is None:
             if self.stream is None:
-                raise ValueError("Learner.step() without groups needs a stream_url")
+                raise ValueError("Learner.step() without groups needs a trajectory source")
             received = self._read_groups(timeout_s)
             groups = None if received is None else [r.group for r in received]
         return self._broadcast(groups), received

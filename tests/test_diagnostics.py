@@ -64,6 +64,9 @@ def test_diagnostics_compare_the_advantages_with_grpo():
     # ... and as the two counts the Prometheus counters add up (successful_episodes, successful_episode_steps)
     assert gigpo["diag/successful_trajectories"] == len(lengths)
     assert gigpo["diag/successful_trajectory_steps"] == sum(lengths)
+    # Every trajectory's length, failures too (the learning check's curve of steps per episode).
+    assert gigpo["batch/episode_steps_mean"] == pytest.approx(np.mean([t.num_steps for g in groups
+                                                                        for t in g.trajectories]))
 
 
 def test_diagnostics_of_batches_without_signal_or_success():

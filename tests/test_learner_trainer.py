@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from common.config import LearnerConfig
+from common.transport import InMemoryTrajectories, InMemoryWeights
 from learner.batching import build_batch
 from learner.loop import PUSHED_VERSION, Learner
 from tests.synthetic import synthetic_groups
@@ -158,19 +159,15 @@ def test_checkpoint_tag_loads_that_checkpoint_and_a_missing_tag_is_an_error(tiny
     # Read-only (what `gigpo eval` runs, maybe beside a run still training, which has pushed version 2):
     # the checkpoint's weights go out under its own version, and nothing is written into the run.
     (tmp_path / PUSHED_VERSION).write_text("2")
-    pushes = []
-
-    class Recorder:
-        def push(self, named_tensors, version):
-            pushes.append((version, {n: w.clone() for n, w in named_tensors}))
-            return {}
-
-    learner = Learner(exp, tiny_model_path, publisher=Recorder(), checkpoint_dir=str(tmp_path), resume=True,
+    weights_out = InMemoryWeights()
+    learner = Learner(exp, tiny_model_path, publisher=weights_out, checkpoint_dir=str(tmp_path), resume=True,
                       read_only=True)
     try:
-        assert learner.policy_version == 1 and not pushes
+        # The (in-memory) inference side had no weights: the learner pushed the checkpoint's at start.
+        assert learner.policy_version == 1 and [v for v, _ in weights_out.pushes] == [1]
         learner.publish_weights()
-        assert [v for v, _ in pushes] == [1] and all(torch.equal(w, w1[n]) for n, w in pushes[0][1].items())
+        version, pushed = weights_out.latest()
+        assert version == 1 and len(weights_out.pushes) == 2 and all(torch.equal(w, w1[n]) for n, w in pushed.items())
         assert learner.save_checkpoint() is None
         with pytest.raises(RuntimeError, match="read-only"):
             learner.step([])
@@ -312,6 +309,32 @@ def test_killed_learner_resumes_without_duplicate_or_gap(tiny_model_path, tmp_pa
     state = json.loads(max(ckpt.glob("update_*")).joinpath("learner_state.json").read_text())
     assert set(state["trained_group_ids"]) == all_ids and state["policy_version"] == version
     producer.close()
+
+
+def test_learner_reads_trains_pushes_and_commits_through_the_in_memory_interfaces(tiny_model_path):
+    """The learner's two boundaries with their in-memory implementations (common.transport): it reads a
+    batch from the trajectory source, trains, pushes the new version, and commits (acks) what it used;
+    a group it already trained on, or one sampled too many versions ago, is skipped."""
+    cfg = learner_worker.learner_experiment("unused")           # 2 groups per batch
+    groups = synthetic_groups(3, 3, vocab_size=1000, seed=41, max_steps=2)
+    # max_policy_lag 0: a group sampled by version 0 is stale once version 1 is out.
+    source, weights_out = InMemoryTrajectories(max_policy_lag=0), InMemoryWeights()
+    for g in groups[:2]:
+        source.publish(g)
+    learner = Learner(cfg, tiny_model_path, source, publisher=weights_out, checkpoint_dir="")
+    try:
+        assert [v for v, _ in weights_out.pushes] == [0]      # the initial weights, to actors that had none
+        m = learner.step(timeout_s=5)
+        assert m is not None and sorted(learner.last_group_ids) == sorted(g.group_id for g in groups[:2])
+        assert weights_out.latest()[0] == learner.policy_version == 1
+        assert source.depth() == 0 and source.stats["acked"] == 2
+        source.publish(groups[0])                                # a duplicate of a trained group
+        source.publish(groups[2])                                # sampled by version 0: stale now
+        assert learner.step(timeout_s=0.5) is None               # nothing left to train on
+        assert source.depth() == 0
+        assert (source.stats["duplicates_skipped"], source.stats["dropped_stale"]) == (1, 1)
+    finally:
+        learner.close()
 
 
 def test_two_process_learner_at_zero3_reads_trains_pushes_and_acks(tiny_model_path, tmp_path, redis_url, free_port):

@@ -18,6 +18,7 @@ from common.codec import SCHEMA_VERSION, encode_group
 from common.config import StreamConfig
 from common.redis_server import connect, redis_for
 from common.stream import TrajectoryStream
+from common.transport import InMemoryTrajectories
 from tests.stream_factory import assert_groups_equal, make_group
 
 pytestmark = pytest.mark.timeout(60)
@@ -116,19 +117,29 @@ def test_publish_refuses_bad_groups(redis_server, cfg):
     assert stream.depth() == 0
 
 
-def test_trained_and_duplicate_groups_are_skipped_and_acked(redis_server, cfg):
-    stream = TrajectoryStream(redis_server.url, cfg)
+@pytest.fixture(params=["redis", "memory"])
+def source(request, redis_server, cfg):
+    """The trajectory boundary's two implementations (common.transport), for the read rules both keep."""
+    if request.param == "redis":
+        return TrajectoryStream(redis_server.url, cfg)
+    return InMemoryTrajectories(max_policy_lag=cfg.max_policy_lag)
+
+
+def test_trained_and_duplicate_groups_are_skipped_and_acked(source):
+    stream = source
     for gid in ["a", "b", "b", "c", "a"]:          # a retried publish duplicates an entry
         stream.publish(make_group(gid))
     got = stream.read(max_groups=10, block_ms=100, policy_version=0, trained_ids={"c"})
     assert sorted(r.group.group_id for r in got) == ["a", "b"]
     assert stream.stats["duplicates_skipped"] == 3
     stream.ack(got)
-    assert stream.depth() == 0 and stream.pending() == 0
+    assert stream.depth() == 0
+    if isinstance(stream, TrajectoryStream):
+        assert stream.pending() == 0
 
 
-def test_groups_in_flight_are_not_handed_out_twice(redis_server, cfg):
-    stream = TrajectoryStream(redis_server.url, cfg)
+def test_groups_in_flight_are_not_handed_out_twice(source):
+    stream = source
     stream.publish(make_group("x"))
     first = stream.read(4, 100, 0, set())
     stream.publish(make_group("x"))                 # the same group again while "x" is being trained
@@ -167,8 +178,8 @@ def test_malformed_entries_go_to_dead_letter_and_consumer_keeps_going(redis_serv
     assert dead[3][b"orig.d"] == bad_payload and dead[2][b"orig.hello"] == b"world"
 
 
-def test_stale_groups_are_dropped_acked_and_counted(redis_server, cfg):
-    stream = TrajectoryStream(redis_server.url, cfg)       # max_policy_lag 4
+def test_stale_groups_are_dropped_acked_and_counted(source):
+    stream = source                                        # max_policy_lag 4
     for gid, version in [("v0", 0), ("v5", 5), ("v6", 6), ("v9", 9)]:
         stream.publish(make_group(gid, version=version))   # steps span version and version + 1
     got = stream.read(max_groups=10, block_ms=100, policy_version=10, trained_ids=set())
@@ -301,6 +312,7 @@ _DOOMED_CONSUMER = """
 import sys, time
 from common.config import StreamConfig
 from common.stream import TrajectoryStream
+from common.transport import InMemoryTrajectories
 cfg = StreamConfig(stream=sys.argv[2], reclaim_idle_s=0.3)
 s = TrajectoryStream(sys.argv[1], cfg, consumer_name="doomed")
 got = s.read(max_groups=3, block_ms=2000, policy_version=0, trained_ids=set())

@@ -1,0 +1,146 @@
+"""The system's two process boundaries, as interfaces, each with a tiny in-memory implementation.
+
+    rollout actors --TrajectorySink.publish--> [stream] --TrajectorySource.read/ack--> learner
+    learner --WeightPublisher.push(weights, version)--> [transfer] --> vLLM inference actors
+
+| boundary | interface | the real one (a cluster) | in memory (one process: unit tests) |
+|---|---|---|---|
+| trajectories | `TrajectorySink` (actors), `TrajectorySource` (learner) | `common.stream.TrajectoryStream` (Redis) | `InMemoryTrajectories` |
+| weights | `WeightPublisher` (learner) | `common.weight_transfer.WeightTransfer` (shm / collective / ipc, `inference.weight_transfer`) | `InMemoryWeights` |
+
+`actors.rollout.Rollout` and `learner.loop.Learner` take either a Redis URL (the stream is built from the
+run's `stream` config) or an object with the interface; the learner takes a `WeightPublisher` or builds the
+configured one over its inference actors. The in-memory implementations only work inside one process: the
+system's own parts are separate Ray processes and always use the real ones.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from typing import Callable, Iterable, Protocol
+
+from common.records import EpisodeGroup
+from common.stream import Received
+
+
+class TrajectorySink(Protocol):
+    def publish(self, group: EpisodeGroup, timeout_s: float | None = None, over_bound: bool = False) -> str:
+        """Append a finished group; waits up to timeout_s (None: forever) while the stream is at its bound
+        (raises TimeoutError), unless over_bound (a draining actor's last groups). Returns the entry id."""
+
+    def close(self) -> None: ...
+
+
+class TrajectorySource(Protocol):
+    stats: dict[str, int]      # counters since start: read, acked, dropped_stale, duplicates_skipped, ...
+
+    def read(self, max_groups: int, block_ms: int, policy_version: int,
+             trained_ids: set[str] | frozenset[str] = frozenset(), policy_lag: Callable[[int], int] | None = None,
+             newest_version: int | None = None) -> list[Received]:
+        """Up to max_groups groups not yet trained on (`trained_ids`) and at most stream.max_policy_lag
+        versions old (`policy_lag(v)`, default policy_version - v), waiting up to block_ms for the first."""
+
+    def ack(self, received: list[Received]) -> None:
+        """Commit: the groups an update used (and its checkpoint, where one covers them) are done."""
+
+    def dead_letter(self, received: list[Received], reason: str) -> None:
+        """Set aside groups that cannot be trained on, with the reason; never handed out again."""
+
+    def depth(self) -> int:
+        """Groups published and not yet acked."""
+
+    def close(self) -> None: ...
+
+
+class WeightPublisher(Protocol):
+    def push(self, named_tensors: Iterable, version: int) -> dict:
+        """Send the weights as policy `version` to every inference actor; returns timings and sizes."""
+
+    def needs_push(self, version: int) -> bool:
+        """Whether some inference actor lacks `version` (a restarted one): the learner pushes again."""
+
+    def close(self) -> None: ...
+
+
+class InMemoryTrajectories:
+    """Both ends of the trajectory boundary in one process, with the stream's read rules (a group already
+    trained on or in flight is skipped, a stale one dropped; both counted); no bound, nothing persisted,
+    no blocking (`block_ms` is ignored: nothing else could publish while it waits)."""
+
+    def __init__(self, max_policy_lag: int = 4):
+        self.max_policy_lag = max_policy_lag
+        self._entries: OrderedDict[str, EpisodeGroup] = OrderedDict()    # published, not acked
+        self._inflight: set[str] = set()
+        self._ids = itertools.count(1)
+        self.dead: list[tuple[EpisodeGroup, str]] = []
+        self.stats = {"published": 0, "read": 0, "acked": 0, "dropped_stale": 0, "duplicates_skipped": 0,
+                      "dead_lettered": 0}
+
+    def publish(self, group: EpisodeGroup, timeout_s: float | None = None, over_bound: bool = False) -> str:
+        entry_id = f"{next(self._ids)}-0"
+        self._entries[entry_id] = group
+        self.stats["published"] += 1
+        return entry_id
+
+    def read(self, max_groups: int, block_ms: int = 0, policy_version: int = 0,
+             trained_ids: set[str] | frozenset[str] = frozenset(), policy_lag: Callable[[int], int] | None = None,
+             newest_version: int | None = None) -> list[Received]:
+        lag_of = policy_lag or (lambda version: policy_version - version)
+        taken = {self._entries[e].group_id for e in self._inflight}
+        out: list[Received] = []
+        for entry_id, group in list(self._entries.items()):
+            if len(out) >= max_groups:
+                break
+            if entry_id in self._inflight:
+                continue
+            if group.group_id in trained_ids or group.group_id in taken:    # trained, or a copy in flight
+                self.stats["duplicates_skipped"] += 1
+                del self._entries[entry_id]
+            elif group.policy_versions[0] >= 0 and lag_of(group.policy_versions[0]) > self.max_policy_lag:
+                self.stats["dropped_stale"] += 1
+                del self._entries[entry_id]
+            else:
+                self._inflight.add(entry_id)
+                taken.add(group.group_id)
+                out.append(Received(entry_id, group))
+        self.stats["read"] += len(out)
+        return out
+
+    def ack(self, received: list[Received]) -> None:
+        for r in received:
+            self._inflight.discard(r.entry_id)
+            self.stats["acked"] += self._entries.pop(r.entry_id, None) is not None
+
+    def dead_letter(self, received: list[Received], reason: str) -> None:
+        for r in received:
+            self._inflight.discard(r.entry_id)
+            if self._entries.pop(r.entry_id, None) is not None:
+                self.dead.append((r.group, reason))
+                self.stats["dead_lettered"] += 1
+
+    def depth(self) -> int:
+        return len(self._entries)
+
+    def close(self) -> None:
+        pass
+
+
+class InMemoryWeights:
+    """The weight boundary in one process: every push is kept (version, {name: a copy of the tensor});
+    `latest()` is what an inference actor would serve."""
+
+    def __init__(self):
+        self.pushes: list[tuple[int, dict]] = []
+
+    def push(self, named_tensors: Iterable, version: int) -> dict:
+        self.pushes.append((int(version), {name: t.detach().clone() for name, t in named_tensors}))
+        return {"transfer": "memory"}
+
+    def needs_push(self, version: int) -> bool:
+        return not self.pushes or self.pushes[-1][0] != int(version)
+
+    def latest(self) -> tuple[int, dict] | None:
+        return self.pushes[-1] if self.pushes else None
+
+    def close(self) -> None:
+        pass

@@ -49,6 +49,8 @@ class MetricSpec:
     doc: str                                    # the Prometheus HELP text; says the unit
     labels: dict[str, tuple[str, ...]] | None = None  # extra label -> its allowed values
     boundaries: tuple[float, ...] = ()          # histogram bucket upper bounds
+    update_key: str = ""                        # a learner gauge: the key of the update's metrics (metrics.jsonl,
+                                                # TensorBoard) whose value it shows, set after every update
 
     @property
     def ray_name(self) -> str:
@@ -104,21 +106,27 @@ _SPECS = [
     # --- learning --------------------------------------------------------------------------------------
     MetricSpec("success_rate", "gauge", "share of successful episodes (train: last batch; eval: last eval)",
                {"split": _SPLITS}),
-    MetricSpec("learner_loss", "gauge", "policy loss of the last update"),
-    MetricSpec("learner_kl", "gauge", "KL to the reference policy of the last update"),
-    MetricSpec("learner_entropy", "gauge", "mean token entropy of the last update"),
-    MetricSpec("anchor_singleton_share", "gauge", "share of step-level anchor groups of size 1 (last batch)"),
-    MetricSpec("anchor_large_share", "gauge", "share of step-level anchor groups of size >= 10 (last batch)"),
-    MetricSpec("anchor_mean_size", "gauge", "mean size of the step-level anchor groups (last batch)"),
-    MetricSpec("step_adv_nonzero_share", "gauge", "share of rows whose step advantage is non-zero (last batch)"),
+    MetricSpec("learner_loss", "gauge", "policy loss of the last update", update_key="train/pg_loss"),
+    MetricSpec("learner_kl", "gauge", "KL to the reference policy of the last update", update_key="train/kl"),
+    MetricSpec("learner_entropy", "gauge", "mean token entropy of the last update", update_key="train/entropy"),
+    MetricSpec("anchor_singleton_share", "gauge", "share of step-level anchor groups of size 1 (last batch)",
+               update_key="anchor/singleton_share"),
+    MetricSpec("anchor_large_share", "gauge", "share of step-level anchor groups of size >= 10 (last batch)",
+               update_key="anchor/size_ge_10_share"),
+    MetricSpec("anchor_mean_size", "gauge", "mean size of the step-level anchor groups (last batch)",
+               update_key="anchor/mean_group_size"),
+    MetricSpec("step_adv_nonzero_share", "gauge", "share of rows whose step advantage is non-zero (last batch)",
+               update_key="anchor/nonzero_step_adv_share"),
     # --- does GiGPO do what it claims (learner/batching.py build_batch) ---------------------------------
     MetricSpec("adv_cosine_vs_grpo", "gauge",
                "cosine between the trained advantages and GRPO's (episode advantage only) over the rows of "
-               "the last batch; 1 for GRPO"),
+               "the last batch; 1 for GRPO", update_key="diag/adv_cosine_vs_grpo"),
     MetricSpec("adv_sign_differs_share", "gauge",
-               "share of rows of the last batch whose advantage sign (-, 0, +) differs from GRPO's"),
+               "share of rows of the last batch whose advantage sign (-, 0, +) differs from GRPO's",
+               update_key="diag/adv_sign_differs_share"),
     MetricSpec("groups_all_success_share", "gauge",
-               "share of the last batch's groups whose rollouts all succeeded (no GRPO signal there)"),
+               "share of the last batch's groups whose rollouts all succeeded (no GRPO signal there)",
+               update_key="diag/groups_all_success_share"),
     # Two counters, not a gauge of the batch mean: a batch without a success has no mean, and their
     # rates' ratio is the mean length over any window.
     MetricSpec("successful_episodes", "counter",

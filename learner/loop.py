@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from common.config import ExperimentConfig
-from common.metrics import ActorMetrics
+from common.metrics import METRICS, ActorMetrics
 from common.records import EpisodeGroup
 from learner.batching import build_batch, check_group
 from learner.trainer import (PUSHED_VERSION, PolicyTrainer, checkpoint_dir_of, prepare_checkpoint_dir,
@@ -45,6 +45,9 @@ if TYPE_CHECKING:
     from common.transport import TrajectorySource, WeightPublisher
 
 log = logging.getLogger(__name__)
+
+# The learner's gauges that show one value of an update's metrics (common/metrics.py: MetricSpec.update_key).
+UPDATE_GAUGES = [spec for spec in METRICS.values() if spec.update_key]
 
 
 def _read_int(path: Path) -> int | None:
@@ -386,23 +389,14 @@ class Learner:
             for stat, key in (("min", "min"), ("avg", "mean"), ("max", "max")):
                 m.set("policy_lag", metrics[f"lag/policy_versions_{key}"], stat=stat)
         m.set("policy_version", self.policy_version)
-        for name, key in (("learner_loss", "train/pg_loss"), ("learner_kl", "train/kl"),
-                          ("learner_entropy", "train/entropy"), ("success_rate", "batch/success_rate"),
-                          ("anchor_singleton_share", "anchor/singleton_share"),
-                          ("anchor_large_share", "anchor/size_ge_10_share"),
-                          ("anchor_mean_size", "anchor/mean_group_size"),
-                          ("step_adv_nonzero_share", "anchor/nonzero_step_adv_share"),
-                          ("adv_cosine_vs_grpo", "diag/adv_cosine_vs_grpo"),
-                          ("adv_sign_differs_share", "diag/adv_sign_differs_share"),
-                          ("groups_all_success_share", "diag/groups_all_success_share")):
-            value = metrics.get(key)
+        if np.isfinite(metrics.get("batch/success_rate", float("nan"))):
+            m.set("success_rate", metrics["batch/success_rate"], split="train")
+        for spec in UPDATE_GAUGES:
+            value = metrics.get(spec.update_key)
             # Absent (no KL term when learner.kl_coef=0; no anchors for GRPO) or NaN (nothing trained):
             # the gauge keeps its last value rather than showing a made-up one.
             if value is not None and np.isfinite(value):
-                if name == "success_rate":
-                    m.set(name, value, split="train")
-                else:
-                    m.set(name, value)
+                m.set(spec.name, value)
         self._record_stream_metrics(received)
 
     def _record_stream_metrics(self, received: list | None) -> None:

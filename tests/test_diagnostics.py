@@ -212,3 +212,12 @@ def test_evaluation_result_lists_every_episode():
                      "steps": t.num_steps, "return": t.episode_return, "score": t.score,
                      "termination": t.termination.value, "policy_version": 7 if t.steps else -1}
     assert sum(d["success"] for d in detail) / len(detail) == result["success"]
+
+
+def test_every_learner_gauge_shows_a_key_the_batch_reports():
+    """A learner gauge names the update metric it shows once (MetricSpec.update_key); the batch's keys must
+    exist under that name (the train/* ones come from the trainer: the learner tests scrape those)."""
+    from common.metrics import METRICS
+    reported = build_batch(synthetic_groups(2, 4, seed=3), LearnerConfig(algorithm="gigpo")).metrics
+    keys = {s.update_key for s in METRICS.values() if s.update_key and not s.update_key.startswith("train/")}
+    assert keys and keys <= set(reported), keys - set(reported)

@@ -133,8 +133,17 @@ def finetune(model, examples: list[Example], steps: int, lr: float, batch_size: 
              on_step=None) -> list[float]:
     """`steps` AdamW steps of response-token cross-entropy on batches drawn from `examples` (whole
     passes in shuffled order, each example `repeat` times per pass); returns the loss of each step.
-    on_step: called after each step (a progress bar's update)."""
+    on_step: called after each step (a progress bar's update).
+
+    A step's rows go through the learner's own path: packed by length into micro-batches of at most
+    MICRO_BATCH_TOKENS padded tokens (`learner.batching.pack_by_tokens`: WebShop's 300- and 3,500-token
+    pages are not padded to each other), left-padded (`collate`), and scored for their response tokens
+    only (`learner.trainer.response_logprobs`); the micro-batches' gradients add up to the step's token mean."""
+    import numpy as np
     import torch
+
+    from learner.batching import collate, pack_by_tokens
+    from learner.trainer import response_logprobs
 
     rng = random.Random(seed)
     torch.manual_seed(seed)
@@ -143,27 +152,19 @@ def finetune(model, examples: list[Example], steps: int, lr: float, batch_size: 
     order: list[int] = []
     losses = []
     for _ in range(steps):
-        batch = []
-        while len(batch) < batch_size:
+        rows = []
+        while len(rows) < batch_size:
             if not order:
                 order = [i for i, e in enumerate(examples) for _ in range(e.repeat)]
                 rng.shuffle(order)
-            batch.append(examples[order.pop()])
-        parts = micro_batches(batch)
-        response_tokens = sum(len(e.response_ids) for e in batch)
+            rows.append(examples[order.pop()])
+        batch = supervised_batch(rows)
+        response_tokens = int(batch.response_lengths().sum())
         optimizer.zero_grad(set_to_none=True)
         step_loss = 0.0
-        for part in parts:
-            ids, mask, labels = _padded(part)
-            # Token mean over the batch's response tokens (transformers shifts the labels itself): each
-            # micro-batch's mean weighted by its share of those tokens.
-            if len(parts) == 1:
-                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-            else:
-                # Rows are right-padded, so under causal attention no real token sees a pad: without the
-                # mask the real tokens' logits are the same, and attention takes its fast causal path.
-                loss = model(input_ids=ids, labels=labels).loss
-                loss = loss * (sum(len(e.response_ids) for e in part) / response_tokens)
+        for part in pack_by_tokens(np.arange(batch.num_rows), batch.row_lengths(), MICRO_BATCH_TOKENS):
+            logp, _ = response_logprobs(model, collate(batch, part))
+            loss = -logp.sum() / response_tokens
             loss.backward()
             step_loss += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -175,42 +176,21 @@ def finetune(model, examples: list[Example], steps: int, lr: float, batch_size: 
     return losses
 
 
-# A batch whose rows, padded to its longest, fit in SINGLE_PASS_TOKENS runs as one forward/backward pass, as
-# always (every ALFWorld batch does: 16 rows of at most 1,584 tokens). A larger one (WebShop's results and
-# item pages run to ~3,500 tokens, its search page to ~300) is sorted by length and cut into micro-batches of
-# at most MICRO_BATCH_TOKENS padded tokens, so that short rows are not padded to the longest (~5x less
-# work on WebShop batches); their gradients add up to the same token mean.
-SINGLE_PASS_TOKENS = 32768
-MICRO_BATCH_TOKENS = 8192
+# Padded tokens per micro-batch of a warm-start step: every ALFWorld step (16 rows of at most ~1,600 tokens)
+# fits in one; a WebShop step is cut by length (~5x less padding on its mix of short and long pages).
+MICRO_BATCH_TOKENS = 32768
 
 
-def micro_batches(batch: list[Example]) -> list[list[Example]]:
-    """The batch as one micro-batch, or cut by length (see SINGLE_PASS_TOKENS)."""
-    lengths = [len(e.prompt_ids) + len(e.response_ids) for e in batch]
-    if len(batch) * max(lengths) <= SINGLE_PASS_TOKENS:
-        return [batch]
-    parts: list[list[Example]] = [[]]
-    for length, e in sorted(zip(lengths, batch), key=lambda pair: pair[0]):
-        if parts[-1] and (len(parts[-1]) + 1) * length > MICRO_BATCH_TOKENS:   # (length: the longest so far)
-            parts.append([])
-        parts[-1].append(e)
-    return parts
+def supervised_batch(rows: list[Example]):
+    """The rows as a learner batch (advantages and old log-probs unused: the loss is cross-entropy)."""
+    import numpy as np
 
-
-def _padded(batch: list[Example]):
-    """input ids, attention mask and labels (-100 outside the responses) of rows padded to the longest."""
-    import torch
-
-    width = max(len(e.prompt_ids) + len(e.response_ids) for e in batch)
-    ids = torch.zeros(len(batch), width, dtype=torch.long)
-    labels = torch.full((len(batch), width), -100, dtype=torch.long)
-    mask = torch.zeros(len(batch), width, dtype=torch.long)
-    for i, e in enumerate(batch):
-        seq = e.prompt_ids + e.response_ids
-        ids[i, : len(seq)] = torch.tensor(seq)
-        mask[i, : len(seq)] = 1
-        labels[i, len(e.prompt_ids): len(seq)] = torch.tensor(e.response_ids)
-    return ids, mask, labels
+    from learner.batching import TrainBatch
+    return TrainBatch(prompt_ids=[np.asarray(e.prompt_ids, dtype=np.int32) for e in rows],
+                      response_ids=[np.asarray(e.response_ids, dtype=np.int32) for e in rows],
+                      old_logprobs=[np.zeros(len(e.response_ids), dtype=np.float32) for e in rows],
+                      advantages=np.zeros(len(rows)), row_group=[""] * len(rows), group_ids=[],
+                      skipped_group_ids=[])
 
 
 def _settings(cfg: ExperimentConfig, model_path: str) -> dict:

@@ -248,16 +248,7 @@ class PolicyTrainer:
 
     def _forward_logprobs(self, model, mb: MicroBatch, with_entropy: bool
                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """log p and entropy of the response tokens of `mb` under the sampling distribution
-        softmax(logits / temperature), flat [N] in row-major order. The model computes logits for the
-        response window only, and only response positions go through the float32 log-softmax."""
-        logits = model(input_ids=mb.input_ids.to(self.device), attention_mask=mb.attention_mask.to(self.device),
-                       position_ids=mb.position_ids.to(self.device), logits_to_keep=mb.window,
-                       use_cache=False).logits
-        picked = logits[:, :-1][mb.target_mask.to(self.device)]
-        if self.temperature != 1.0:
-            picked = picked.float() / self.temperature
-        return token_logprobs_and_entropy(picked, mb.targets.to(self.device), with_entropy)
+        return response_logprobs(model, mb, self.temperature, self.device, with_entropy)
 
     def _plan_all(self, batch: TrainBatch, rows: np.ndarray):
         return plan_micro_batches(batch, rows, self.cfg.micro_batch_tokens, self.world_size)
@@ -459,6 +450,20 @@ class PolicyTrainer:
         if getattr(self, "engine", None) is not None:
             self.engine.destroy()
             self.engine = None
+
+
+def response_logprobs(model, mb: MicroBatch, temperature: float = 1.0, device="cpu", with_entropy: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p and entropy of the response tokens of `mb` under the sampling distribution
+    softmax(logits / temperature), flat [N] in row-major order. The model computes logits for the
+    response window only, and only response positions go through the float32 log-softmax. (The
+    trainer's forward pass, and the supervised warm start's.)"""
+    logits = model(input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device),
+                   position_ids=mb.position_ids.to(device), logits_to_keep=mb.window, use_cache=False).logits
+    picked = logits[:, :-1][mb.target_mask.to(device)]
+    if temperature != 1.0:
+        picked = picked.float() / temperature
+    return token_logprobs_and_entropy(picked, mb.targets.to(device), with_entropy)
 
 
 def teardown_distributed() -> None:

@@ -143,15 +143,18 @@ def test_warm_start_rows_of_webshop_goals(tmp_path, tiny_model_path, monkeypatch
 
 
 def test_long_uneven_batches_are_cut_into_micro_batches_with_the_same_gradient(tiny_model_path, monkeypatch):
-    """A batch over SINGLE_PASS_TOKENS is cut by length; the step's loss and gradient equal those of one
-    padded pass up to float32 summation order. The gradient is read as the weight change of one plain SGD
-    step of lr 1 (AdamW's first step is about sign(gradient), which would amplify rounding noise of
-    gradients near 0). Tolerance: sums of ~1e4 float32 terms (eps 1.2e-7) agree to ~1e-4 relative."""
+    """A warm-start step over MICRO_BATCH_TOKENS is cut by length (the learner's packing); its loss and
+    gradient equal those of one padded pass up to float32 summation order. The gradient is read as the
+    weight change of one plain SGD step of lr 1 (AdamW's first step is about sign(gradient), which would
+    amplify rounding noise of gradients near 0). Tolerance: sums of ~1e4 float32 terms (eps 1.2e-7) agree
+    to ~1e-4 relative."""
+    import numpy as np
     import torch
     from transformers import AutoModelForCausalLM
 
     from deploy import warm_start
-    from deploy.warm_start import Example, finetune, micro_batches
+    from deploy.warm_start import Example, finetune, supervised_batch
+    from learner.batching import pack_by_tokens
 
     rng = torch.Generator().manual_seed(0)
 
@@ -159,24 +162,22 @@ def test_long_uneven_batches_are_cut_into_micro_batches_with_the_same_gradient(t
         ids = torch.randint(0, 1000, (length,), generator=rng).tolist()
         return Example(ids[:-8], ids[-8:])
 
-    batch = [row(n) for n in (300, 310, 2900, 1500, 320, 2000, 2500, 330, 2800, 1800, 2600, 340)]  # 12 x 2,900 > 32,768
-    assert micro_batches(batch[:2]) == [batch[:2]]            # small: one pass, rows in their order
-    parts = micro_batches(batch)
-    assert len(parts) > 1 and sorted(map(id, sum(parts, []))) == sorted(map(id, batch))
-    for part in parts:
-        width = max(len(e.prompt_ids) + len(e.response_ids) for e in part)
-        assert len(part) == 1 or len(part) * width <= warm_start.MICRO_BATCH_TOKENS
+    batch = [row(n) for n in (300, 310, 2900, 1500, 320, 2000, 2500, 330, 2800, 1800, 2600, 340)]
+    budget = 8192
+    lengths = supervised_batch(batch).row_lengths()
+    parts = pack_by_tokens(np.arange(len(batch)), lengths, budget)
+    assert len(parts) > 1 and sorted(np.concatenate(parts)) == list(range(len(batch)))
 
     monkeypatch.setattr(torch.optim, "AdamW", lambda params, lr, weight_decay: torch.optim.SGD(params, lr=lr))
 
-    def one_step(single_pass_tokens: int):
-        monkeypatch.setattr(warm_start, "SINGLE_PASS_TOKENS", single_pass_tokens)
+    def one_step(micro_batch_tokens: int):
+        monkeypatch.setattr(warm_start, "MICRO_BATCH_TOKENS", micro_batch_tokens)
         model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
         before = torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
         loss = finetune(model, batch, 1, 1.0, len(batch), seed=0)[0]
         return loss, torch.cat([p.detach().flatten() for p in model.parameters()]) - before
 
-    split_loss, split_step = one_step(warm_start.SINGLE_PASS_TOKENS)
+    split_loss, split_step = one_step(budget)
     whole_loss, whole_step = one_step(10**9)
     assert split_loss == pytest.approx(whole_loss, rel=1e-4)
     assert split_step.abs().max() > 0

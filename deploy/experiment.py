@@ -191,6 +191,9 @@ def summarize(evals: dict[str, dict[int, dict]], protocol: Protocol) -> dict:
             per_seed = [measures(t[when]) for t in by_seed.values() if when in t]
             row[when] = {k: mean_ci([m[k] for m in per_seed]) for k in ("steps", "fast", "success")}
         row["seeds"] = sum(1 for t in by_seed.values() if "after" in t)
+        done = {s: t for s, t in by_seed.items() if "before" in t and "after" in t}
+        row["change"] = {k: paired({s: t["after"] for s, t in done.items()},
+                                   {s: t["before"] for s, t in done.items()}, k) for k, *_ in MEASURES}
         out["algorithms"][algo] = row
     if all(a in tables for a in ALGORITHMS):
         after = {a: {s: t["after"] for s, t in tables[a].items() if "after" in t} for a in ALGORITHMS}
@@ -245,6 +248,16 @@ def _fmt(mean_ci_pair: tuple[float, float], scale: float, unit: str) -> str:
     return f"{scale * m:.1f}{unit}" + ("" if math.isnan(ci) else f" ± {scale * ci:.1f}")
 
 
+def _ci(half_width: float, scale: float, unit: str) -> str:
+    return "n/a" if math.isnan(half_width) else f"± {scale * half_width:.1f}{unit}"
+
+
+def _fmt_paired(d: dict, scale: float, unit: str) -> str:
+    """A paired difference with its intervals over games and over seeds."""
+    return (f"{scale * d['diff']:+.1f}{unit} (games {_ci(d['ci_games'], scale, unit)}, "
+            f"seeds {_ci(d['ci_seeds'], scale, unit)})")
+
+
 def write_markdown(summary: dict, diags: dict, runs: dict, protocol: Protocol, command: str, path: Path) -> None:
     p = protocol
     lines = ["# Learning check: GiGPO vs GRPO where they should differ", "",
@@ -263,14 +276,21 @@ def write_markdown(summary: dict, diags: dict, runs: dict, protocol: Protocol, c
             cells = [_fmt(row[when][k], scale, unit) for k, _, scale, unit in MEASURES]
             lines.append(f"| {algo} | {row['seeds']} | {when} | " + " | ".join(cells) + " |")
     if summary["paired"]:
-        lines += ["", "Paired by held-out game, after training, GiGPO minus GRPO (negative steps: GiGPO finishes "
-                  "sooner):", "", "| measure | difference | 95% interval over games | 95% interval over seeds |",
+        lines += ["", "**GiGPO minus GRPO after training, paired by held-out game** (negative steps: GiGPO finishes "
+                  "sooner). Each cell: the difference, its 95% interval over games, and over seeds:", "",
+                  "| measure | difference | 95% interval over games | 95% interval over seeds |",
                   "|---|---|---|---|"]
         for k, title, scale, unit in MEASURES:
             d = summary["paired"][k]
-            ci = lambda v: "n/a" if math.isnan(v) else f"± {scale * v:.1f}{unit}"
-            lines.append(f"| {title.format(fast=p.fast_steps)} | {scale * d['diff']:+.1f}{unit} | {ci(d['ci_games'])} "
-                         f"({d['games']} games) | {ci(d['ci_seeds'])} ({d['seeds']} seeds) |")
+            lines.append(f"| {title.format(fast=p.fast_steps)} | {scale * d['diff']:+.1f}{unit} | "
+                         f"{_ci(d['ci_games'], scale, unit)} ({d['games']} games) | "
+                         f"{_ci(d['ci_seeds'], scale, unit)} ({d['seeds']} seeds) |")
+    lines += ["", "Change from before to after training, paired by held-out game (after minus before):", "",
+              "| algorithm | " + " | ".join(t.format(fast=p.fast_steps) for _, t, *_ in MEASURES) + " |",
+              "|---|" + "---|" * len(MEASURES)]
+    for algo, row in summary["algorithms"].items():
+        lines.append(f"| {algo} | " + " | ".join(_fmt_paired(row["change"][k], scale, unit)
+                                                  for k, _, scale, unit in MEASURES) + " |")
     if diags:
         lines += ["", "Advantage diagnostics, mean over every update of every seed (`diag/*` in metrics.jsonl):", "",
                   "| algorithm | cosine GiGPO vs GRPO advantages | rows whose sign differs | groups all successful "

@@ -551,12 +551,6 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def read_yaml_tree(path: str | Path) -> dict:
-    """A config file as a dict. `extends: other.yaml` (relative to this file) starts from another file, so a
-    recipe variant states only what differs."""
-    return _read_config_file(Path(path))[0]
-
-
 def _located(exc: ConfigError, locations: Locations) -> ConfigError:
     """`exc` prefixed with where its field was set: the override that set it if any (the user just typed
     it), else the file and line; the field itself or the nearest section above it."""

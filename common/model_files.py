@@ -118,8 +118,3 @@ class ModelSource:
 def _looks_like_local_path(path: str) -> bool:
     """A hub name is "org/name" or "name"; a local path is absolute, relative with ./ or ../, or exists."""
     return path.startswith(("/", "./", "../", "~")) or path.count("/") > 1 or os.path.exists(path)
-
-
-def remove_cache() -> None:
-    """Remove this node's cache of shipped models (tests, and `gigpo` runs that clean up after themselves)."""
-    shutil.rmtree(Path(tempfile.gettempdir()) / CACHE_DIR_NAME, ignore_errors=True)

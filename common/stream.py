@@ -36,7 +36,6 @@ back. The dead-letter stream keeps the newest `stream.dead_letter_max` entries.
 """
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 import uuid
@@ -194,11 +193,6 @@ class TrajectoryStream:
                         f"reached; is the learner consuming? is the dead-letter stream {self.dead_key!r} "
                         f"large?). Redis said: {exc}") from exc
                 time.sleep(_OOM_RETRY_S)
-
-    async def apublish(self, group: EpisodeGroup, timeout_s: float | None = None) -> str:
-        """`publish` for asyncio code (e.g. an async Ray actor): waits in a worker thread, so backpressure
-        never blocks the event loop."""
-        return await asyncio.to_thread(self.publish, group, timeout_s)
 
     # ------------------------------------------------------------------------------------------------------
     # Consumer side

@@ -111,7 +111,6 @@ class System:
         self._last_stats: dict[str, dict] = {}      # live rollout actor id -> its last stats (kept over a restart)
         self.rollout_restarts = 0
         self.restarting: dict[str, object] = {}     # rollout actor id -> ObjectRef of a ping (it is coming back)
-        self.abandoned_groups_max = 0               # in-flight groups lost with restarted rollout actors (bound)
         self._last_metrics: dict = {}
         self._closing = False                       # close() is running: further signals are ignored
         self._stopped_by: int | None = None         # the signal that stopped the run
@@ -531,7 +530,6 @@ class System:
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
                 del self.rollout_runs[actor_id]
                 self.rollout_restarts += 1
-                self.abandoned_groups_max += self.cfg.rollout.groups_per_actor
                 if actor_id in self._last_stats:    # its counters start again from 0 in its new life
                     self._rollout_totals[f"{actor_id}#{self.rollout_restarts}"] = self._last_stats.pop(actor_id)
                 log.warning("rollout actor %s died (%s); Ray restarts it, its in-flight groups (at most %d) are "

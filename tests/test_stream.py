@@ -397,28 +397,6 @@ def test_entry_deleted_while_pending_is_cleaned_up(redis_server, cfg):
     assert other.pending() == 0 and other.depth() == 0
 
 
-def test_publish_from_asyncio_does_not_block_the_event_loop(redis_server, cfg):
-    import asyncio
-    cfg.max_stream_groups = 1
-    stream = TrajectoryStream(redis_server.url, cfg)
-    stream.publish(make_group("full"))
-
-    async def main():
-        ticks = 0
-        task = asyncio.create_task(stream.apublish(make_group("waiting"), timeout_s=5))
-        while not task.done():
-            ticks += 1
-            await asyncio.sleep(0.01)
-            if ticks == 20:                            # the loop kept running while publish waited
-                got = await asyncio.to_thread(stream.read, 1, 100, 0, set())
-                stream.ack(got)
-        return ticks, await task
-
-    ticks, entry_id = asyncio.run(main())
-    assert ticks >= 20 and entry_id
-    assert [r.group.group_id for r in stream.read(2, 100, 0, set())] == ["waiting"]
-
-
 def test_connect_understands_tls_urls_and_refuses_others():
     # No TLS server here: check that rediss:// selects the TLS connection class (connections are lazy).
     client = connect("rediss://learner:pw@redis.example:6380/2")

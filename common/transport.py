@@ -57,7 +57,8 @@ class WeightPublisher(Protocol):
         """Send the weights as policy `version` to every inference actor; returns timings and sizes."""
 
     def needs_push(self, version: int) -> bool:
-        """Whether some inference actor lacks `version` (a restarted one): the learner pushes again."""
+        """Whether some inference actor lacks `version` (a restarted one): the learner pushes again. Optional:
+        a publisher without it gets the weights after each update only."""
 
     def close(self) -> None: ...
 

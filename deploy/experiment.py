@@ -2,6 +2,7 @@
 
     make experiment                                        # = python -m deploy.experiment --out docs
     python -m deploy.experiment --quick --out /tmp/pilot   # the pilot: 1 seed each, fewer updates and games
+    python -m deploy.experiment --report --out docs        # the report again, from the runs in --work-dir
 
 Why this set-up: GiGPO's step advantage differs from GRPO's episode advantage where the rollouts of a group
 share states and differ in length, most of all when most of them succeed: a group where every rollout
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ALGORITHMS = ("gigpo", "grpo")
+RUN_INFO = "experiment_run.json"     # in each run directory: how the run ended and its wall time
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,9 @@ def run_one(config: str, protocol: Protocol, algorithm: str, seed: int, warm_mod
             rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
         except subprocess.TimeoutExpired:
             rc = -1
-    return {"ok": rc == 0, "rc": rc, "wall_s": time.perf_counter() - t0, "log": str(log_path)}
+    info = {"ok": rc == 0, "rc": rc, "wall_s": time.perf_counter() - t0, "log": str(log_path)}
+    (run_dir / RUN_INFO).write_text(json.dumps(info) + "\n")      # for --report
+    return info
 
 
 def read_evals(run_dir: Path) -> dict[str, list[dict]]:
@@ -310,6 +314,14 @@ def write_markdown(summary: dict, diags: dict, runs: dict, protocol: Protocol, c
     path.write_text("\n".join(lines) + "\n")
 
 
+def write_report(evals: dict, curves: dict, runs: dict, protocol: Protocol, command: str, out: Path) -> dict:
+    """<out>/learning-check.md and .png from the runs so far; returns the summary."""
+    summary = summarize(evals, protocol)
+    plot(curves, out / "learning-check.png", protocol)
+    write_markdown(summary, diagnostics(curves), runs, protocol, command, out / "learning-check.md")
+    return summary
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="GiGPO vs GRPO learning check from one warm start.")
     ap.add_argument("--out", default="docs", help="where learning-check.png / .md go")
@@ -319,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--updates", type=int, help="learner updates per run (default: the protocol's)")
     ap.add_argument("--work-dir", default="runs/experiment", help="run directories (kept: metrics, evals, logs)")
     ap.add_argument("--timeout-min", type=float, default=45.0, help="a run slower than this is stopped")
+    ap.add_argument("--report", action="store_true",
+                    help="run nothing: write the report of the finished runs under --work-dir")
     ap.add_argument("overrides", nargs="*", help="config overrides for every run (section.field=value)")
     args = ap.parse_args(argv)
 
@@ -330,26 +344,35 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m deploy.experiment " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     t0 = time.perf_counter()
     print(f"[experiment] {protocol}", flush=True)
-    warm = build_warm_model(args.config, protocol, work, args.overrides)
-    print(f"[experiment] warm model {warm} ({(time.perf_counter() - t0) / 60:.1f} min)", flush=True)
+    if not args.report:
+        warm = build_warm_model(args.config, protocol, work, args.overrides)
+        print(f"[experiment] warm model {warm} ({(time.perf_counter() - t0) / 60:.1f} min)", flush=True)
     evals: dict[str, dict[int, dict]] = {a: {} for a in ALGORITHMS}
     curves: dict[str, dict[int, list]] = {a: {} for a in ALGORITHMS}
     runs: dict[str, dict] = {}
     for seed in range(protocol.seeds):                 # seed-major: a cut-short experiment still compares
         for algo in ALGORITHMS:
             run_dir = work / f"{algo}-s{seed}"
-            print(f"[experiment] {algo} seed {seed} -> {run_dir}", flush=True)
-            info = runs[f"{algo}-s{seed}"] = run_one(args.config, protocol, algo, seed, warm, run_dir, args.overrides,
-                                                      60 * args.timeout_min)
+            if args.report:
+                if not (run_dir / RUN_INFO).exists():
+                    continue
+                info = runs[f"{algo}-s{seed}"] = json.loads((run_dir / RUN_INFO).read_text())
+            else:
+                print(f"[experiment] {algo} seed {seed} -> {run_dir}", flush=True)
+                info = runs[f"{algo}-s{seed}"] = run_one(args.config, protocol, algo, seed, warm, run_dir,
+                                                          args.overrides, 60 * args.timeout_min)
             evals[algo][seed], curves[algo][seed] = read_evals(run_dir), read_curves(run_dir)
             got = {w: measures(per_game(e, protocol.step_budget, protocol.fast_steps))
                    for w, e in evals[algo][seed].items()}
             print(f"[experiment] {algo} seed {seed}: {'ok' if info['ok'] else 'FAILED'} in {info['wall_s'] / 60:.1f} min; "
                   + "; ".join(f"{w}: {m['steps']:.1f} steps, success {m['success']:.0%}" for w, m in got.items()),
                   flush=True)
-            summary = summarize(evals, protocol)
-            plot(curves, out / "learning-check.png", protocol)
-            write_markdown(summary, diagnostics(curves), runs, protocol, command, out / "learning-check.md")
+            if not args.report:                       # a cut-short experiment still leaves its report
+                write_report(evals, curves, runs, protocol, command, out)
+    if not runs:
+        print(f"[experiment] no finished runs under {work}", file=sys.stderr)
+        return 1
+    summary = write_report(evals, curves, runs, protocol, command, out)
     for k, title, scale, unit in MEASURES:
         if summary["paired"]:
             d = summary["paired"][k]

@@ -56,3 +56,32 @@ def test_summarize_reads_the_runs_evaluations(tmp_path):
     assert s["algorithms"]["gigpo"]["before"]["steps"][0] == 30.0
     assert s["algorithms"]["gigpo"]["after"]["fast"][0] == 1.0
     assert s["paired"]["steps"]["diff"] == -4.0 and s["paired"]["fast"]["diff"] == 1.0
+
+
+def test_report_of_finished_runs(tmp_path, capsys):
+    """`--report` runs nothing: it reads the run directories (evaluations, per-update metrics, how each run
+    ended) and writes the table and the plot."""
+    import json
+
+    from deploy.experiment import RUN_INFO, main
+
+    work, out = tmp_path / "runs", tmp_path / "out"
+    for algo, after_steps in (("gigpo", 6), ("grpo", 10)):
+        run = work / f"{algo}-s0"
+        run.mkdir(parents=True)
+        before = [ep(f"g{i}", i % 2 == 0, 12) for i in range(4)]
+        after = [ep(f"g{i}", True, after_steps) for i in range(4)]
+        run.joinpath("evals.jsonl").write_text("".join(json.dumps({"when": w, "episodes_detail": e}) + "\n" for w, e in
+                                                       (("before training", before), ("after training", after))))
+        run.joinpath("metrics.jsonl").write_text("".join(json.dumps(
+            {"update": u, "batch/success_rate": 0.5, "batch/episode_steps_mean": 9.0, "diag/adv_cosine_vs_grpo": 0.9})
+            + "\n" for u in (1, 2)))
+        run.joinpath(RUN_INFO).write_text(json.dumps({"ok": True, "rc": 0, "wall_s": 60.0, "log": "train.log"}))
+    assert main(["--report", "--seeds", "1", "--work-dir", str(work), "--out", str(out)]) == 0
+    md = (out / "learning-check.md").read_text()
+    # GiGPO 6 steps on every game, GRPO 10: -4 paired, no spread over games.
+    assert "| mean steps (failure = budget) | -4.0 | ± 0.0 (4 games) | n/a (1 seeds) |" in md
+    assert "| gigpo | 1 | before | 21.0 | 0.0% | 50.0% |" in md       # failures count as the budget (30)
+    assert (out / "learning-check.png").stat().st_size > 0
+    assert main(["--report", "--work-dir", str(tmp_path / "none"), "--out", str(out)]) == 1
+    assert "no finished runs" in capsys.readouterr().err

@@ -169,7 +169,8 @@ def paired(a: dict[int, dict[str, dict]], b: dict[int, dict[str, dict]], key: st
     by_game = [sum(a[s][g][key] - b[s][g][key] for s in seeds) / len(seeds) for g in games]
     by_seed = [sum(a[s][g][key] - b[s][g][key] for g in games) / len(games) for s in seeds] if games else []
     (m, ci_games), (_, ci_seeds) = mean_ci(by_game), mean_ci(by_seed)
-    return {"diff": m, "ci_games": ci_games, "ci_seeds": ci_seeds, "games": len(games), "seeds": len(seeds)}
+    return {"diff": m, "ci_games": ci_games, "ci_seeds": ci_seeds, "games": len(games), "seeds": len(seeds),
+            "by_seed": dict(zip(seeds, by_seed))}
 
 
 def measures(table: dict[str, dict]) -> dict[str, float]:
@@ -282,13 +283,14 @@ def write_markdown(summary: dict, diags: dict, runs: dict, protocol: Protocol, c
     if summary["paired"]:
         lines += ["", "**GiGPO minus GRPO after training, paired by held-out game** (negative steps: GiGPO finishes "
                   "sooner). Each cell: the difference, its 95% interval over games, and over seeds:", "",
-                  "| measure | difference | 95% interval over games | 95% interval over seeds |",
-                  "|---|---|---|---|"]
+                  "| measure | difference | 95% interval over games | 95% interval over seeds | per seed |",
+                  "|---|---|---|---|---|"]
         for k, title, scale, unit in MEASURES:
             d = summary["paired"][k]
+            per_seed = ", ".join(f"s{seed}: {scale * v:+.1f}{unit}" for seed, v in d["by_seed"].items())
             lines.append(f"| {title.format(fast=p.fast_steps)} | {scale * d['diff']:+.1f}{unit} | "
                          f"{_ci(d['ci_games'], scale, unit)} ({d['games']} games) | "
-                         f"{_ci(d['ci_seeds'], scale, unit)} ({d['seeds']} seeds) |")
+                         f"{_ci(d['ci_seeds'], scale, unit)} ({d['seeds']} seeds) | {per_seed} |")
     lines += ["", "Change from before to after training, paired by held-out game (after minus before):", "",
               "| algorithm | " + " | ".join(t.format(fast=p.fast_steps) for _, t, *_ in MEASURES) + " |",
               "|---|" + "---|" * len(MEASURES)]

@@ -40,7 +40,7 @@ def test_paired_difference_over_games_and_over_seeds():
     d = paired(a, b, "steps")
     assert d["diff"] == pytest.approx(-3.0) and d["ci_games"] == pytest.approx(0.0)
     assert d["ci_seeds"] == pytest.approx(12.706 * math.sqrt(2) / math.sqrt(2))
-    assert (d["games"], d["seeds"]) == (2, 2)
+    assert (d["games"], d["seeds"]) == (2, 2) and d["by_seed"] == {0: -2.0, 1: -4.0}
 
 
 def test_summarize_reads_the_runs_evaluations(tmp_path):
@@ -80,7 +80,7 @@ def test_report_of_finished_runs(tmp_path, capsys):
     assert main(["--report", "--seeds", "1", "--work-dir", str(work), "--out", str(out)]) == 0
     md = (out / "learning-check.md").read_text()
     # GiGPO 6 steps on every game, GRPO 10: -4 paired, no spread over games.
-    assert "| mean steps (failure = budget) | -4.0 | ± 0.0 (4 games) | n/a (1 seeds) |" in md
+    assert "| mean steps (failure = budget) | -4.0 | ± 0.0 (4 games) | n/a (1 seeds) | s0: -4.0 |" in md
     assert "| gigpo | 1 | before | 21.0 | 0.0% | 50.0% |" in md       # failures count as the budget (30)
     assert (out / "learning-check.png").stat().st_size > 0
     assert main(["--report", "--work-dir", str(tmp_path / "none"), "--out", str(out)]) == 1

@@ -218,15 +218,20 @@ def diagnostics(curves: dict[str, dict[int, list[dict]]]) -> dict[str, dict[str,
     return out
 
 
-def plot(curves: dict[str, dict[int, list[dict]]], path: Path, protocol: Protocol) -> None:
+def plot(curves: dict[str, dict[int, list[dict]]], path: Path, protocol: Protocol,
+         evals: dict[str, dict[int, dict]] | None = None) -> None:
+    """Training-batch success and mean steps per update (thin: each seed; thick: their mean) and, as
+    markers at update 0 and the last update, the held-out evaluations before and after (mean over seeds).
+    A seed's two runs draw the same tasks in the same order, so their training curves move together with
+    the tasks' difficulty; the held-out markers are the comparison."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), dpi=120)
-    for ax, key, label in ((axes[0], "batch/success_rate", "training success rate"),
-                           (axes[1], "batch/episode_steps_mean", "training mean steps per episode")):
+    for ax, key, measure, label in ((axes[0], "batch/success_rate", "success", "success rate"),
+                                    (axes[1], "batch/episode_steps_mean", "steps", "mean steps per episode")):
         for color, (algo, by_seed) in zip(("tab:blue", "tab:orange"), curves.items()):
             done = [c for c in by_seed.values() if c]
             for c in done:
@@ -234,13 +239,22 @@ def plot(curves: dict[str, dict[int, list[dict]]], path: Path, protocol: Protoco
             if done:
                 n = min(len(c) for c in done)
                 ax.plot([m["update"] for m in done[0][:n]], np.mean([[m.get(key, np.nan) for m in c[:n]] for c in done],
-                        axis=0), color=color, lw=2.2, label=f"{algo} (mean of {len(done)} seeds; faint: each)")
+                        axis=0), color=color, lw=2.2, label=f"{algo} training (mean of {len(done)} seeds; faint: each)")
+            held_out = [(w, x, measures(per_game(e[w], protocol.step_budget, protocol.fast_steps))[measure])
+                        for e in (evals or {}).get(algo, {}).values()
+                        for w, x in (("before", 0), ("after", protocol.updates)) if w in e]
+            for when, x in (("before", 0), ("after", protocol.updates)):
+                ys = [y for w, _, y in held_out if w == when]
+                if ys:
+                    ax.plot([x], [np.mean(ys)], marker="o" if when == "before" else "D", color=color, ms=8, ls="",
+                            markeredgecolor="black",
+                            label=f"{algo} held-out {when} (mean of {len(ys)})" if key == "batch/success_rate" else None)
         ax.set_xlabel("update")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0].set_ylim(0, 1)
     axes[1].set_ylim(0, protocol.step_budget)
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=7, loc="lower left")
     fig.suptitle(f"GiGPO vs GRPO from one warm start: generated ALFWorld, {protocol.tasks_per_update} tasks x "
                  f"{protocol.rollouts_per_task} rollouts per update, step budget {protocol.step_budget}", fontsize=9)
     fig.tight_layout()
@@ -319,7 +333,7 @@ def write_markdown(summary: dict, diags: dict, runs: dict, protocol: Protocol, c
 def write_report(evals: dict, curves: dict, runs: dict, protocol: Protocol, command: str, out: Path) -> dict:
     """<out>/learning-check.md and .png from the runs so far; returns the summary."""
     summary = summarize(evals, protocol)
-    plot(curves, out / "learning-check.png", protocol)
+    plot(curves, out / "learning-check.png", protocol, evals)
     write_markdown(summary, diagnostics(curves), runs, protocol, command, out / "learning-check.md")
     return summary
 

@@ -36,7 +36,7 @@ help:
 	@echo "make bench      benchmarks, each against a baseline measured in the same run"
 	@echo "make data       unpack ALFWorld / WebShop data into ./data"
 	@echo "make lock       pin every package anew from setup.cfg -> requirements/lock-*.txt"
-	@echo "make experiment GiGPO vs GRPO from one warm start (3 seeds x 12 updates each, ~100 min) -> docs/"
+	@echo "make experiment GiGPO vs GRPO from one warm start (3 seeds x 12 updates each, ~95 min) -> docs/"
 	@echo "make dashboard-check  every Grafana dashboard query against a real Prometheus + a screenshot -> docs/"
 
 install: $(STAMP)

@@ -13,7 +13,7 @@ from actors.rollout import RolloutActor
 from common.config import ExperimentConfig, to_dict
 from common.model_files import ModelSource
 from common.placement import actor_need, pinned_node
-from common.records import Trajectory
+from common.records import EpisodeGroup
 
 
 def eval_config(cfg: ExperimentConfig) -> ExperimentConfig:
@@ -26,24 +26,27 @@ def eval_config(cfg: ExperimentConfig) -> ExperimentConfig:
     return ev
 
 
-def episode_record(t: Trajectory) -> dict:
-    """One episode of an evaluation, JSON-ready, for comparing runs game by game. policy_version: the
-    version of the weights that played it (its rows'; -1 without a row: ended at reset); should the rows
-    disagree (weights pushed while it played), the oldest, and policy_version_max says up to which."""
-    versions = [s.policy_version for s in t.steps]
+def episode_record(episode: EpisodeGroup) -> dict:
+    """One episode of an evaluation (a group of one trajectory), JSON-ready, for comparing runs game by
+    game. policy_version: the version of the weights that played it (its rows'; -1 without a row: ended at
+    reset); should the rows disagree (weights pushed while it played), the oldest, and policy_version_max
+    says up to which."""
+    t = episode.trajectories[0]
+    oldest, newest = episode.policy_versions
     record = {
-        "task_id": str(t.task_id), "task_type": t.task_type, "success": bool(t.success),
+        "task_id": str(episode.task_id), "task_type": t.task_type, "success": bool(t.success),
         "steps": t.num_steps, "return": float(t.episode_return), "score": float(t.score),
-        "termination": t.termination.value, "policy_version": int(min(versions)) if versions else -1,
+        "termination": t.termination.value, "policy_version": oldest,
     }
-    if versions and max(versions) != min(versions):
-        record["policy_version_max"] = int(max(versions))
+    if newest != oldest:
+        record["policy_version_max"] = newest
     return record
 
 
-def summarize(trajectories: list[Trajectory]) -> dict:
+def summarize(episodes: list[EpisodeGroup]) -> dict:
     """Success overall and per task type, mean steps (and WebShop's mean score), and `episodes_detail`:
-    one `episode_record` per episode, in the order played."""
+    one `episode_record` per episode (a group of one trajectory), in the order played."""
+    trajectories = [e.trajectories[0] for e in episodes]
     per_type: dict[str, list[bool]] = defaultdict(list)
     for t in trajectories:
         per_type[t.task_type or "all"].append(t.success)
@@ -56,7 +59,7 @@ def summarize(trajectories: list[Trajectory]) -> dict:
     }
     if any(t.task_type == "webshop" for t in trajectories):     # (ALFWorld's score is its success: no column)
         out["score"] = sum(t.score for t in trajectories) / n
-    out["episodes_detail"] = [episode_record(t) for t in trajectories]
+    out["episodes_detail"] = [episode_record(e) for e in episodes]
     return out
 
 
@@ -80,9 +83,9 @@ def evaluate_tasks(cfg: ExperimentConfig, inference_actors: list, log_dir: str =
         task_ids = ray.get(actor.__ray_call__.remote(lambda self: list(self.task_ids)))
         if cfg.run.eval_episodes:
             task_ids = task_ids[: cfg.run.eval_episodes]
-        trajectories = ray.get(actor.play_tasks.remote(task_ids, cfg.run.seed))
+        episodes = ray.get(actor.play_tasks.remote(task_ids, cfg.run.seed))
         ray.get(actor.close.remote())
     finally:
         ray.kill(actor)
-    return summarize(trajectories)
+    return summarize(episodes)
 

@@ -157,19 +157,21 @@ class Rollout:
             self._running = None
         return self.stats()
 
-    async def play_tasks(self, task_ids: list[str], seed: int = 0) -> list[Trajectory]:
-        """Play each task once (one trajectory, env seed `seed`), as many at a time as this actor has env
-        instances; nothing is published. Used for evaluation."""
+    async def play_tasks(self, task_ids: list[str], seed: int = 0) -> list[EpisodeGroup]:
+        """Play each task once (a group of one trajectory, env seed `seed`), as many at a time as this actor
+        has env instances; nothing is published. Used for evaluation."""
         if self._running is not None:
             raise RuntimeError(f"rollout actor {self.actor_id} is running: evaluate with another actor")
         self._env = _EnvClient(self._env_pool)
         queue = list(enumerate(task_ids))[::-1]
-        results: list[Trajectory | None] = [None] * len(task_ids)
+        results: list[EpisodeGroup | None] = [None] * len(task_ids)
 
         async def worker(instance: int) -> None:
             while queue:
                 i, task_id = queue.pop()
-                results[i] = await self._play_trajectory(instance, task_id, seed, f"{self.actor_id}-task{i}", 0)
+                group_id = f"{self.actor_id}-task{i}"
+                played = await self._play_trajectory(instance, task_id, seed, group_id, 0)
+                results[i] = EpisodeGroup.pack(group_id, task_id, self.cfg.env.name, [played])
 
         await asyncio.gather(*[worker(k) for k in range(min(self.num_instances, len(task_ids)))])
         return [r for r in results if r is not None]
@@ -265,22 +267,23 @@ class Rollout:
     async def _play_group(self, slot: int, task_id: str, env_seed: int) -> EpisodeGroup:
         n = self.cfg.rollout.group_size
         group_id = f"{self.actor_id}-{uuid.uuid4().hex[:16]}"
-        trajs = await asyncio.gather(*[
+        played = await asyncio.gather(*[
             self._play_trajectory(slot * n + j, task_id, env_seed, group_id, j) for j in range(n)])
-        return EpisodeGroup(group_id=group_id, task_id=task_id, env_name=self.cfg.env.name,
-                            trajectories=list(trajs), created_at=time.time(), producer=self.actor_id)
+        return EpisodeGroup.pack(group_id, task_id, self.cfg.env.name, played, created_at=time.time(),
+                                 producer=self.actor_id)
 
     # -- one trajectory ---------------------------------------------------------------------------------
 
     async def _play_trajectory(self, instance: int, task_id: str, env_seed: int, group_id: str,
-                               member: int) -> Trajectory:
+                               member: int) -> tuple[Trajectory, list[StepRow]]:
         cfg = self.cfg
-        traj = Trajectory(task_id=task_id, group_id=group_id, traj_id=f"{group_id}-{member}")
+        traj = Trajectory(traj_id=f"{group_id}-{member}")
+        steps: list[StepRow] = []
         self.counters["trajectories"] += 1
         res = await self._env.call("reset", (instance, task_id, env_seed))
         if res.error is not None or res.report is None:
             log.warning("reset of %s on instance %d failed: %s", task_id, instance, res.error)
-            return self._end(traj, Termination.ENV_ERROR)
+            return self._end(traj, steps, Termination.ENV_ERROR)
         report = res.report
         task = report.task
         traj.task_type = report.task_type
@@ -291,7 +294,7 @@ class Rollout:
                                                  cfg.rollout.history_length)
             prompt_ids = prompts.prompt_ids(self.tokenizer, message)
             if len(prompt_ids) > cfg.model.max_prompt_tokens:
-                return self._end(traj, Termination.TRUNCATED)
+                return self._end(traj, steps, Termination.TRUNCATED)
             sampling = {"temperature": cfg.rollout.temperature, "max_tokens": cfg.model.max_response_tokens,
                         "seed": _stable_seed(cfg.run.seed, traj.traj_id, step)}
             if cfg.rollout.constrain_actions and report.admissible_actions:
@@ -307,10 +310,10 @@ class Rollout:
             if res.error is not None or res.report is None:
                 # The step's outcome is unknown: its row is dropped, the trajectory ends marked.
                 log.warning("step of %s on instance %d failed: %s", traj.traj_id, instance, res.error)
-                return self._end(traj, Termination.ENV_ERROR)
+                return self._end(traj, steps, Termination.ENV_ERROR)
             nxt = res.report
             reward = step_reward(cfg.rollout, nxt)
-            traj.steps.append(StepRow(
+            steps.append(StepRow(
                 prompt_ids=prompt_ids, response_ids=out["response_ids"], response_logprobs=out["logprobs"],
                 reward=reward, anchor=report.anchor, valid=parsed.valid, step=step,
                 policy_version=int(out["policy_version"]), action=parsed.action))
@@ -325,17 +328,18 @@ class Rollout:
             if nxt.done:
                 traj.success = bool(nxt.won)
                 traj.score = float(nxt.score)
-                return self._end(traj, Termination.DONE)
-        return self._end(traj, Termination.MAX_STEPS)
+                return self._end(traj, steps, Termination.DONE)
+        return self._end(traj, steps, Termination.MAX_STEPS)
 
-    def _end(self, traj: Trajectory, why: Termination) -> Trajectory:
+    def _end(self, traj: Trajectory, steps: list[StepRow], why: Termination) -> tuple[Trajectory, list[StepRow]]:
         traj.termination = why
-        traj.episode_return = float(sum(s.reward for s in traj.steps))
+        traj.num_steps = len(steps)
+        traj.episode_return = float(sum(s.reward for s in steps))
         self.terminations[why.value] += 1
         # (env_errors/env_restarts are counted by the env pool or server that saw the failure.)
         self.metrics.inc("episodes", termination=why.value)
         self.counters["successes"] += int(traj.success)
-        return traj
+        return traj, steps
 
     async def _generate(self, instance: int, prompt_ids: list[int], sampling: dict) -> dict:
         """One generation. An inference actor that died is retried (on the next actor when there are several;

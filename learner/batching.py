@@ -14,14 +14,13 @@ so that only the response window's logits are computed (see `MicroBatch`).
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from common.config import LearnerConfig
-from common.records import EpisodeGroup, Termination
+from common.records import EpisodeGroup, Termination, check_values
 from learner.advantages import (anchor_group_summary, gigpo_parts, grpo_advantages, rloo_advantages)
 
 ALGORITHMS = ("gigpo", "grpo", "rloo")
@@ -69,29 +68,23 @@ class TrainBatch:
 
 
 def check_group(group: EpisodeGroup, vocab_size: int | None = None) -> None:
-    """Raise a ValueError naming the group and step when a row cannot be trained on: non-finite or positive
-    log-probs or rewards, an empty prompt, log-probs that do not match the response, token ids outside
-    [0, vocab_size) (an id past the embedding table would crash the learner's forward pass)."""
-    for traj in group.trajectories:
-        for s in traj.steps:
-            where = f"group {group.group_id} trajectory {traj.traj_id} step {s.step}"
-            if len(s.response_logprobs) != len(s.response_ids):
-                raise ValueError(f"{where}: {len(s.response_logprobs)} log-probs for {len(s.response_ids)} "
-                                 "response tokens")
-            if vocab_size is not None:
-                for name, ids in (("prompt", s.prompt_ids), ("response", s.response_ids)):
-                    low, high = (int(np.min(ids)), int(np.max(ids))) if len(ids) else (0, 0)
-                    if low < 0 or high >= vocab_size:
-                        raise ValueError(f"{where}: {name} token id {low if low < 0 else high} outside the "
-                                         f"vocabulary [0, {vocab_size})")
-            if not np.all(np.isfinite(s.response_logprobs)):
-                raise ValueError(f"{where}: non-finite behaviour log-probs")
-            if np.any(s.response_logprobs > 1e-4):
-                raise ValueError(f"{where}: log-probs must be <= 0")
-            if not np.isfinite(s.reward):
-                raise ValueError(f"{where}: non-finite reward {s.reward}")
-            if len(s.prompt_ids) == 0:
-                raise ValueError(f"{where}: empty prompt")
+    """Raise a ValueError naming the group when its rows cannot be trained on: values the row schema
+    refuses (`common.records.check_values`: negative ids, NaN or infinite log-probs or rewards, text that
+    is not UTF-8), positive log-probs, an empty prompt, token ids outside [0, vocab_size) (an id past the
+    embedding table would crash the learner's forward pass)."""
+    rows = group.rows
+    problem = check_values(rows)
+    if not problem and len(rows["response_logprobs"]) and rows["response_logprobs"].max() > 1e-4:
+        problem = "response_logprobs: log-probs must be <= 0"
+    if not problem and len(rows) and rows["prompt_len"].min() == 0:
+        problem = f"empty prompt in row {int(np.argmin(rows['prompt_len']))}"
+    if not problem and vocab_size is not None:
+        for name in ("prompt_ids", "response_ids"):
+            if len(rows[name]) and rows[name].max() >= vocab_size:
+                problem = f"{name}: token id {int(rows[name].max())} outside the vocabulary [0, {vocab_size})"
+                break
+    if problem:
+        raise ValueError(f"group {group.group_id}: {problem}")
 
 
 MIN_TRAJECTORIES = 2   # a group needs two trajectories to compare: with one, every advantage is its own score
@@ -146,52 +139,55 @@ def build_batch(groups: list[EpisodeGroup], cfg: LearnerConfig, *, invalid_actio
         check_group(g)
 
     # Environment errors out first: everything below sees only trajectories with a known outcome.
-    usable: list[EpisodeGroup] = []
+    usable: list[tuple[EpisodeGroup, np.ndarray]] = []      # (group, its usable trajectories: bool [N])
     env_error_trajs = 0
     env_error_groups: list[str] = []
     for g in groups:
-        good = [t for t in g.trajectories if t.termination != Termination.ENV_ERROR]
-        env_error_trajs += len(g.trajectories) - len(good)
-        if len(good) < len(g.trajectories):
-            if len(good) < MIN_TRAJECTORIES:
-                env_error_groups.append(g.group_id)
-                continue
-            g = dataclasses.replace(g, trajectories=good)
-        usable.append(g)
+        good = np.array([t.termination != Termination.ENV_ERROR for t in g.trajectories], dtype=bool)
+        env_error_trajs += int((~good).sum())
+        if not good.all() and good.sum() < MIN_TRAJECTORIES:
+            env_error_groups.append(g.group_id)
+            continue
+        usable.append((g, good))
 
     kept, skipped = [], []
-    for g in usable:
-        returns = g.returns()
+    for g, good in usable:
+        returns = g.returns()[good]
         if cfg.dynamic_sampling and len(returns) and np.all(returns == returns[0]):
             skipped.append(g.group_id)
         else:
-            kept.append(g)
+            kept.append((g, good))
 
-    gid, tid, steps, rewards, anchors, pens = [], [], [], [], [], []
+    # The kept rows, flattened group after group: one entry per row in every list below.
+    gid, tid, steps, rewards, anchors, valid = [], [], [], [], [], []
     prompts, responses, logps = [], [], []
     episode_returns, successes, lengths = [], [], []
-    for g in kept:
-        for t in g.trajectories:
-            episode_returns.append(t.episode_return)
-            successes.append(float(t.success))
-            lengths.append(t.num_steps)
-            for s in t.steps:
-                gid.append(g.group_id)
-                tid.append(t.traj_id)
-                steps.append(s.step)
-                rewards.append(s.reward)
-                anchors.append(s.anchor)
-                pens.append(0.0 if s.valid else invalid_action_penalty)
-                prompts.append(s.prompt_ids)
-                responses.append(s.response_ids)
-                logps.append(s.response_logprobs)
-    steps_arr = np.asarray(steps, dtype=np.int64)
+    for g, good in kept:
+        trajs = [t for t, ok in zip(g.trajectories, good) if ok]
+        episode_returns += [t.episode_return for t in trajs]
+        successes += [float(t.success) for t in trajs]
+        lengths += [t.num_steps for t in trajs]
+        traj_of_row = g.row_trajectory()
+        rows = np.flatnonzero(good[traj_of_row])
+        ids = [g.trajectories[k].traj_id for k in traj_of_row[rows].tolist()]
+        gid += [g.group_id] * len(rows)
+        tid += ids
+        steps.append(g.rows["step"][rows])
+        rewards.append(g.rows["reward"][rows])
+        valid.append(g.rows["valid"][rows])
+        for name, out in (("anchor", anchors), ("prompt_ids", prompts), ("response_ids", responses),
+                          ("response_logprobs", logps)):
+            values = g.rows.text(name) if name == "anchor" else g.rows.per_row(name)
+            out += [values[i] for i in rows.tolist()]
+    steps_arr = np.concatenate(steps).astype(np.int64) if steps else np.zeros(0, np.int64)
+    rewards_arr = np.concatenate(rewards).astype(np.float64) if rewards else np.zeros(0)
+    pens = np.where(np.concatenate(valid), 0.0, invalid_action_penalty) if valid else np.zeros(0)
     metrics: dict[str, float] = {}
     # GRPO's advantages of the same rows: the baseline the diagnostics compare with (and GRPO's own).
-    grpo = grpo_advantages(gid, tid, steps_arr, rewards, normalize_std=cfg.normalize_std,
+    grpo = grpo_advantages(gid, tid, steps_arr, rewards_arr, normalize_std=cfg.normalize_std,
                            episode_stats=cfg.episode_stats, penalties=pens)
     if cfg.algorithm == "gigpo":
-        parts = gigpo_parts(gid, tid, steps_arr, rewards, anchors, gamma=cfg.gamma,
+        parts = gigpo_parts(gid, tid, steps_arr, rewards_arr, anchors, gamma=cfg.gamma,
                             normalize_std=cfg.normalize_std, episode_stats=cfg.episode_stats,
                             similarity=cfg.similarity or None, penalties=pens)
         adv = parts.episode + cfg.omega * parts.step
@@ -202,7 +198,7 @@ def build_batch(groups: list[EpisodeGroup], cfg: LearnerConfig, *, invalid_actio
     elif cfg.algorithm == "grpo":
         adv = grpo
     else:
-        adv = rloo_advantages(gid, tid, steps_arr, rewards, penalties=pens)
+        adv = rloo_advantages(gid, tid, steps_arr, rewards_arr, penalties=pens)
 
     keep = np.array([len(r) > 0 for r in responses], dtype=bool)
     idx = np.flatnonzero(keep)
@@ -216,7 +212,8 @@ def build_batch(groups: list[EpisodeGroup], cfg: LearnerConfig, *, invalid_actio
     a = batch.advantages
     base = np.asarray(grpo, dtype=np.float64)[idx]
     forced = sum(int((~m).sum()) for m in batch.token_masks)
-    success_lengths = [t.num_steps for g in usable for t in g.trajectories if t.success]
+    usable_trajs = [[t for t, ok in zip(g.trajectories, good) if ok] for g, good in usable]
+    success_lengths = [t.num_steps for trajs in usable_trajs for t in trajs if t.success]
     metrics.update({
         "batch/groups": float(len(groups)),
         "batch/groups_skipped_equal_returns": float(len(skipped)),
@@ -224,7 +221,7 @@ def build_batch(groups: list[EpisodeGroup], cfg: LearnerConfig, *, invalid_actio
         "batch/trajectories_env_error": float(env_error_trajs),
         "batch/rows": float(batch.num_rows),
         "batch/rows_empty_response": float((~keep).sum()),
-        "batch/invalid_action_share": float(np.mean(np.asarray(pens) > 0)) if pens else 0.0,
+        "batch/invalid_action_share": float(np.mean(pens > 0)) if len(pens) else 0.0,
         "batch/response_tokens": float(batch.response_lengths().sum()),
         "batch/forced_tokens": float(forced),
         "batch/episode_return_mean": float(np.mean(episode_returns)) if episode_returns else 0.0,
@@ -237,8 +234,8 @@ def build_batch(groups: list[EpisodeGroup], cfg: LearnerConfig, *, invalid_actio
         "adv/zero_share": float(np.mean(a == 0.0)) if len(a) else 0.0,
         "diag/adv_cosine_vs_grpo": _cosine(a, base),
         "diag/adv_sign_differs_share": float(np.mean(np.sign(a) != np.sign(base))) if len(a) else 0.0,
-        "diag/groups_all_success_share": (float(np.mean([all(t.success for t in g.trajectories)
-                                                         for g in usable])) if usable else 0.0),
+        "diag/groups_all_success_share": (float(np.mean([all(t.success for t in trajs)
+                                                         for trajs in usable_trajs])) if usable else 0.0),
         "diag/success_episode_length_mean": float(np.mean(success_lengths)) if success_lengths else float("nan"),
         "diag/successful_trajectories": float(len(success_lengths)),
         "diag/successful_trajectory_steps": float(sum(success_lengths)),

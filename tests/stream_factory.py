@@ -12,7 +12,7 @@ def make_group(group_id: str, *, num_traj: int = 2, num_steps: int = 3, prompt_l
                response_len: int = 5, version: int = 0, seed: int = 0, task_id: str = "task-1") -> EpisodeGroup:
     rng = np.random.default_rng(seed)
     terminations = list(Termination)
-    trajs = []
+    played = []
     for i in range(num_traj):
         steps = [
             StepRow(
@@ -28,31 +28,26 @@ def make_group(group_id: str, *, num_traj: int = 2, num_steps: int = 3, prompt_l
             )
             for s in range(num_steps)
         ]
-        trajs.append(Trajectory(task_id=task_id, group_id=group_id, traj_id=f"{group_id}/{i}", steps=steps,
-                                success=i == 0, episode_return=10.0 if i == 0 else 0.0,
-                                termination=terminations[i % len(terminations)], task_type="pick_and_place",
-                                score=1.0 if i == 0 else 0.25))
-    return EpisodeGroup(group_id=group_id, task_id=task_id, env_name="alfworld", trajectories=trajs,
-                        created_at=time.time(), producer="rollout-0")
+        played.append((Trajectory(traj_id=f"{group_id}/{i}", success=i == 0, episode_return=10.0 if i == 0 else 0.0,
+                                  termination=terminations[i % len(terminations)], task_type="pick_and_place",
+                                  score=1.0 if i == 0 else 0.25), steps))
+    return EpisodeGroup.pack(group_id, task_id, "alfworld", played, created_at=time.time(), producer="rollout-0")
 
 
 def assert_groups_equal(a: EpisodeGroup, b: EpisodeGroup) -> None:
     assert (a.group_id, a.task_id, a.env_name, a.created_at, a.producer) == \
            (b.group_id, b.task_id, b.env_name, b.created_at, b.producer)
     assert a.policy_versions == b.policy_versions
-    assert len(a.trajectories) == len(b.trajectories)
-    for ta, tb in zip(a.trajectories, b.trajectories):
-        assert (ta.task_id, ta.group_id, ta.traj_id, ta.success, ta.episode_return, ta.termination,
-                ta.task_type, ta.score) == (tb.task_id, tb.group_id, tb.traj_id, tb.success, tb.episode_return,
-                                            tb.termination, tb.task_type, tb.score)
-        assert isinstance(tb.termination, Termination)
-        assert len(ta.steps) == len(tb.steps)
-        for sa, sb in zip(ta.steps, tb.steps):
-            assert sb.prompt_ids.dtype == np.int32 and sb.response_ids.dtype == np.int32
-            assert sb.response_logprobs.dtype == np.float32
-            np.testing.assert_array_equal(sa.prompt_ids, sb.prompt_ids)
-            np.testing.assert_array_equal(sa.response_ids, sb.response_ids)
-            np.testing.assert_array_equal(sa.response_logprobs, sb.response_logprobs)
-            assert (sa.reward, sa.anchor, sa.valid, sa.step, sa.policy_version, sa.action) == \
-                   (sb.reward, sb.anchor, sb.valid, sb.step, sb.policy_version, sb.action)
-            assert type(sb.reward) is float and type(sb.valid) is bool and type(sb.step) is int
+    assert a.trajectories == b.trajectories
+    assert all(isinstance(t.termination, Termination) for t in b.trajectories)
+    assert len(a.rows) == len(b.rows)
+    for i in range(len(a.rows)):
+        sa, sb = a.rows.step(i), b.rows.step(i)
+        assert sb.prompt_ids.dtype == np.int32 and sb.response_ids.dtype == np.int32
+        assert sb.response_logprobs.dtype == np.float32
+        np.testing.assert_array_equal(sa.prompt_ids, sb.prompt_ids)
+        np.testing.assert_array_equal(sa.response_ids, sb.response_ids)
+        np.testing.assert_array_equal(sa.response_logprobs, sb.response_logprobs)
+        assert (sa.reward, sa.anchor, sa.valid, sa.step, sa.policy_version, sa.action) == \
+               (sb.reward, sb.anchor, sb.valid, sb.step, sb.policy_version, sb.action)
+        assert type(sb.reward) is float and type(sb.valid) is bool and type(sb.step) is int

@@ -3,6 +3,8 @@ anchor observations, some invalid actions), for the learner's tests and benchmar
 arguments give the same groups."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from common.records import EpisodeGroup, StepRow, Trajectory
@@ -20,7 +22,7 @@ def synthetic_groups(num_groups: int, group_size: int = 4, *, vocab_size: int = 
     groups = []
     for g in range(num_groups):
         gid = f"{prefix}{seed}-{g}"
-        trajs = []
+        played = []
         for k in range(group_size):
             n = int(rng.integers(1, max_steps + 1))
             won = bool(rng.random() < 0.4)
@@ -35,8 +37,25 @@ def synthetic_groups(num_groups: int, group_size: int = 4, *, vocab_size: int = 
                     reward=r, anchor=f"observation {int(rng.integers(num_anchors))}",
                     valid=bool(rng.random() < 0.8), step=t, policy_version=policy_version,
                     action=f"go to place {t}"))
-            trajs.append(Trajectory(task_id=f"task{g}", group_id=gid, traj_id=f"{gid}-{k}", steps=steps,
-                                    success=won, episode_return=10.0 if won else 0.0, score=float(won)))
-        groups.append(EpisodeGroup(group_id=gid, task_id=f"task{g}", env_name="alfworld",
-                                   trajectories=trajs, producer="synthetic"))
+            played.append((Trajectory(traj_id=f"{gid}-{k}", success=won, episode_return=10.0 if won else 0.0,
+                                      score=float(won)), steps))
+        groups.append(EpisodeGroup.pack(gid, f"task{g}", "alfworld", played, producer="synthetic"))
     return groups
+
+
+def step_rows(groups: list[EpisodeGroup]) -> list[tuple[str, str, StepRow]]:
+    """(group id, trajectory id, step) of every row of `groups`, in build_batch's order; the steps' arrays
+    are views of the groups' columns."""
+    return [(g.group_id, t.traj_id, s) for g in groups for k, t in enumerate(g.trajectories) for s in g.steps(k)]
+
+
+def keep_trajectories(group: EpisodeGroup, keep: list[int]) -> EpisodeGroup:
+    """A copy of `group` with only the trajectories at indices `keep` (and their rows)."""
+    played = [(dataclasses.replace(group.trajectories[k]), group.steps(k)) for k in keep]
+    return EpisodeGroup.pack(group.group_id, group.task_id, group.env_name, played, group.created_at, group.producer)
+
+
+def last_rows(group: EpisodeGroup) -> np.ndarray:
+    """The row index of each trajectory's last step (trajectories with steps only)."""
+    ends = np.cumsum([t.num_steps for t in group.trajectories]) - 1
+    return ends[[t.num_steps > 0 for t in group.trajectories]]

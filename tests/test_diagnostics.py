@@ -10,31 +10,29 @@
 """
 from __future__ import annotations
 
-import dataclasses
 import numpy as np
 import pytest
 import torch
 
 from common.config import LearnerConfig
-from common.records import Termination
+from common.records import EpisodeGroup, Termination, Trajectory
 from learner.advantages import grpo_advantages
 from learner.batching import build_batch, collate, plan_micro_batches
 from learner.loss import LossSettings, policy_loss
-from tests.synthetic import synthetic_groups
+from tests.synthetic import keep_trajectories, last_rows, step_rows, synthetic_groups
 from learner.trainer import PolicyTrainer
 
 
 def _grpo_of(groups, penalty=0.1) -> np.ndarray:
-    rows = [(g.group_id, t.traj_id, s) for g in groups for t in g.trajectories for s in t.steps]
+    rows = step_rows(groups)
     return grpo_advantages([r[0] for r in rows], [r[1] for r in rows], np.array([r[2].step for r in rows]),
                            [r[2].reward for r in rows], penalties=[0.0 if r[2].valid else penalty for r in rows])
 
 
 def _make_all_succeed(group) -> None:
+    group.rows["reward"][:] = 0.0
+    group.rows["reward"][last_rows(group)] = 10.0
     for t in group.trajectories:
-        for s in t.steps:
-            s.reward = 0.0
-        t.steps[-1].reward = 10.0
         t.success, t.episode_return = True, 10.0
 
 
@@ -74,8 +72,7 @@ def test_diagnostics_of_batches_without_signal_or_success():
     for g in groups:                          # every rollout fails, and every action is valid
         for t in g.trajectories:
             t.success, t.episode_return = False, 0.0
-            for s in t.steps:
-                s.reward, s.valid = 0.0, True
+        g.rows["reward"][:], g.rows["valid"][:] = 0.0, True
     m = build_batch(groups, LearnerConfig(algorithm="gigpo")).metrics
     # Both advantage vectors are 0: the same vector (cosine 1), no sign differs.
     assert m["adv/zero_share"] == 1.0
@@ -98,8 +95,7 @@ def test_env_error_trajectories_are_left_out_not_trained_as_failures():
     b = build_batch(groups, LearnerConfig())
 
     # The same batch as if the env-error trajectories (and the group left with one) had never come.
-    expected = build_batch([dataclasses.replace(broken, trajectories=[broken.trajectories[i] for i in (0, 2, 3)]),
-                            clean], LearnerConfig())
+    expected = build_batch([keep_trajectories(broken, [0, 2, 3]), clean], LearnerConfig())
     np.testing.assert_array_equal(b.advantages, expected.advantages)
     assert b.row_group == expected.row_group and lonely.group_id not in b.row_group
     assert b.num_rows == expected.num_rows == broken.num_rows + clean.num_rows - broken.trajectories[1].num_steps
@@ -120,7 +116,7 @@ def test_env_error_trajectories_are_left_out_not_trained_as_failures():
 def test_forced_tokens_are_left_out_of_the_loss():
     groups = synthetic_groups(2, 2, seed=4)
     forced_at = [0, 2]
-    groups[0].trajectories[0].steps[0].response_logprobs[forced_at] = 0.0    # the sampler had one choice
+    groups[0].steps(0)[0].response_logprobs[forced_at] = 0.0    # the sampler had one choice
     b = build_batch(groups, LearnerConfig())
     assert b.metrics["batch/forced_tokens"] == len(forced_at)
     mask = b.token_masks[0]                    # row 0 is that step
@@ -163,7 +159,7 @@ def test_learner_logprobs_are_of_the_sampling_temperature(tiny_model_path):
         PolicyTrainer(tiny_model_path, LearnerConfig(), temperature=0.0)
 
     groups = synthetic_groups(2, 3, vocab_size=1000, seed=7)
-    groups[0].trajectories[0].steps[0].response_logprobs[1] = 0.0       # one forced token (see below)
+    groups[0].steps(0)[0].response_logprobs[1] = 0.0       # one forced token (see below)
     batch = build_batch(groups, LearnerConfig())
     cfg = LearnerConfig(zero_stage=2, micro_batch_tokens=300, mini_batch_rows=1024, recompute_old_logprobs=True)
     trainer = PolicyTrainer(tiny_model_path, cfg, dtype="float32", temperature=T)
@@ -200,17 +196,18 @@ def test_evaluation_result_lists_every_episode():
     from actors.evaluation import summarize
 
     groups = synthetic_groups(3, 1, seed=13, policy_version=7)
+    groups[2] = EpisodeGroup.pack(groups[2].group_id, groups[2].task_id, "alfworld",      # ended at reset
+                                  [(Trajectory("t2", termination=Termination.ENV_ERROR), [])])
     trajs = [g.trajectories[0] for g in groups]
     trajs[0].task_type, trajs[1].task_type = "pick_and_place_simple", "look_at_obj_in_light"
-    trajs[2].termination, trajs[2].steps = Termination.ENV_ERROR, []       # ended at reset
-    result = summarize(trajs)
+    result = summarize(groups)
     assert {"episodes", "success", "per_task_type", "mean_steps"} <= set(result)
     detail = json.loads(json.dumps(result))["episodes_detail"]       # as `gigpo eval` saves it
-    assert [d["task_id"] for d in detail] == [t.task_id for t in trajs]
-    for d, t in zip(detail, trajs):
-        assert d == {"task_id": t.task_id, "task_type": t.task_type, "success": t.success,
+    assert [d["task_id"] for d in detail] == [g.task_id for g in groups]
+    for d, g, t in zip(detail, groups, trajs):
+        assert d == {"task_id": g.task_id, "task_type": t.task_type, "success": t.success,
                      "steps": t.num_steps, "return": t.episode_return, "score": t.score,
-                     "termination": t.termination.value, "policy_version": 7 if t.steps else -1}
+                     "termination": t.termination.value, "policy_version": 7 if t.num_steps else -1}
     assert sum(d["success"] for d in detail) / len(detail) == result["success"]
 
 

@@ -218,7 +218,7 @@ def test_a_poison_group_is_dead_lettered_and_the_rest_of_its_batch_trains(model_
     learner = Learner(cfg, model_path, redis_url, checkpoint_dir="")
     groups = synthetic_groups(3, 2, vocab_size=200, seed=5, max_steps=2)
     poison = groups[0]      # read first, with a good one: the batch is completed by the third
-    poison.trajectories[0].steps[0].response_ids[0] = learner.trainer.vocab_size + 4000
+    poison.rows["response_ids"][0] = learner.trainer.vocab_size + 4000
     producer = TrajectoryStream(redis_url, cfg.stream, consumer_name="producer")
     for g in groups:
         producer.publish(g)

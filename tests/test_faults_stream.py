@@ -88,7 +88,7 @@ def test_learner_dead_letters_a_group_it_cannot_train_and_unpublished_versions(r
     reasons = [d[b"reason"].decode() for d in dead]
     assert any("policy version 8, which this learner has not published (newest: 3)" in r for r in reasons)
     assert "token id 50000 >= vocabulary 1024" in reasons
-    assert all(d[b"orig.d"] for d in dead)        # the original payload is kept for a post-mortem
+    assert all(d[b"orig.data"] for d in dead)     # the original group is kept for a post-mortem
 
 
 def test_dead_letter_stream_is_bounded(redis_url):

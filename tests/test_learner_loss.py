@@ -12,7 +12,7 @@ from common.config import LearnerConfig
 from learner.advantages import gigpo_advantages, grpo_advantages
 from learner.batching import build_batch, collate, mini_batches, pack_by_tokens, plan_micro_batches
 from learner.loss import LossSettings, policy_loss, token_logprobs_and_entropy
-from tests.synthetic import synthetic_groups
+from tests.synthetic import step_rows, synthetic_groups
 
 
 def _reference_token_loss(lp, old, a, ref, ent, clip=0.2, c=3.0, kl_coef=0.01, ent_coef=0.001):
@@ -92,7 +92,7 @@ def test_token_logprobs_and_entropy():
 
 def test_build_batch_penalties_and_algorithms():
     groups = synthetic_groups(3, 4, seed=3)
-    rows = [(g.group_id, t.traj_id, s) for g in groups for t in g.trajectories for s in t.steps]
+    rows = step_rows(groups)
     args = ([r[0] for r in rows], [r[1] for r in rows], np.array([r[2].step for r in rows]),
             [r[2].reward for r in rows])
     pen = [0.0 if r[2].valid else 0.1 for r in rows]
@@ -112,8 +112,7 @@ def test_dynamic_sampling_skips_equal_return_groups_and_counts_them():
     groups = synthetic_groups(4, 4, seed=5)
     for t in groups[1].trajectories:          # make group 1 all-failed
         t.episode_return = 0.0
-        for s in t.steps:
-            s.reward = 0.0
+    groups[1].rows["reward"][:] = 0.0
     equal = [g.group_id for g in groups if len(set(t.episode_return for t in g.trajectories)) == 1]
     assert groups[1].group_id in equal and len(equal) < len(groups)
     b = build_batch(groups, LearnerConfig(dynamic_sampling=True))
@@ -125,7 +124,7 @@ def test_dynamic_sampling_skips_equal_return_groups_and_counts_them():
 
 def test_bad_rows_raise_clear_errors():
     groups = synthetic_groups(2, 2, seed=1)
-    groups[1].trajectories[0].steps[0].response_logprobs[0] = np.nan
+    groups[1].rows["response_logprobs"][0] = np.nan
     with pytest.raises(ValueError, match=groups[1].group_id):
         build_batch(groups, LearnerConfig())
 

@@ -50,7 +50,7 @@ def _all_success_group(tokenizer) -> tuple[EpisodeGroup, list[tuple[str, int]]]:
         text = f"<think>the mug is in the cabinet</think> <action>{action}</action>"
         return tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
 
-    trajs, order = [], []
+    played, order = [], []
     for name, path in PATHS.items():
         for copy in range(2):
             steps = []
@@ -65,9 +65,9 @@ def _all_success_group(tokenizer) -> tuple[EpisodeGroup, list[tuple[str, int]]]:
                     reward=10.0 if won else 0.0, anchor=OBS[state], valid=True, step=t, policy_version=0,
                     action=action))
                 order.append((name, t))
-            trajs.append(Trajectory(task_id="mug", group_id="g", traj_id=f"g-{name}-{copy}", steps=steps,
-                                    success=True, episode_return=10.0, score=1.0))
-    return EpisodeGroup(group_id="g", task_id="mug", env_name="alfworld", trajectories=trajs), order
+            played.append((Trajectory(traj_id=f"g-{name}-{copy}", success=True, episode_return=10.0, score=1.0),
+                           steps))
+    return EpisodeGroup.pack("g", "mug", "alfworld", played), order
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,7 @@ def group(tiny_model_path):
 
 
 def _columns(group: EpisodeGroup):
-    rows = [(t.traj_id, s) for t in group.trajectories for s in t.steps]
+    rows = [(t.traj_id, s) for k, t in enumerate(group.trajectories) for s in group.steps(k)]
     return ([group.group_id] * len(rows), [r[0] for r in rows], np.array([r[1].step for r in rows]),
             [r[1].reward for r in rows], [r[1].anchor for r in rows])
 

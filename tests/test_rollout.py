@@ -9,6 +9,7 @@ import ray
 
 from common.config import ExperimentConfig, to_dict
 from common.records import Termination
+from tests.synthetic import step_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -63,15 +64,15 @@ def _check_group(group, cfg: dict, versions=(0,)):
     assert len(group.trajectories) == N
     assert len({t.traj_id for t in group.trajectories}) == N
     first_anchors = set()
-    for traj in group.trajectories:
-        assert traj.task_id == group.task_id and traj.group_id == group.group_id
+    for k, traj in enumerate(group.trajectories):
+        steps = group.steps(k)
         assert traj.termination in (Termination.DONE, Termination.MAX_STEPS, Termination.ENV_ERROR,
                                     Termination.TRUNCATED)
         if traj.termination == Termination.MAX_STEPS:
             assert traj.num_steps == cfg["env"]["max_steps"] and not traj.success
-        assert [s.step for s in traj.steps] == list(range(traj.num_steps))
-        assert traj.episode_return == sum(s.reward for s in traj.steps)
-        for i, s in enumerate(traj.steps):
+        assert [s.step for s in steps] == list(range(traj.num_steps))
+        assert traj.episode_return == sum(s.reward for s in steps)
+        for i, s in enumerate(steps):
             assert len(s.response_ids) == len(s.response_logprobs) > 0
             assert len(s.prompt_ids) <= cfg["model"]["max_prompt_tokens"]
             assert (s.response_logprobs <= 0).all()
@@ -79,8 +80,8 @@ def _check_group(group, cfg: dict, versions=(0,)):
             # the success reward sits on the winning (last) step only
             won_here = traj.success and i == traj.num_steps - 1
             assert s.reward == (cfg["rollout"]["success_reward"] if won_here else 0.0)
-        if traj.steps:
-            first_anchors.add(traj.steps[0].anchor)
+        if steps:
+            first_anchors.add(steps[0].anchor)
     # same task, same seed: every member starts from the identical state
     assert len(first_anchors) <= 1
 
@@ -102,11 +103,11 @@ def test_rollout_publishes_complete_groups(setup):
         _check_group(g, cfg)
         assert g.producer == "ro-a" and g.env_name == "alfworld" and g.num_rows > 0
         # constrained decoding: every action is well-formed and admissible, so rows are valid
-        invalid = [(s.action, s.response_ids.tolist()) for t in g.trajectories for s in t.steps if not s.valid]
+        invalid = [(s.action, s.response_ids.tolist()) for _, _, s in step_rows([g]) if not s.valid]
         assert not invalid, (invalid, stats)
     # prompts follow the template: role line, task, the admissible actions
     from transformers import AutoTokenizer
-    text = AutoTokenizer.from_pretrained(path).decode(groups[0].trajectories[0].steps[0].prompt_ids)
+    text = AutoTokenizer.from_pretrained(path).decode(groups[0].steps(0)[0].prompt_ids)
     assert "ALFRED" in text and "Your admissible actions" in text and text.endswith("<|im_start|>assistant\n")
     ray.get(actor.close.remote())
 
@@ -189,11 +190,11 @@ def test_add_and_remove_rollout_actors_during_a_run(setup):
     assert len({g.group_id for g in groups}) == len(groups) and depth == 0
     for g in groups:
         _check_group(g, cfg, versions=(0, 1))
-    versions = [s.policy_version for g in groups for t in g.trajectories for s in t.steps]
+    versions = [s.policy_version for _, _, s in step_rows(groups)]
     assert 0 in versions and 1 in versions
     for g in groups:           # versions never go backwards inside a trajectory
-        for t in g.trajectories:
-            assert [s.policy_version for s in t.steps] == sorted(s.policy_version for s in t.steps)
+        for k in range(len(g.trajectories)):
+            assert [s.policy_version for s in g.steps(k)] == sorted(s.policy_version for s in g.steps(k))
     for actor in (a, b):
         ray.get(actor.close.remote())
         ray.kill(actor)
@@ -223,9 +224,9 @@ def test_a_hung_inference_actor_is_given_up_after_the_deadline(setup):
     cfg["env"]["max_steps"] = 1
     # Instance 0 asks actor 0 first: the hung one. Its request times out and goes to the real one.
     actor = create_rollout_actor(cfg, "ro-h", [hung, inference[0]], None)
-    trajs = ray.get(actor.play_tasks.remote(["gen/train/00000"]), timeout=120)
+    episodes = ray.get(actor.play_tasks.remote(["gen/train/00000"]), timeout=120)
     stats = ray.get(actor.stats.remote())
-    assert len(trajs) == 1 and trajs[0].num_steps == 1
+    assert len(episodes) == 1 and episodes[0].num_rows == 1
     assert stats["inference_timeouts"] == 1 and stats["inference_retries"] == 1
     ray.get(actor.close.remote())
 

@@ -110,9 +110,9 @@ def test_publish_refuses_bad_groups(redis_server, cfg):
     stream = TrajectoryStream(redis_server.url, cfg)
     with pytest.raises(ValueError, match="no steps"):
         stream.publish(make_group("empty", num_steps=0))
-    group = make_group("mixed")
-    group.trajectories[0].task_id = "other-task"
-    with pytest.raises(ValueError, match="belongs to group"):
+    group = make_group("miscounted")
+    group.trajectories[0].num_steps += 1
+    with pytest.raises(ValueError, match="its trajectories have 7 steps, its rows 6"):
         stream.publish(group)
     assert stream.depth() == 0
 
@@ -153,13 +153,14 @@ def test_malformed_entries_go_to_dead_letter_and_consumer_keeps_going(redis_serv
     stream = TrajectoryStream(redis_server.url, cfg)
     r = connect(redis_server.url)
     good = make_group("good")
-    bad_payload = b"\x92\x01\x02"                  # msgpack, but not a group
-    r.xadd(cfg.stream, {"v": SCHEMA_VERSION, "g": "m1", "p0": 0, "p1": 0, "d": b"\xc1garbage"})
-    r.xadd(cfg.stream, {"v": SCHEMA_VERSION + 1, "g": "m2", "p0": 0, "p1": 0, "d": encode_group(good)})
+    parts = encode_group(good)
+    bad_header = b"\x92\x01\x02"                  # msgpack, but not a group's header
+    r.xadd(cfg.stream, {"v": SCHEMA_VERSION, "g": "m1", "p0": 0, "p1": 0, "h": b"\xc1garbage"})
+    r.xadd(cfg.stream, {"v": SCHEMA_VERSION + 1, "g": "m2", "p0": 0, "p1": 0, **parts})
     r.xadd(cfg.stream, {"hello": "world"})
-    r.xadd(cfg.stream, {"v": SCHEMA_VERSION, "g": "m4", "p0": 0, "p1": 0, "d": bad_payload})
-    r.xadd(cfg.stream, {"v": SCHEMA_VERSION, "g": "not-good", "p0": 0, "p1": 0, "d": encode_group(good)})
-    r.xadd(cfg.stream, {"v": SCHEMA_VERSION, "g": "m6", "p0": "zero", "p1": 0, "d": b""})
+    r.xadd(cfg.stream, {"v": SCHEMA_VERSION, "g": "m4", "p0": 0, "p1": 0, **parts, "h": bad_header})
+    r.xadd(cfg.stream, {"v": SCHEMA_VERSION, "g": "not-good", "p0": 0, "p1": 0, **parts})
+    r.xadd(cfg.stream, {"v": SCHEMA_VERSION, "g": "m6", "p0": "zero", "p1": 0, "h": b""})
     stream.publish(good)
     got = stream.read(max_groups=10, block_ms=100, policy_version=0, trained_ids=set())
     assert [x.group.group_id for x in got] == ["good"]
@@ -168,14 +169,15 @@ def test_malformed_entries_go_to_dead_letter_and_consumer_keeps_going(redis_serv
     assert stream.depth() == 0 and stream.pending() == 0
     dead = stream.dead_letters()
     reasons = [d[b"reason"].decode() for d in dead]
-    assert "not a group" in reasons[0]
+    assert "missing parts" in reasons[0]
     assert f"schema version b'{SCHEMA_VERSION + 1}'" in reasons[1]
     assert "missing schema version" in reasons[2]
-    assert "expected the header as msgpack bin" in reasons[3]
+    assert "header: expected a map" in reasons[3]
     assert "disagrees with payload" in reasons[4]
     assert "not integers" in reasons[5]
-    assert dead[0][b"orig.d"] == b"\xc1garbage"            # the original bytes are kept
-    assert dead[3][b"orig.d"] == bad_payload and dead[2][b"orig.hello"] == b"world"
+    assert dead[0][b"orig.h"] == b"\xc1garbage"            # the original bytes are kept
+    assert dead[3][b"orig.h"] == bad_header and dead[2][b"orig.hello"] == b"world"
+    assert dead[4][b"orig.data"] == bytes(parts["data"])
 
 
 def test_stale_groups_are_dropped_acked_and_counted(source):

@@ -1,17 +1,20 @@
-"""Trajectory-stream throughput: codec MB/s, and groups/s through Redis against raw Redis stream commands.
+"""Trajectory-stream throughput: encode and decode time per group, and groups/s through Redis against raw
+Redis stream commands.
 
 Realistic groups: 8 trajectories x 30 steps, ~600 prompt + 100 response tokens per step (~0.9 MB encoded).
 End to end = TrajectoryStream.publish + read + ack (encode, backpressure check, XADD, XREADGROUP, decode and
-validate, XACK + XDEL). Baseline, same run, same server: raw XADD / XREADGROUP / XACK of byte blobs of the
+check the layout, XACK + XDEL). The groups are built (`EpisodeGroup.pack`: steps laid out by column, as the
+rollout does once per group) before anything is timed; that cost is printed on its own. Baseline, same run, same server: raw XADD / XREADGROUP / XACK of byte blobs of the
 same size. Two shapes: sequential (one process does everything: every cost adds up on one core) and pipelined (a
 producer process publishes while the learner process reads and acks, as deployed). Prints the ratios
 (target >= 0.7): wall-clock, and per CPU-second (client processes + redis-server), which moves less when other
 jobs share the machine. Each round moves 96 groups (~80 MB): with fewer, the pipeline's fill and drain (the
 consumer idles until the first group is published, the producer idles at the end) weigh so much that both
-sides look alike: 24 groups per round gave 0.62-0.67 pipelined, 96 give ~0.5. Runs in well under a minute.
+sides look alike (with the per-row records of schema 2: 24 groups per round gave 0.62-0.67 pipelined, 96
+gave ~0.5). Runs in well under a minute.
 
-A third path per round, "codec skipped", runs TrajectoryStream with bytes encoded beforehand and a decoder
-that looks the group up instead of parsing it: what the stream's own work (backpressure slot, header fields,
+A third path per round, "codec skipped", runs TrajectoryStream with parts encoded beforehand and a decoder
+that looks the group up instead of reading it: what the stream's own work (backpressure slot, header fields,
 ack + delete) costs without the codec. Its ratio against raw is the ceiling that a faster codec could reach.
 
     python bench/bench_stream.py [--groups 96] [--rounds 5]
@@ -31,9 +34,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common.codec import decode_group, encode_group, encoded_size  # noqa: E402
 from common.config import StreamConfig  # noqa: E402
-from common.records import EpisodeGroup, StepRow, Termination, Trajectory  # noqa: E402
+from common.records import (EpisodeGroup, StepRow, Termination, Trajectory, decode_group,  # noqa: E402
+                            encode_group, encoded_size)
 from common.redis_server import EmbeddedRedis, connect  # noqa: E402
 import common.stream  # noqa: E402
 from common.stream import TrajectoryStream  # noqa: E402

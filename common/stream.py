@@ -21,9 +21,9 @@ counted) when first delivered; a redelivered group (pending after a learner cras
 it was first read and is not judged again (see `learner.loop.Learner._resume`).
 
 Entry fields: v (schema version), r (run id), g (group id), p0 / p1 (oldest / newest policy version), then
-the group's parts (`common.codec`: its header h and one field per column). Version, run, id and policy
-versions sit beside the group so that duplicates, stale groups and other runs' groups are dropped without
-decoding; the reader checks they agree with the group.
+the group's parts (`common.records.encode_group`: header h, rows table, data block). Version, run, id and
+policy versions sit beside the group so that duplicates, stale groups and other runs' groups are dropped
+without decoding; the reader checks they agree with the group.
 
 Runs sharing one Redis. The stream key, the consumer group and every record carry the run id
 (`stream.run_id`): a learner dead-letters a record of another run (one written under an explicitly shared
@@ -46,9 +46,8 @@ from typing import Callable
 import redis
 from redis.exceptions import OutOfMemoryError, ResponseError
 
-from common.codec import HEADER, SCHEMA_VERSION, CodecError, decode_group, encode_group
 from common.config import StreamConfig
-from common.records import EpisodeGroup
+from common.records import HEADER, SCHEMA_VERSION, CodecError, EpisodeGroup, decode_group, encode_group
 from common.redis_server import connect
 
 # Backpressure with an exact bound and without sending the payload through Lua (a script argument of ~1 MB

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from common.codec import SCHEMA_VERSION, encode_group
+from common.records import SCHEMA_VERSION, encode_group
 from common.config import StreamConfig
 from common.redis_server import connect, redis_for
 from common.stream import TrajectoryStream

@@ -8,8 +8,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from common.codec import SCHEMA_VERSION, CodecError, decode_group, encode_group
-from common.records import TABLE, EpisodeGroup, Rows, StepRow, Termination, Trajectory, check_values, layout
+from common.records import (SCHEMA_VERSION, TABLE, CodecError, EpisodeGroup, Rows, StepRow, Termination, Trajectory,
+                            check_values, decode_group, encode_group, layout)
 from tests.stream_factory import assert_groups_equal, make_group
 
 
@@ -187,7 +187,7 @@ def test_values_are_checked_once_by_the_learner_not_by_the_decoder():
 
 def test_no_pickle_on_the_wire():
     root = Path(__file__).resolve().parents[1] / "common"
-    for name in ("codec.py", "stream.py", "redis_server.py", "records.py"):
+    for name in ("stream.py", "redis_server.py", "records.py"):
         text = (root / name).read_text()
         assert "import pickle" not in text and "pickle.loads" not in text, name
 

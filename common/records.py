@@ -215,16 +215,18 @@ class Rows:
                 table[name] = [getattr(s, name) for s in steps]
                 continue
             if name in TEXT:
-                values[name] = [np.frombuffer(str(getattr(s, name)).encode(), np.uint8) for s in steps]
+                values[name] = [str(getattr(s, name)).encode() for s in steps]
             else:
                 values[name] = [getattr(s, name) for s in steps]
-                if any(np.ndim(v) != 1 for v in values[name]):
+                if any(v.ndim != 1 for v in values[name]):
                     raise ValueError(f"{name}: arrays that are not 1-D")
             table[RAGGED[name]] = np.fromiter(map(len, values[name]), dtype="<i4", count=len(steps))
         rows = Rows(table, np.zeros(layout(table)[1], dtype=np.uint8))      # (then filled in)
-        for name, arrays in values.items():
-            if arrays:
-                np.concatenate(arrays, out=rows.ragged[name], casting="same_kind")
+        for name, parts in values.items():
+            if name in TEXT:
+                rows.ragged[name][:] = np.frombuffer(b"".join(parts), np.uint8)
+            elif parts:
+                np.concatenate(parts, out=rows.ragged[name], casting="same_kind")
         return rows
 
     def offsets(self, length: str) -> np.ndarray:

@@ -4,8 +4,8 @@ Redis stream commands.
 Realistic groups: 8 trajectories x 30 steps, ~600 prompt + 100 response tokens per step (~0.9 MB encoded).
 End to end = TrajectoryStream.publish + read + ack (encode, backpressure check, XADD, XREADGROUP, decode and
 check the layout, XACK + XDEL). The groups are built (`EpisodeGroup.pack`: steps laid out by column, as the
-rollout does once per group) before anything is timed; that cost is printed on its own. Baseline, same run, same server: raw XADD / XREADGROUP / XACK of byte blobs of the
-same size. Two shapes: sequential (one process does everything: every cost adds up on one core) and pipelined (a
+rollout does once per group) before anything is timed; that cost is printed on its own. Baseline, same
+run, same server: raw XADD / XREADGROUP / XACK of byte blobs of the same size. Two shapes: sequential (one process does everything: every cost adds up on one core) and pipelined (a
 producer process publishes while the learner process reads and acks, as deployed). Prints the ratios
 (target >= 0.7): wall-clock, and per CPU-second (client processes + redis-server), which moves less when other
 jobs share the machine. Each round moves 96 groups (~80 MB): with fewer, the pipeline's fill and drain (the

@@ -6,8 +6,8 @@ Data flows one way: env instances produce observations, a rollout actor turns ea
 learner trains on the rows. The wire format (below) sends those arrays as they are.
 
 `StepRow` is the row schema, defined once: each field says its dtype, whether it is ragged (one array per
-row, stored back to back with a length column) and what its values must satisfy. `Rows`, the codec's
-encoding and validation, and the learner's batching are derived from it.
+row, stored back to back with a length column) and what its values must satisfy. `Rows`, the wire
+format, the checks and the learner's batching are derived from it.
 
 Wire format. An encoded group (`encode_group`) is a few named parts; the trajectory stream stores each as
 one field of the group's entry:

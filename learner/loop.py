@@ -217,8 +217,8 @@ class Learner:
         return batch
 
     def _valid(self, received: list) -> list:
-        """The groups that can be trained on; the others (token ids outside the vocabulary, inconsistent
-        lengths, non-finite numbers: `learner.batching.check_group`) go to the dead-letter stream with the
+        """The groups that can be trained on; the others (token ids outside the vocabulary, non-finite
+        numbers, positive log-probs: `learner.batching.check_group`) go to the dead-letter stream with the
         reason, so that one bad group neither crashes the learner nor comes back."""
         good = []
         for r in received:

@@ -205,3 +205,14 @@ def test_encode_refuses_headers_the_decoder_would_refuse():
     group.trajectories[0].task_type = "\ud800 lone surrogate"
     with pytest.raises(CodecError, match="cannot be encoded"):
         encode_group(group)
+
+
+def test_a_group_pickles_as_its_two_arrays():
+    # Ray moves groups between processes by pickle (evaluation episodes): the views come back as views.
+    import pickle
+
+    group = make_group("g-pickle")
+    back = pickle.loads(pickle.dumps(group))
+    assert_groups_equal(group, back)
+    assert np.shares_memory(back.rows["prompt_ids"], back.rows.data)
+    assert len(pickle.dumps(group.rows)) < group.rows.data.nbytes + group.rows.table.nbytes + 1000

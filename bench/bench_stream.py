@@ -5,10 +5,10 @@ Realistic groups: 8 trajectories x 30 steps, ~600 prompt + 100 response tokens p
 End to end = TrajectoryStream.publish + read + ack (encode, backpressure check, XADD, XREADGROUP, decode and
 check the layout, XACK + XDEL). The groups are built (`EpisodeGroup.pack`: steps laid out by column, as the
 rollout does once per group) before anything is timed; that cost is printed on its own. Baseline, same
-run, same server: raw XADD / XREADGROUP / XACK of byte blobs of the same size. Two shapes: sequential (one process does everything: every cost adds up on one core) and pipelined (a
-producer process publishes while the learner process reads and acks, as deployed). Prints the ratios
-(target >= 0.7): wall-clock, and per CPU-second (client processes + redis-server), which moves less when other
-jobs share the machine. Each round moves 96 groups (~80 MB): with fewer, the pipeline's fill and drain (the
+run, same server: raw XADD / XREADGROUP / XACK of byte blobs of the same size. Two shapes: sequential (one
+process does everything: every cost adds up on one core) and pipelined (a producer process publishes while
+the learner process reads and acks, as deployed). Prints the ratios (target >= 0.7): wall-clock, and per
+CPU-second (client processes + redis-server), which moves less when other jobs share the machine. Each round moves 96 groups (~80 MB): with fewer, the pipeline's fill and drain (the
 consumer idles until the first group is published, the producer idles at the end) weigh so much that both
 sides look alike (with the per-row records of schema 2: 24 groups per round gave 0.62-0.67 pipelined, 96
 gave ~0.5). Runs in well under a minute.

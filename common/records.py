@@ -244,22 +244,10 @@ class Rows:
         ends = self.offsets(RAGGED[name]).tolist()
         return [data[a:b].decode() for a, b in zip(ends, ends[1:])]
 
-    def step(self, i: int) -> StepRow:
-        """Row i as a StepRow (its arrays are views of the columns): for tests and logs."""
-        values = {}
-        for name in COLUMNS:
-            if name in RAGGED:
-                start = int(self.offsets(RAGGED[name])[i])
-                value = self.ragged[name][start:start + int(self.table[RAGGED[name]][i])]
-                values[name] = value.tobytes().decode() if name in TEXT else value
-            else:
-                values[name] = self.table[name][i].item()
-        return StepRow(**values)
-
 
 @dataclass
 class Trajectory:
-    """How one rollout of one task went. Its steps are rows of its group (`EpisodeGroup.steps(k)`)."""
+    """How one rollout of one task went. Its steps are rows of its group."""
 
     traj_id: str                    # unique id of this trajectory (unique across the whole run)
     num_steps: int = 0
@@ -314,11 +302,6 @@ class EpisodeGroup:
     def row_trajectory(self) -> np.ndarray:
         """The index of each row's trajectory (int64 [rows])."""
         return np.repeat(np.arange(len(self.trajectories)), [t.num_steps for t in self.trajectories])
-
-    def steps(self, k: int) -> list[StepRow]:
-        """Trajectory k's steps as StepRows (views of the columns): for tests and logs."""
-        start = sum(t.num_steps for t in self.trajectories[:k])
-        return [self.rows.step(i) for i in range(start, start + self.trajectories[k].num_steps)]
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import time
 import numpy as np
 
 from common.records import EpisodeGroup, StepRow, Termination, Trajectory
+from tests.synthetic import row_step
 
 
 def make_group(group_id: str, *, num_traj: int = 2, num_steps: int = 3, prompt_len: int = 20,
@@ -42,7 +43,7 @@ def assert_groups_equal(a: EpisodeGroup, b: EpisodeGroup) -> None:
     assert all(isinstance(t.termination, Termination) for t in b.trajectories)
     assert len(a.rows) == len(b.rows)
     for i in range(len(a.rows)):
-        sa, sb = a.rows.step(i), b.rows.step(i)
+        sa, sb = row_step(a.rows, i), row_step(b.rows, i)
         assert sb.prompt_ids.dtype == np.int32 and sb.response_ids.dtype == np.int32
         assert sb.response_logprobs.dtype == np.float32
         np.testing.assert_array_equal(sa.prompt_ids, sb.prompt_ids)

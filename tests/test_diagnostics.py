@@ -19,7 +19,7 @@ from common.records import EpisodeGroup, Termination, Trajectory
 from learner.advantages import grpo_advantages
 from learner.batching import build_batch, collate, plan_micro_batches
 from learner.loss import LossSettings, policy_loss
-from tests.synthetic import keep_trajectories, last_rows, step_rows, synthetic_groups
+from tests.synthetic import keep_trajectories, last_rows, step_rows, steps_of, synthetic_groups
 from learner.trainer import PolicyTrainer
 
 
@@ -116,7 +116,7 @@ def test_env_error_trajectories_are_left_out_not_trained_as_failures():
 def test_forced_tokens_are_left_out_of_the_loss():
     groups = synthetic_groups(2, 2, seed=4)
     forced_at = [0, 2]
-    groups[0].steps(0)[0].response_logprobs[forced_at] = 0.0    # the sampler had one choice
+    steps_of(groups[0], 0)[0].response_logprobs[forced_at] = 0.0    # the sampler had one choice
     b = build_batch(groups, LearnerConfig())
     assert b.metrics["batch/forced_tokens"] == len(forced_at)
     mask = b.token_masks[0]                    # row 0 is that step
@@ -159,7 +159,7 @@ def test_learner_logprobs_are_of_the_sampling_temperature(tiny_model_path):
         PolicyTrainer(tiny_model_path, LearnerConfig(), temperature=0.0)
 
     groups = synthetic_groups(2, 3, vocab_size=1000, seed=7)
-    groups[0].steps(0)[0].response_logprobs[1] = 0.0       # one forced token (see below)
+    steps_of(groups[0], 0)[0].response_logprobs[1] = 0.0       # one forced token (see below)
     batch = build_batch(groups, LearnerConfig())
     cfg = LearnerConfig(zero_stage=2, micro_batch_tokens=300, mini_batch_rows=1024, recompute_old_logprobs=True)
     trainer = PolicyTrainer(tiny_model_path, cfg, dtype="float32", temperature=T)

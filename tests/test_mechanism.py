@@ -13,6 +13,7 @@ import torch
 
 from common.config import LearnerConfig
 from common.records import EpisodeGroup, StepRow, Trajectory
+from tests.synthetic import steps_of
 from learner.advantages import gigpo_parts, grpo_advantages
 from learner.batching import build_batch
 from learner.trainer import PolicyTrainer
@@ -78,7 +79,7 @@ def group(tiny_model_path):
 
 
 def _columns(group: EpisodeGroup):
-    rows = [(t.traj_id, s) for k, t in enumerate(group.trajectories) for s in group.steps(k)]
+    rows = [(t.traj_id, s) for k, t in enumerate(group.trajectories) for s in steps_of(group, k)]
     return ([group.group_id] * len(rows), [r[0] for r in rows], np.array([r[1].step for r in rows]),
             [r[1].reward for r in rows], [r[1].anchor for r in rows])
 

@@ -9,7 +9,7 @@ import ray
 
 from common.config import ExperimentConfig, to_dict
 from common.records import Termination
-from tests.synthetic import step_rows
+from tests.synthetic import step_rows, steps_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -65,7 +65,7 @@ def _check_group(group, cfg: dict, versions=(0,)):
     assert len({t.traj_id for t in group.trajectories}) == N
     first_anchors = set()
     for k, traj in enumerate(group.trajectories):
-        steps = group.steps(k)
+        steps = steps_of(group, k)
         assert traj.termination in (Termination.DONE, Termination.MAX_STEPS, Termination.ENV_ERROR,
                                     Termination.TRUNCATED)
         if traj.termination == Termination.MAX_STEPS:
@@ -107,7 +107,7 @@ def test_rollout_publishes_complete_groups(setup):
         assert not invalid, (invalid, stats)
     # prompts follow the template: role line, task, the admissible actions
     from transformers import AutoTokenizer
-    text = AutoTokenizer.from_pretrained(path).decode(groups[0].steps(0)[0].prompt_ids)
+    text = AutoTokenizer.from_pretrained(path).decode(steps_of(groups[0], 0)[0].prompt_ids)
     assert "ALFRED" in text and "Your admissible actions" in text and text.endswith("<|im_start|>assistant\n")
     ray.get(actor.close.remote())
 
@@ -194,7 +194,8 @@ def test_add_and_remove_rollout_actors_during_a_run(setup):
     assert 0 in versions and 1 in versions
     for g in groups:           # versions never go backwards inside a trajectory
         for k in range(len(g.trajectories)):
-            assert [s.policy_version for s in g.steps(k)] == sorted(s.policy_version for s in g.steps(k))
+            versions = [s.policy_version for s in steps_of(g, k)]
+            assert versions == sorted(versions)
     for actor in (a, b):
         ray.get(actor.close.remote())
         ray.kill(actor)

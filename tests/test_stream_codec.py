@@ -11,6 +11,7 @@ import pytest
 from common.records import (SCHEMA_VERSION, TABLE, CodecError, EpisodeGroup, Rows, StepRow, Termination, Trajectory,
                             check_values, decode_group, encode_group, layout)
 from tests.stream_factory import assert_groups_equal, make_group
+from tests.synthetic import row_step, steps_of
 
 
 def _received(group: EpisodeGroup) -> dict[bytes, bytes]:
@@ -50,7 +51,7 @@ def test_rows_are_two_arrays_laid_out_as_the_schema_says():
     assert len(parts[b"data"]) == size and all(offset % 8 == 0 for offset, _ in where.values())
     offset, count = where["response_logprobs"]
     np.testing.assert_array_equal(np.frombuffer(parts[b"data"], "<f4", count, offset),
-                                  np.concatenate([s.response_logprobs for s in group.steps(0)]))
+                                  np.concatenate([s.response_logprobs for s in steps_of(group, 0)]))
     header = msgpack.unpackb(parts[b"h"])
     assert header["schema"] == SCHEMA_VERSION and header["trajectories"]["num_steps"] == [2]
 
@@ -93,7 +94,7 @@ def test_a_row_reads_back_as_the_step_it_was():
     rows = Rows.from_steps(steps)
     assert rows.text("anchor") == ["Ünï", ""] and [len(r) for r in rows.per_row("response_ids")] == [1, 0]
     for i, s in enumerate(steps):
-        got = rows.step(i)
+        got = row_step(rows, i)
         np.testing.assert_array_equal(got.prompt_ids, s.prompt_ids)
         assert (got.reward, got.anchor, got.valid, got.step, got.action) == (s.reward, s.anchor, s.valid, s.step,
                                                                              s.action)

@@ -269,8 +269,13 @@ class Rollout:
         group_id = f"{self.actor_id}-{uuid.uuid4().hex[:16]}"
         played = await asyncio.gather(*[
             self._play_trajectory(slot * n + j, task_id, env_seed, group_id, j) for j in range(n)])
-        return EpisodeGroup.pack(group_id, task_id, self.cfg.env.name, played, created_at=time.time(),
-                                 producer=self.actor_id)
+        try:
+            return EpisodeGroup.pack(group_id, task_id, self.cfg.env.name, played, created_at=time.time(),
+                                     producer=self.actor_id)
+        except ValueError as exc:       # e.g. a NaN log-prob from a broken engine: nothing a learner can use
+            log.error("group %s of %s dropped, its steps do not fit the row schema: %s", group_id, task_id, exc)
+            self.counters["groups_invalid"] += 1
+            return EpisodeGroup(group_id, task_id, self.cfg.env.name)      # no rows: not published
 
     # -- one trajectory ---------------------------------------------------------------------------------
 

@@ -211,6 +211,32 @@ class HungInference:
         await asyncio.Event().wait()
 
 
+@ray.remote
+class NaNInference:
+    """An inference actor whose engine returns a NaN log-prob (a broken engine): a real actor, really
+    answering wrong, not a mock of one."""
+
+    async def generate(self, prompt_ids, sampling):
+        return {"response_ids": [5, 6], "logprobs": [float("nan"), -1.0], "policy_version": 0,
+                "finish_reason": "length"}
+
+
+@pytest.mark.fault
+def test_a_group_with_a_nan_log_prob_is_dropped_and_counted_not_published(setup):
+    from actors.rollout import create_rollout_actor
+
+    path, _, url = setup
+    cfg = _cfg(path, "test:nan", groups_per_actor=1, group_size=2)
+    cfg["env"]["max_steps"] = 1
+    broken = NaNInference.remote()
+    actor = create_rollout_actor(cfg, "ro-nan", [broken], url)
+    stats = ray.get(actor.run.remote(max_groups=1), timeout=120)
+    assert stats["groups_invalid"] == 1 and stats["groups_published"] == 0
+    assert _read_all(url, cfg, expect=None)[1] == 0          # nothing reached the stream
+    ray.get(actor.close.remote())
+    ray.kill(broken)
+
+
 @pytest.mark.fault
 def test_a_hung_inference_actor_is_given_up_after_the_deadline(setup):
     from actors.rollout import create_rollout_actor

@@ -32,9 +32,8 @@ Runs sharing one Redis. The stream key, the consumer group and every record carr
 Poison pills. A group the learner cannot train on must not stop training: records are checked on read
 (entry fields, the group's layout, versions not above the newest one published), the learner checks the
 values (finite log-probs and rewards, token ids inside the vocabulary: `learner.batching.check_group`) and
-dead-letters what fails (`dead_letter`), and a group handed out
-more than `stream.max_deliveries` times (a learner crashed on it each time) is dead-lettered when it comes
-back. The dead-letter stream keeps the newest `stream.dead_letter_max` entries.
+dead-letters what fails (`dead_letter`), and a group handed out more than `stream.max_deliveries` times (a
+learner crashed on it each time) is dead-lettered when it comes back. The dead-letter stream keeps the newest `stream.dead_letter_max` entries.
 """
 from __future__ import annotations
 

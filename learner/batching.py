@@ -139,7 +139,8 @@ def build_batch(groups: list[EpisodeGroup], cfg: LearnerConfig, *, invalid_actio
         check_group(g)
 
     # Environment errors out first: everything below sees only trajectories with a known outcome.
-    usable: list[tuple[EpisodeGroup, np.ndarray]] = []      # (group, its usable trajectories: bool [N])
+    # (group, which of its trajectories are usable: bool [N], those trajectories)
+    usable: list[tuple[EpisodeGroup, np.ndarray, list]] = []
     env_error_trajs = 0
     env_error_groups: list[str] = []
     for g in groups:
@@ -148,22 +149,21 @@ def build_batch(groups: list[EpisodeGroup], cfg: LearnerConfig, *, invalid_actio
         if not good.all() and good.sum() < MIN_TRAJECTORIES:
             env_error_groups.append(g.group_id)
             continue
-        usable.append((g, good))
+        usable.append((g, good, [t for t, ok in zip(g.trajectories, good) if ok]))
 
     kept, skipped = [], []
-    for g, good in usable:
+    for g, good, trajs in usable:
         returns = g.returns()[good]
         if cfg.dynamic_sampling and len(returns) and np.all(returns == returns[0]):
             skipped.append(g.group_id)
         else:
-            kept.append((g, good))
+            kept.append((g, good, trajs))
 
     # The kept rows, flattened group after group: one entry per row in every list below.
     gid, tid, steps, rewards, anchors, valid = [], [], [], [], [], []
     prompts, responses, logps = [], [], []
     episode_returns, successes, lengths = [], [], []
-    for g, good in kept:
-        trajs = [t for t, ok in zip(g.trajectories, good) if ok]
+    for g, good, trajs in kept:
         episode_returns += [t.episode_return for t in trajs]
         successes += [float(t.success) for t in trajs]
         lengths += [t.num_steps for t in trajs]
@@ -212,8 +212,7 @@ def build_batch(groups: list[EpisodeGroup], cfg: LearnerConfig, *, invalid_actio
     a = batch.advantages
     base = np.asarray(grpo, dtype=np.float64)[idx]
     forced = sum(int((~m).sum()) for m in batch.token_masks)
-    usable_trajs = [[t for t, ok in zip(g.trajectories, good) if ok] for g, good in usable]
-    success_lengths = [t.num_steps for trajs in usable_trajs for t in trajs if t.success]
+    success_lengths = [t.num_steps for _, _, trajs in usable for t in trajs if t.success]
     metrics.update({
         "batch/groups": float(len(groups)),
         "batch/groups_skipped_equal_returns": float(len(skipped)),
@@ -235,7 +234,7 @@ def build_batch(groups: list[EpisodeGroup], cfg: LearnerConfig, *, invalid_actio
         "diag/adv_cosine_vs_grpo": _cosine(a, base),
         "diag/adv_sign_differs_share": float(np.mean(np.sign(a) != np.sign(base))) if len(a) else 0.0,
         "diag/groups_all_success_share": (float(np.mean([all(t.success for t in trajs)
-                                                         for trajs in usable_trajs])) if usable else 0.0),
+                                                         for _, _, trajs in usable])) if usable else 0.0),
         "diag/success_episode_length_mean": float(np.mean(success_lengths)) if success_lengths else float("nan"),
         "diag/successful_trajectories": float(len(success_lengths)),
         "diag/successful_trajectory_steps": float(sum(success_lengths)),

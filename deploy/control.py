@@ -13,6 +13,7 @@ from pathlib import Path
 
 import redis
 
+from common.metrics import SECTIONS
 from common.redis_server import (PASSWORD_ENV, is_redacted, password_file_for, read_password_file, redact,
                                  with_password)
 
@@ -99,7 +100,8 @@ class ControlChannel:
 
 
 def format_status(status: dict | None) -> str:
-    """The one-screen view of `gigpo status`."""
+    """The one-screen view of `gigpo status`: the run and its actors, then one line per section of
+    common/metrics.py with the latest figure of each declared metric the status holds."""
     if not status:
         return "no status published yet (the job may still be starting)"
     age = time.time() - status.get("updated_at", 0)
@@ -110,16 +112,24 @@ def format_status(status: dict | None) -> str:
         f"rollout actors {status.get('rollout_actors', 0)} (restarted {status.get('rollout_restarts', 0)} times, "
         f"{status.get('rollout_restarting', 0)} coming back)"
         f"   inference actors {status.get('inference_actors', 0)}   env instances {status.get('env_instances', 0)}",
-        f"throughput: {status.get('env_steps_per_s', 0.0):.1f} env steps/s   "
-        f"{status.get('tokens_per_s', 0.0):.0f} tokens/s   {status.get('groups_per_s', 0.0):.2f} groups/s",
-        f"stream: depth {status.get('stream_depth', 0)}   policy lag min/avg/max "
-        f"{status.get('policy_lag_min', 0)}/{status.get('policy_lag_avg', 0.0):.1f}/{status.get('policy_lag_max', 0)}"
-        f"   dropped stale {status.get('dropped_stale', 0)}",
-        f"learner: waiting {status.get('learner_wait_s', 0.0):.1f}s  training {status.get('learner_train_s', 0.0):.1f}s"
-        f"  pushing {status.get('learner_push_s', 0.0):.1f}s (last update)",
-        f"success (train, recent) {status.get('success_rate', 0.0):.2f}   "
-        f"last eval {status.get('eval_success', 'n/a')}",
     ]
+    figures = status.get("metrics", {})
+    for section, specs in SECTIONS.items():
+        shown = []
+        for spec in specs:
+            values = [" ".join([*labels.values(), _figure(figures[key]) + spec.unit])
+                      for labels, key in spec.update_keys if key in figures]
+            if values:
+                shown.append(f"{spec.name} {', '.join(values)}")
+        if shown:
+            lines.append(f"{section}: " + "   ".join(shown))
     if status.get("outputs"):
         lines.append(f"outputs: {status['outputs']}")
     return "\n".join(lines)
+
+
+def _figure(value: float) -> str:
+    """A count as an integer, anything else with 3 significant digits (large ones without decimals)."""
+    if float(value).is_integer() or abs(value) >= 1000:
+        return f"{value:.0f}"
+    return f"{value:.3g}"

@@ -1,6 +1,7 @@
-"""The Grafana dashboard of a GiGPO run, built from the metric declarations in common/metrics.py.
+"""The Grafana dashboard of a GiGPO run and the metrics' reference page, built from the metric declarations in
+common/metrics.py.
 
-    python -m deploy.dashboard            # (re)writes deploy/grafana/gigpo-dashboard.json
+    python -m deploy.dashboard            # (re)writes deploy/grafana/gigpo-dashboard.json and docs/metrics.md
 
 The JSON is committed so that it can be imported as is (Grafana: Dashboards > New > Import, or dropped
 into the dashboards folder Ray provisions for its Grafana: <ray session>/metrics/grafana/dashboards).
@@ -15,9 +16,11 @@ import json
 import re
 from pathlib import Path
 
+from common.metrics import COMMON_LABELS, SECTIONS
 from common.metrics import exported_name as N
 
 DASHBOARD_PATH = Path(__file__).resolve().parent / "grafana" / "gigpo-dashboard.json"
+METRICS_DOC_PATH = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 UID = "gigpo-rl"
 # Series filter of every query: the chosen Ray session(s) and KubeRay cluster(s).
 F = 'SessionName=~"$SessionName",ray_io_cluster=~"$Cluster"'
@@ -71,7 +74,7 @@ ROWS: list[tuple[str, list[tuple[str, str, str, list[tuple[str, str]]]]]] = [
     ("Lags", [
         ("Policy lag (versions)", "short",
          "How many versions older than the learner's the weights were that generated the groups of the "
-         "last batch: min / avg / max. Groups older than stream.max_policy_lag are dropped (see groups/s).",
+         "last batch: min / mean / max. Groups older than stream.max_policy_lag are dropped (see groups/s).",
          [(f"max by (stat) ({N('policy_lag')}{{{F}}})", "{{stat}}")]),
         ("Trajectory stream depth", "short",
          "Episode groups waiting in the Redis stream. Near stream.max_stream_groups: rollouts wait on "
@@ -232,10 +235,32 @@ def render() -> str:
     return json.dumps(build_dashboard(), indent=2) + "\n"
 
 
+def render_metrics_doc() -> str:
+    """docs/metrics.md: every declared metric, by the section of `gigpo status` that shows it."""
+    lines = ["# Metrics", "",
+             "Generated from `common/metrics.py` by `python -m deploy.dashboard`; do not edit by hand. Ray serves",
+             "each metric in Prometheus format under its exported name, with the labels "
+             + ", ".join(f"`{label}`" for label in COMMON_LABELS) + " and Ray's own",
+             "(`SessionName`, `NodeAddress`, ...). The last column is the key of the figure an update's metrics",
+             "(`metrics.jsonl`, TensorBoard) hold for it, which `gigpo status` shows.", ""]
+    for section, specs in SECTIONS.items():
+        lines += [f"## {section}", "", "| exported name | type | extra labels | meaning | update figure |",
+                  "|---|---|---|---|---|"]
+        for spec in specs:
+            labels = "; ".join(f"`{k}`: " + ", ".join(f"`{v}`" for v in values)
+                               for k, values in (spec.labels or {}).items())
+            figures = ", ".join(f"`{key}`" + (f" ({' '.join(lab.values())})" if lab else "")
+                                for lab, key in spec.update_keys)
+            lines.append(f"| `{spec.exported_name}` | {spec.type} | {labels} | {spec.doc} | {figures} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main() -> None:
     DASHBOARD_PATH.parent.mkdir(parents=True, exist_ok=True)
     DASHBOARD_PATH.write_text(render())
-    print(f"wrote {DASHBOARD_PATH} ({len(dashboard_queries(build_dashboard()))} queries)")
+    METRICS_DOC_PATH.write_text(render_metrics_doc())
+    print(f"wrote {DASHBOARD_PATH} ({len(dashboard_queries(build_dashboard()))} queries) and {METRICS_DOC_PATH}")
 
 
 if __name__ == "__main__":

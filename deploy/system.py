@@ -32,6 +32,7 @@ import ray
 
 from common.config import ExperimentConfig, to_dict
 from common.log_files import Terminal, run_log_dir, run_output
+from common.metrics import update_figures
 from common.placement import node_label
 
 log = logging.getLogger("gigpo")
@@ -568,27 +569,14 @@ class System:
                 log.warning("ignoring unknown command %r", command)
 
     def _publish_status(self, metrics: dict, state: str) -> None:
-        ev = self.last_eval or {}
+        last_eval = {f"eval/{k}": v for k, v in (self.last_eval or {}).items() if isinstance(v, float)}
         self.channel.publish_status({
             "run": self.cfg.run.name, "state": state, "iteration": int(metrics.get("update", 0)),
             "iterations": self.cfg.run.iterations, "policy_version": int(metrics.get("policy_version", 0)),
             "rollout_actors": len(self.rollouts), "inference_actors": len(self.inference),
             "rollout_restarts": self.rollout_restarts, "rollout_restarting": len(self.restarting),
             "env_instances": len(self.rollouts) * self.cfg.rollout.groups_per_actor * self.cfg.rollout.group_size,
-            "env_steps_per_s": metrics.get("rollout/env_steps_per_s", 0.0),
-            "tokens_per_s": metrics.get("rollout/generated_tokens_per_s", 0.0),
-            "groups_per_s": self.cfg.learner.groups_per_batch / max(
-                sum(metrics.get(k, 0.0) for k in ("time/wait_data_s", "time/train_s", "time/push_weights_s")), 1e-9),
-            "stream_depth": int(metrics.get("stream/depth", 0)),
-            "policy_lag_min": int(metrics.get("lag/policy_versions_min", 0)),
-            "policy_lag_avg": metrics.get("lag/policy_versions_mean", 0.0),
-            "policy_lag_max": int(metrics.get("lag/policy_versions_max", 0)),
-            "dropped_stale": int(metrics.get("stream/dropped_stale", 0)),
-            "learner_wait_s": metrics.get("time/wait_data_s", 0.0),
-            "learner_train_s": metrics.get("time/train_s", 0.0),
-            "learner_push_s": metrics.get("time/push_weights_s", 0.0),
-            "success_rate": metrics.get("rollout/success_rate", 0.0),
-            "eval_success": f"{ev['success']:.2f}" if "success" in ev else "n/a",
+            "metrics": update_figures({**metrics, **last_eval}),
             "outputs": str(self.out.resolve()),
             "placement": self.placement_record(),
         })

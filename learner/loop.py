@@ -46,8 +46,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# The learner's gauges that show one value of an update's metrics (common/metrics.py: MetricSpec.update_key).
-UPDATE_GAUGES = [spec for spec in METRICS.values() if spec.update_key]
+# The gauges set from an update's metrics (common/metrics.py: MetricSpec.update_key); the inference actors'
+# and the driver's figures are not in the learner's metrics.
+UPDATE_GAUGES = [spec for spec in METRICS.values() if spec.type == "gauge" and spec.update_key]
 
 
 def _read_int(path: Path) -> int | None:
@@ -260,11 +261,10 @@ class Learner:
             push_info = self.publish_weights() if batch.num_rows else {}
         with _timed(times, "time/checkpoint_s"):
             checkpointed = self._commit(received)                        # checkpoint, then ack
+        times["time/step_s"] = time.perf_counter() - t_start
         metrics = self._step_metrics(batch, train, push_info, groups, lags, times, checkpointed)
         if self.metrics is not None:
-            self._record_metrics(metrics, groups, received, batch.skipped_group_ids, bool(lags),
-                                 wait_s=times["time/wait_data_s"], push_s=times["time/push_weights_s"],
-                                 step_s=time.perf_counter() - t_start)
+            self._record_metrics(metrics, groups, received, batch.skipped_group_ids)
         return metrics
 
     def _next_groups(self, groups: list[EpisodeGroup] | None, timeout_s: float | None
@@ -353,13 +353,14 @@ class Learner:
         metrics.update({
             "update": float(self.updates),
             "policy_version": float(self.policy_version),
-            "lag/policy_versions_min": float(min(lags)) if lags else 0.0,
-            "lag/policy_versions_mean": float(np.mean(lags)) if lags else 0.0,
-            "lag/policy_versions_max": float(max(lags)) if lags else 0.0,
             "lag/group_age_s_mean": float(np.mean(ages)) if ages else 0.0,
             **times,
+            "time/groups_per_s": len(groups) / max(times["time/step_s"], 1e-9),
             "checkpointed": float(checkpointed),
         })
+        if lags:     # (groups of a warm start or a test carry no version)
+            metrics.update({"lag/policy_versions_min": float(min(lags)), "lag/policy_versions_max": float(max(lags)),
+                            "lag/policy_versions_mean": float(np.mean(lags))})
         if self.stream is not None:
             metrics.update({f"stream/{k}": float(v) for k, v in self.stream.stats.items()})
             metrics["stream/depth"] = float(self.stream.depth())
@@ -367,14 +368,14 @@ class Learner:
         return metrics
 
     def _record_metrics(self, metrics: dict[str, float], groups: list[EpisodeGroup], received: list | None,
-                        skipped_ids: list[str], has_lags: bool, *,
-                        wait_s: float, push_s: float, step_s: float) -> None:
+                        skipped_ids: list[str]) -> None:
         """Rank 0: one update's Prometheus metrics (common/metrics.py declares them)."""
         m = self.metrics
+        wait_s, push_s = metrics["time/wait_data_s"], metrics["time/push_weights_s"]
         m.inc("learner_seconds", wait_s, phase="wait_data")
         m.inc("learner_seconds", push_s, phase="push_weights")
         # Everything else of the step is the learner's own work: batching, training, checkpointing.
-        m.inc("learner_seconds", max(step_s - wait_s - push_s, 0.0), phase="train")
+        m.inc("learner_seconds", max(metrics["time/step_s"] - wait_s - push_s, 0.0), phase="train")
         m.inc("groups_consumed", len(groups))
         m.inc("groups_dropped", len(skipped_ids), reason="dynamic_sampling")
         # Counters that can stay at 0 for long: zero() makes their series exist from the first update on.
@@ -385,18 +386,13 @@ class Learner:
                 m.inc(name, metrics[key], **labels)
             else:
                 m.zero(name, **labels)
-        if has_lags:
-            for stat, key in (("min", "min"), ("avg", "mean"), ("max", "max")):
-                m.set("policy_lag", metrics[f"lag/policy_versions_{key}"], stat=stat)
-        m.set("policy_version", self.policy_version)
-        if np.isfinite(metrics.get("batch/success_rate", float("nan"))):
-            m.set("success_rate", metrics["batch/success_rate"], split="train")
         for spec in UPDATE_GAUGES:
-            value = metrics.get(spec.update_key)
-            # Absent (no KL term when learner.kl_coef=0; no anchors for GRPO) or NaN (nothing trained):
-            # the gauge keeps its last value rather than showing a made-up one.
-            if value is not None and np.isfinite(value):
-                m.set(spec.name, value)
+            for labels, key in spec.update_keys:
+                value = metrics.get(key)
+                # Absent (no KL term when learner.kl_coef=0; no anchors for GRPO; no lag without versions) or
+                # NaN (nothing trained): the gauge keeps its last value rather than showing a made-up one.
+                if value is not None and np.isfinite(value):
+                    m.set(spec.name, value, **labels)
         self._record_stream_metrics(received)
 
     def _record_stream_metrics(self, received: list | None) -> None:

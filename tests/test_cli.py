@@ -2,6 +2,7 @@
 import pytest
 
 from common.config import ConfigError
+from common.metrics import METRICS, SECTIONS, update_figures
 from common.redis_server import EmbeddedRedis, connect
 from deploy import cli
 from deploy.control import ControlChannel, format_status, job_redis_url, read_job_file, write_job_file
@@ -19,10 +20,11 @@ def test_status_and_scale_through_the_job_file(tmp_path, redis_url, capsys):
     # (the password itself is in no job file: tests/test_secrets.py)
     job_channel = ControlChannel(connect(job_redis_url(read_job_file(str(tmp_path)))), "demo")
     job_channel.publish_status({"run": "demo", "state": "training", "iteration": 3, "iterations": 10,
-                                "policy_version": 3, "rollout_actors": 2, "env_steps_per_s": 12.5})
+                                "policy_version": 3, "rollout_actors": 2,
+                                "metrics": {"rollout/env_steps_per_s": 12.5}})
     assert cli.main(["status", "--output-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "iteration 3/10" in out and "policy version 3" in out and "12.5 env steps/s" in out
+    assert "iteration 3/10" in out and "policy version 3" in out and "throughput: env_steps 12.5/s" in out
 
     assert cli.main(["scale", "--output-dir", str(tmp_path), "--rollout", "4"]) == 0
     assert job_channel.pop_commands() == [{"op": "scale_rollout", "num_actors": 4, "drain": True}]
@@ -43,6 +45,26 @@ def test_malformed_commands_are_dropped(redis_url):
 
 def test_format_status_before_any_update():
     assert "no status" in format_status(None)
+
+
+def test_status_shows_every_declared_figure_by_section():
+    """The status view is generated from common/metrics.py: every figure a declared metric names in an
+    update's metrics shows, on its section's line, with its labels and unit; figures not there yet do not."""
+    figures = {}
+    for spec in METRICS.values():
+        for i, (_, key) in enumerate(spec.update_keys):
+            figures[key] = 10.0 + i
+    status = {"run": "demo", "metrics": update_figures({**figures, "not/declared": 1.0})}
+    assert "not/declared" not in status["metrics"]
+    lines = format_status(status).splitlines()
+    for section, specs in SECTIONS.items():
+        shown = [spec for spec in specs if spec.update_key]
+        line = next((ln for ln in lines if ln.startswith(f"{section}: ")), "")
+        assert all(f"{spec.name} " in line for spec in shown), (section, line)
+    assert "learner_seconds wait_data 10s, train 11s, push_weights 12s" in format_status(status)
+    assert "policy_lag min 10, mean 11, max 12" in format_status(status)
+    status["metrics"] = {"train/pg_loss": 0.01234}
+    assert format_status(status).splitlines()[2:] == ["learning: learner_loss 0.0123"]
 
 
 def test_config_command_prints_fields_and_resolved_configs(capsys):

@@ -1,4 +1,4 @@
-"""deploy/grafana/gigpo-dashboard.json: up to date with its builder, every declared metric on a panel, every
+"""deploy/grafana/gigpo-dashboard.json and docs/metrics.md: up to date with their builder, every declared metric on a panel, every
 query on a declared metric; and (slow, needs Debian's prometheus: `make prometheus`) every query returns
 data from a real Prometheus scraping a real Ray (deploy/check_dashboard.py)."""
 from __future__ import annotations
@@ -12,13 +12,15 @@ from pathlib import Path
 import pytest
 
 from common.metrics import METRICS
-from deploy.dashboard import DASHBOARD_PATH, build_dashboard, dashboard_queries, metric_names_in, render
+from deploy.dashboard import (DASHBOARD_PATH, METRICS_DOC_PATH, build_dashboard, dashboard_queries, metric_names_in,
+                              render, render_metrics_doc)
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_committed_dashboard_is_the_builders_output():
+def test_committed_dashboard_and_metrics_page_are_the_builders_output():
     assert DASHBOARD_PATH.read_text() == render(), "run `python -m deploy.dashboard` and commit the JSON"
+    assert METRICS_DOC_PATH.read_text() == render_metrics_doc(), "run `python -m deploy.dashboard`, commit docs/"
 
 
 def test_every_metric_has_a_panel_and_every_query_a_declared_metric():

@@ -11,7 +11,7 @@ Design:
 - Log-probs are vLLM's log-probs of the sampled tokens under the distribution they were sampled from
   ("processed_logprobs": softmax(logits / temperature), after the action grammar's mask and top-k/top-p),
   i.e. what the learner's forward pass computes at rollout.temperature for the same weights (see
-  learner/loss.py). Raw log-probs (vLLM's default) would ignore the temperature.
+  learner/gigpo.py). Raw log-probs (vLLM's default) would ignore the temperature.
 - Seeds: a request without a "seed" gets a fresh one from this actor's counter, so identical prompts (the
   N members of an episode group at step 0) never share a sampling stream; an explicit seed is honoured
   (rollout actors pass distinct per-trajectory seeds to make runs reproducible).

@@ -6,7 +6,7 @@ steps), observation strings shaped like ALFWorld's. Targets (issue 2): >= 50x th
 Two loop baselines, both measured here:
 - "tensor loop": the reference implementation's style: per-row loops that index and update torch tensors
   element by element (verl-agent spends ~0.5 s per 4,700-row batch this way);
-- "dict loop": a pure-Python loop over floats and dicts (learner.advantages.gigpo_readable,
+- "dict loop": a pure-Python loop over floats and dicts (learner.gigpo.gigpo_readable,
   the definition the tests check against); a much harder baseline.
 """
 import os
@@ -18,8 +18,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import numpy as np  # noqa: E402
 
-from learner.advantages import anchor_group_summary, gigpo_advantages, gigpo_parts  # noqa: E402
-from learner.advantages import gigpo_readable as loop_gigpo  # noqa: E402
+from learner.gigpo import anchor_group_summary, gigpo_advantages, gigpo_parts  # noqa: E402
+from learner.gigpo import gigpo_readable as loop_gigpo  # noqa: E402
 
 RECEPTACLES = ["cabinet 1", "cabinet 2", "countertop 1", "countertop 2", "drawer 1", "drawer 2", "fridge 1",
                "microwave 1", "sinkbasin 1", "stoveburner 1", "shelf 1", "diningtable 1", "garbagecan 1"]

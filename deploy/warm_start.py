@@ -10,13 +10,13 @@ run. A few dozen supervised steps on walkthroughs lift it off the floor while le
 Solution paths come from the env's reset report, `info["walkthrough"]`: ALFWorld's generated games carry
 their walkthrough; WebShop builds one from the goal (env_servers.webshop.env.solution_path: search the
 goal's words, click the goal's product, choose its options, buy). WebShop's search query is free text: a
-step is usable when constrained generation could produce it (`actors.prompts.is_admissible`).
+step is usable when constrained generation could produce it (`actors.rollout.is_admissible`).
 
 How, so that the supervised rows look exactly like rollout rows:
 - each training game's walkthrough (the generator writes the solution into every game) is replayed
   through the real env (env_servers.registry.make_env), so observations, admissible actions and history
   are what a rollout sees at that step;
-- the prompt is `actors.prompts.build_user_message` + `prompt_ids` with the run's history length;
+- the prompt is `actors.rollout.build_user_message` + `prompt_token_ids` with the run's history length;
 - the response is what constrained generation (`rollout.constrain_actions`) can produce: an empty think
   section and the walkthrough action, `<think></think> <action>go to desk 1</action>`, then the
   end-of-turn token (vLLM stops there once the action regex is complete);
@@ -67,7 +67,7 @@ class Example:
 
 def response_text(action: str) -> str:
     """The response constrained generation yields for `action` with an empty think section (see
-    actors.prompts.action_regex; parse_action reads it back as a valid `action`)."""
+    actors.rollout.action_regex; parse_action reads it back as a valid `action`)."""
     return f"<think></think> <action>{action}</action>"
 
 
@@ -78,7 +78,7 @@ def collect_examples(cfg: ExperimentConfig, tokenizer) -> tuple[list[Example], d
 
     The env runs in an EnvPool worker process, as in a rollout: the engine's C state never lives in this
     (driver) process, and a crashed engine is an error result, not a crash of the run."""
-    from actors import prompts
+    from actors import rollout
     from env_servers.server import EnvPool
 
     examples: list[Example] = []
@@ -105,13 +105,13 @@ def collect_examples(cfg: ExperimentConfig, tokenizer) -> tuple[list[Example], d
             ok = True
             for step, action in enumerate(walkthrough[: cfg.env.max_steps]):
                 listed = action in report.admissible_actions
-                if not listed and not prompts.is_admissible(action, report.admissible_actions):
+                if not listed and not rollout.is_admissible(action, report.admissible_actions):
                     ok = False
                     break
-                message = prompts.build_user_message(cfg.env.name, report.task, report.observation,
+                message = rollout.build_user_message(cfg.env.name, report.task, report.observation,
                                                      report.admissible_actions, history, step,
                                                      cfg.rollout.history_length)
-                ids = prompts.prompt_ids(tokenizer, message)
+                ids = rollout.prompt_token_ids(tokenizer, message)
                 if len(ids) <= cfg.model.max_prompt_tokens:
                     response = tokenizer.encode(response_text(action), add_special_tokens=False) + [eos]
                     rows.append(Example(ids, response[: cfg.model.max_response_tokens],

@@ -21,7 +21,7 @@ import torch
 
 from common.config import LearnerConfig
 from common.records import EpisodeGroup, Termination, check_values
-from learner.advantages import (anchor_group_summary, gigpo_parts, grpo_advantages, rloo_advantages)
+from learner.gigpo import (anchor_group_summary, gigpo_parts, grpo_advantages, rloo_advantages)
 
 ALGORITHMS = ("gigpo", "grpo", "rloo")
 
@@ -40,7 +40,7 @@ class TrainBatch:
     metrics: dict[str, float] = field(default_factory=dict)
     env_error_group_ids: list[str] = field(default_factory=list)  # too few trajectories without env error
     # per row, bool: which response tokens take part in the loss (False: forced by the action grammar,
-    # see learner/loss.py); None: all of them
+    # see learner/gigpo.py); None: all of them
     token_masks: list[np.ndarray] | None = None
 
     @property
@@ -92,7 +92,7 @@ MIN_TRAJECTORIES = 2   # a group needs two trajectories to compare: with one, ev
 
 def forced_token_mask(logprobs: np.ndarray) -> np.ndarray:
     """True where the sampler had a single choice: behaviour log-prob exactly 0 (p = 1). Such tokens are
-    left out of the loss (see learner/loss.py: "Forced tokens")."""
+    left out of the loss (see learner/gigpo.py: "Forced tokens")."""
     return np.asarray(logprobs) == 0.0
 
 
@@ -119,7 +119,7 @@ def build_batch(groups: list[EpisodeGroup], cfg: LearnerConfig, *, invalid_actio
     `batch/trajectories_env_error` and `batch/groups_dropped_env_error`; the group is still consumed).
 
     Tokens whose behaviour log-prob is exactly 0 (forced by the action grammar) get mask False in
-    `token_masks`: they are left out of the loss (see learner/loss.py), and counted in `batch/forced_tokens`.
+    `token_masks`: they are left out of the loss (see learner/gigpo.py), and counted in `batch/forced_tokens`.
 
     Diagnostics of the advantages (metrics `diag/*`), over the trained rows: the cosine between the
     trained advantages and GRPO's (the episode advantage alone, same normalization and penalties), and

@@ -34,7 +34,7 @@ import torch
 
 from common.config import LearnerConfig
 from learner.batching import MicroBatch, TrainBatch, collate, mini_batches, plan_micro_batches
-from learner.loss import LossSettings, policy_loss, token_logprobs_and_entropy
+from learner.gigpo import LossSettings, policy_loss, token_logprobs_and_entropy
 
 LEARNER_STATE = "learner_state.json"   # written next to each DeepSpeed checkpoint tag, for humans and tools
 

@@ -1,9 +1,9 @@
 """GiGPO / GRPO / RLOO advantages against hand-computed values, and the vectorized GiGPO against its readable
-definition (learner.advantages.gigpo_readable)."""
+definition (learner.gigpo.gigpo_readable)."""
 import numpy as np
 import pytest
 
-from learner.advantages import (anchor_group_summary, gigpo_advantages, gigpo_parts, gigpo_readable,
+from learner.gigpo import (anchor_group_summary, gigpo_advantages, gigpo_parts, gigpo_readable,
                                 grpo_advantages, rloo_advantages)
 
 # The worked example of ../shared/reference/gigpo.md §1: N = 2, gamma 0.95, mean_norm, stats over rows.

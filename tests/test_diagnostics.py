@@ -16,9 +16,8 @@ import torch
 
 from common.config import LearnerConfig
 from common.records import EpisodeGroup, Termination, Trajectory
-from learner.advantages import grpo_advantages
 from learner.batching import build_batch, collate, plan_micro_batches
-from learner.loss import LossSettings, policy_loss
+from learner.gigpo import LossSettings, grpo_advantages, policy_loss
 from tests.synthetic import keep_trajectories, last_rows, step_rows, steps_of, synthetic_groups
 from learner.trainer import PolicyTrainer
 

@@ -92,7 +92,7 @@ def test_constrained_actions(setup):
     choices = ["go to cabinet 1", "take mug 1 from desk 2"]
     outs = ray.get([actor.generate.remote(PROMPT, {"choice": choices, "max_tokens": 32}) for _ in range(4)])
     assert all(o["text"] in choices for o in outs), [o["text"] for o in outs]
-    from actors.prompts import action_regex, parse_action
+    from actors.rollout import action_regex, parse_action
     out = ray.get(actor.generate.remote(PROMPT, {"regex": action_regex(choices, 20), "max_tokens": 64}))
     parsed = parse_action(out["text"])
     assert parsed.valid and parsed.action in choices, out["text"]

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from common.config import LearnerConfig
-from learner.advantages import gigpo_advantages, grpo_advantages
 from learner.batching import build_batch, collate, mini_batches, pack_by_tokens, plan_micro_batches
-from learner.loss import LossSettings, policy_loss, token_logprobs_and_entropy
+from learner.gigpo import (LossSettings, gigpo_advantages, grpo_advantages, policy_loss,
+                           token_logprobs_and_entropy)
 from tests.synthetic import step_rows, synthetic_groups
 
 

@@ -14,7 +14,7 @@ import torch
 from common.config import LearnerConfig
 from common.records import EpisodeGroup, StepRow, Trajectory
 from tests.synthetic import steps_of
-from learner.advantages import gigpo_parts, grpo_advantages
+from learner.gigpo import gigpo_parts, grpo_advantages
 from learner.batching import build_batch
 from learner.trainer import PolicyTrainer
 

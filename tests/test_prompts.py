@@ -3,8 +3,8 @@ import re
 
 import pytest
 
-from actors.prompts import (RAW_TAIL_CHARS, action_regex, build_user_message, format_admissible, parse_action,
-                            prompt_ids)
+from actors.rollout import (RAW_TAIL_CHARS, action_regex, build_user_message, format_admissible, parse_action,
+                            prompt_token_ids)
 
 
 @pytest.mark.parametrize("response, action, valid", [
@@ -120,7 +120,7 @@ def test_tiny_model_prompt_tokens(tiny_model_path):
 
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     msg = build_user_message("alfworld", "put a mug in cabinet.", "You arrive at cabinet 1.", ["look"], [], 0)
-    ids = prompt_ids(tok, msg)
+    ids = prompt_token_ids(tok, msg)
     text = tok.decode(ids)
     assert text.startswith("<|im_start|>user\n") and text.endswith("<|im_end|>\n<|im_start|>assistant\n")
     assert ids.count(tok.convert_tokens_to_ids("<|im_start|>")) == 2      # specials are single tokens

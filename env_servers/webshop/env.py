@@ -136,7 +136,7 @@ class WebShopEnv:
 
 
 # The query a solution path searches with: the goal's words, in the shape constrained generation allows a
-# query (actors.prompts FREE_TEXT_*: lower-case letters, digits, spaces, ",.:'&-", at most 160 characters).
+# query (actors.rollout FREE_TEXT_*: lower-case letters, digits, spaces, ",.:'&-", at most 160 characters).
 QUERY_MAX_CHARS = 160
 _PRICE_CLAUSE = re.compile(r",? and price lower than .*$")
 _GOAL_OPENING = re.compile(r"^(find me|i am looking for|i'm looking for|i need|i want)\s+")

@@ -169,14 +169,15 @@ def render_metrics_doc() -> str:
              "(`SessionName`, `NodeAddress`, ...). The last column is the key of the figure an update's metrics",
              "(`metrics.jsonl`, TensorBoard) hold for it, which `gigpo status` shows.", ""]
     for section, specs in SECTIONS.items():
-        lines += [f"## {section}", "", "| exported name | type | extra labels | meaning | update figure |",
-                  "|---|---|---|---|---|"]
+        lines += [f"## {section}", "", "| exported name | type | recorded by | extra labels | meaning | update figure |",
+                  "|---|---|---|---|---|---|"]
         for spec in specs:
             labels = "; ".join(f"`{k}`: " + ", ".join(f"`{v}`" for v in values)
                                for k, values in (spec.labels or {}).items())
             figures = ", ".join(f"`{key}`" + (f" ({' '.join(lab.values())})" if lab else "")
                                 for lab, key in spec.update_keys)
-            lines.append(f"| `{spec.exported_name}` | {spec.type} | {labels} | {spec.doc} | {figures} |")
+            lines.append(f"| `{spec.exported_name}` | {spec.type} | {', '.join(spec.recorded_by)} | {labels} | {spec.doc} "
+                         f"| {figures} |")
         lines.append("")
     return "\n".join(lines)
 

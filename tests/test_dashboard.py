@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from common.metrics import METRICS
+from common.metrics import METRICS, SECTIONS
 from deploy.dashboard import (DASHBOARD_PATH, METRICS_DOC_PATH, build_dashboard, dashboard_queries, metric_names_in,
                               render, render_metrics_doc)
 
@@ -41,7 +41,7 @@ def test_dashboard_is_importable_into_rays_grafana():
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
     assert {"SessionName", "Cluster"} <= set(variables)
     rows = [p["title"] for p in dash["panels"] if p["type"] == "row"]
-    assert rows == ["Throughput", "Waits: who waits on whom", "Lags", "Learning", "Health"]
+    assert rows == [section.capitalize() for section in SECTIONS]      # one row per section of the metrics
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
     for panel in dash["panels"]:

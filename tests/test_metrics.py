@@ -10,14 +10,16 @@ import time
 
 import pytest
 
-from common.metrics import (METRICS, ActorMetrics, exported_name, metrics_url, metrics_urls,
+from common.metrics import (ACTOR_KINDS, METRICS, ActorMetrics, exported_name, metrics_url, metrics_urls,
                             parse_prometheus_text, ray_init_metrics_options, scrape)
 from deploy import synthetic_metrics
 
 
-def test_every_metric_is_emitted_by_the_synthetic_workload():
-    emitted = {name for names in synthetic_metrics.EMITTED_BY.values() for name in names}
-    assert emitted == set(METRICS)
+def test_every_metric_is_recorded_by_actor_kinds_and_by_the_synthetic_workload():
+    for spec in METRICS.values():
+        assert spec.recorded_by and set(spec.recorded_by) <= set(ACTOR_KINDS), spec.name
+    recorded = {key[0].removesuffix("_count") for key in synthetic_metrics.expected_after(1)}
+    assert {spec.exported_name for spec in METRICS.values()} <= recorded
 
 
 def test_exported_names_follow_ray_conventions():
@@ -39,7 +41,9 @@ def test_bad_calls_are_clear_errors_even_outside_ray():
     with pytest.raises(ValueError, match="is not one of"):
         m.inc("learner_seconds", 1.0, phase="sleeping")
     with pytest.raises(ValueError, match="only goes up"):
-        m.inc("env_steps", -1)
+        m.inc("groups_consumed", -1)
+    with pytest.raises(ValueError, match="recorded by rollout, not by a learner"):
+        m.inc("env_steps", 1)
     with pytest.raises(ValueError, match="finite"):
         m.set("learner_loss", math.nan)
     with pytest.raises(TypeError, match="must be a number"):
@@ -56,10 +60,11 @@ def test_outside_ray_recording_is_a_noop():
     m = ActorMetrics("rollout", 3)
     m.inc("env_steps", 5)
     m.inc("env_steps", 0)                  # zero steps in a tick is fine
-    m.zero("groups_dropped", reason="stale")
-    m.set("stream_depth", 2)
     m.observe("generate_seconds", 0.1)
-    with m.timer("learner_seconds", phase="train"):
+    learner = ActorMetrics("learner", 0)
+    learner.zero("groups_dropped", reason="stale")
+    learner.set("stream_depth", 2)
+    with learner.timer("learner_seconds", phase="train"):
         pass
     assert not ray.is_initialized()       # recording never starts Ray
 

@@ -15,7 +15,6 @@ import ray
 from common.config import load_config
 from common.metrics import METRICS, exported_name, metrics_url, scrape
 from deploy.control import JOB_FILE
-from deploy.synthetic_metrics import EMITTED_BY
 from deploy.system import System, evaluate_only, format_eval
 from env_servers.data import build_metadata
 from learner.loop import PUSHED_VERSION
@@ -170,7 +169,7 @@ def check_metrics_endpoint(system) -> None:
         assert rows, (name, labels)
         for s in rows:     # each series names the actor that recorded it, of the kind that owns the metric
             assert s.labels["actor_id"], s
-            assert name in EMITTED_BY[s.labels["kind"]], (name, s.labels)
+            assert s.labels["kind"] in spec.recorded_by, (name, s.labels)
         return [s.value for s in rows]
 
     for name in ("env_steps", "generated_tokens", "groups_published"):

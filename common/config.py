@@ -23,30 +23,40 @@ import yaml
 from common.cpu_placement import parse_cpu_list
 
 
-def F(default: Any, doc: str) -> Any:
-    """A dataclass field with a default and a doc string (mutable defaults are copied per instance)."""
+def F(default: Any, doc: str, rule: tuple | None = None) -> Any:
+    """A dataclass field with a default, a doc string and optionally the rule its value must follow:
+    (predicate, what it must be), checked by `validate`. Mutable defaults are copied per instance."""
+    metadata = {"doc": doc, "rule": rule}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"doc": doc})
-    return field(default=default, metadata={"doc": doc})
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+# Rules of many fields. Comparisons are written so that NaN fails them all (every comparison with NaN is false).
+AT_LEAST_0 = ((lambda v: v >= 0), "must be >= 0")
+AT_LEAST_1 = ((lambda v: v >= 1), "must be >= 1")
+POSITIVE = ((lambda v: v > 0), "must be > 0")
+NAMED = ((lambda v: bool(v.strip())), "must not be empty")
 
 
 @dataclass
 class ModelConfig:
     path: str = F("tiny", 'Hugging Face hub name or local path of the policy; "tiny" builds the local test '
-                          "model (random Qwen2, head_dim 64, BPE trained on env text) under run.output_dir")
-    max_prompt_tokens: int = F(2048, "longest prompt; a longer one ends the trajectory as truncated")
-    max_response_tokens: int = F(512, "longest response per step")
+                          "model (random Qwen2, head_dim 64, BPE trained on env text) under run.output_dir",
+                  (NAMED[0], 'must name a model: "tiny", a local directory or a Hugging Face hub id'))
+    max_prompt_tokens: int = F(2048, "longest prompt; a longer one ends the trajectory as truncated", AT_LEAST_1)
+    max_response_tokens: int = F(512, "longest response per step", AT_LEAST_1)
     dtype: Literal["auto", "bfloat16", "float32"] = F(
         "auto", 'weights dtype: "auto" (bf16 on GPU, fp32 on CPU), "bfloat16", "float32"')
     ship_max_mb: float = F(2048.0, "a local model of at most this size travels through Ray to nodes that "
                                    "cannot see its path (no shared filesystem needed); 0 never ships it")
     warm_start_steps: int = F(0, "supervised warm start before RL: optimizer steps of fine-tuning on the "
                                  "solutions (walkthroughs) of training games, replayed through the env with "
-                                 "the rollout's prompts; 0 disables. Kept short so RL has room to improve")
+                                 "the rollout's prompts; 0 disables. Kept short so RL has room to improve", AT_LEAST_0)
     warm_start_games: int = F(16, "training games whose walkthroughs the warm start learns from (the first "
-                                  "ones of env.train_split; never eval games)")
-    warm_start_lr: float = F(1e-3, "AdamW learning rate of the warm start")
-    warm_start_batch: int = F(16, "steps (prompt, response) per warm-start optimizer step")
+                                  "ones of env.train_split; never eval games)", AT_LEAST_1)
+    warm_start_lr: float = F(1e-3, "AdamW learning rate of the warm start", POSITIVE)
+    warm_start_batch: int = F(16, "steps (prompt, response) per warm-start optimizer step", AT_LEAST_1)
 
 
 @dataclass
@@ -55,51 +65,52 @@ class EnvConfig:
     source: Literal["generated", "data"] = F(
         "generated", 'ALFWorld game source: "generated" (small games built locally) or "data" (the standard '
                      'game set under $ALFWORLD_DATA)')
-    train_split: str = F("train", "split the training tasks come from")
-    eval_split: str = F("eval", 'split for evaluation ("valid_unseen" is the paper\'s ALFWorld table)')
-    max_steps: int = F(50, "steps per episode before it ends as max_steps (paper: ALFWorld 50, WebShop 15)")
-    num_generated_games: int = F(64, "games to generate when source is generated")
+    train_split: str = F("train", "split the training tasks come from", NAMED)
+    eval_split: str = F("eval", 'split for evaluation ("valid_unseen" is the paper\'s ALFWorld table)', NAMED)
+    max_steps: int = F(50, "steps per episode before it ends as max_steps (paper: ALFWorld 50, WebShop 15)", AT_LEAST_1)
+    num_generated_games: int = F(64, "games to generate when source is generated", AT_LEAST_1)
     generator: dict = F({}, 'options of the small-game generator: {} is the tiny preset (1 room, 3-5 '
                             'receptacles, 1-3 objects, pick_and_place_simple); {"preset": "default"} all six task '
                             'types, 4-8 receptacles, 2-6 objects; or set rooms, receptacles, objects, task_types, '
                             'openable, seed')
-    step_timeout_s: float = F(60.0, "an env call slower than this counts as hung: the instance restarts")
+    step_timeout_s: float = F(60.0, "an env call slower than this counts as hung: the instance restarts", POSITIVE)
     instances_per_process: int = F(4, "env instances per worker subprocess of a rollout actor's env pool (a "
                                       "crashed or hung worker restarts, and all its instances lose their "
-                                      "episode)")
+                                      "episode)", AT_LEAST_1)
     engine: Literal["fast", "upstream"] = F(
         "fast", 'ALFWorld text engine: "fast" (memoized, byte-identical) or "upstream"')
 
 
 @dataclass
 class RolloutConfig:
-    num_actors: int = F(1, "rollout actors at start (scale with `gigpo scale` while running)")
-    groups_per_actor: int = F(2, "episode groups each rollout actor runs concurrently")
-    group_size: int = F(8, "N: trajectories per episode group, all reset to the same task and seed")
-    history_length: int = F(2, "K: past (observation, action) pairs shown in each prompt")
-    temperature: float = F(1.0, "sampling temperature for training rollouts")
-    eval_temperature: float = F(0.4, "sampling temperature for evaluation")
+    num_actors: int = F(1, "rollout actors at start (scale with `gigpo scale` while running)", AT_LEAST_0)
+    groups_per_actor: int = F(2, "episode groups each rollout actor runs concurrently", AT_LEAST_1)
+    group_size: int = F(8, "N: trajectories per episode group, all reset to the same task and seed", AT_LEAST_1)
+    history_length: int = F(2, "K: past (observation, action) pairs shown in each prompt", AT_LEAST_0)
+    temperature: float = F(1.0, "sampling temperature for training rollouts", POSITIVE)
+    eval_temperature: float = F(0.4, "sampling temperature for evaluation", POSITIVE)
     constrain_actions: bool = F(False, "constrain the action to the admissible list (vLLM structured "
                                        "outputs), for small models that cannot follow the format yet")
-    invalid_action_penalty: float = F(0.1, "penalty for an invalid action, on that row only")
-    success_reward: float = F(10.0, "reward on the winning step")
+    invalid_action_penalty: float = F(0.1, "penalty for an invalid action, on that row only", AT_LEAST_0)
+    success_reward: float = F(10.0, "reward on the winning step", POSITIVE)
     reward: Literal["success", "score"] = F(
         "success", 'what the final step earns: "success" (the paper: success_reward on a win, else 0); "score": '
                    "success_reward x the env's native score in [0, 1] (WebShop's purchase reward), a denser "
                    "signal for a policy that rarely wins outright (configs/webshop-embedded.yaml)")
-    cpus_per_actor: float = F(0.5, "CPUs Ray reserves for one rollout actor")
+    cpus_per_actor: float = F(0.5, "CPUs Ray reserves for one rollout actor", AT_LEAST_0)
     resources: dict = F({}, 'Ray custom resources each rollout actor needs, e.g. {"cpu_node": 1}')
 
 
 @dataclass
 class InferenceConfig:
-    num_actors: int = F(1, "vLLM inference actors")
-    gpus_per_actor: float = F(0.0, "GPUs per inference actor (0 on CPU-only machines)")
-    cpus_per_actor: float = F(1.0, "CPUs Ray reserves for one inference actor")
+    num_actors: int = F(1, "vLLM inference actors", AT_LEAST_1)
+    gpus_per_actor: float = F(0.0, "GPUs per inference actor (0 on CPU-only machines)", AT_LEAST_0)
+    cpus_per_actor: float = F(1.0, "CPUs Ray reserves for one inference actor", AT_LEAST_0)
     gpu_memory_utilization: float = F(0.9, "vLLM memory share for weights + KV cache (on CPU: host RAM "
-                                           "share for KV cache; keep it small)")
-    max_num_seqs: int = F(256, "most sequences vLLM batches at once")
-    weight_bucket_mb: int = F(512, "size of the buckets weights travel in on update")
+                                           "share for KV cache; keep it small)",
+                                      ((lambda v: 0 < v <= 1), "must be in (0, 1], a share of the memory"))
+    max_num_seqs: int = F(256, "most sequences vLLM batches at once", AT_LEAST_1)
+    weight_bucket_mb: int = F(512, "size of the buckets weights travel in on update", AT_LEAST_1)
     weights_dir: str = F("", 'shared-memory directory of the weight buckets + manifest (shm transfer); '
                              '"" picks /dev/shm/gigpo-weights-<run>')
     weight_transfer: Literal["auto", "shm", "collective", "ipc"] = F(
@@ -108,12 +119,12 @@ class InferenceConfig:
                 'on GPU; any nodes), "ipc" (CUDA IPC: learner and vLLM on one GPU); "auto": shm when learner '
                 'rank 0 and every inference actor share a node, else collective')
     transfer_timeout_s: float = F(600.0, "deadline of one weight push (and of the collective's rendezvous): "
-                                         "past it the push fails with an error instead of hanging")
+                                         "past it the push fails with an error instead of hanging", POSITIVE)
     generate_timeout_s: float = F(900.0, "deadline of one generation on one inference actor (a request waits "
                                          "for a weight load in progress, so keep it above transfer_timeout_s): "
                                          "an actor that has not answered by then (hung, or its node lost) is "
                                          "given up and the request retried on the next actor; a request that "
-                                         "finds no live actor for this long fails its trajectory's actor")
+                                         "finds no live actor for this long fails its trajectory's actor", POSITIVE)
     resources: dict = F({}, 'Ray custom resources each inference actor needs, e.g. {"gpu_node": 1} (the '
                             "node kinds it may run on: `ray start --resources`)")
 
@@ -130,52 +141,57 @@ class StreamConfig:
     run_id: str = F("", "the run's id, written into every record and the stream, consumer-group and control keys "
                         "(runs sharing one Redis never see each other's groups or commands); \"\": generated at "
                         "a run's first start and kept in <output_dir>/run_id, so that a resume continues it")
-    max_stream_groups: int = F(64, "backpressure: producers wait while the stream holds more groups")
-    max_policy_lag: int = F(4, "the learner drops groups generated by weights older than this many versions")
+    max_stream_groups: int = F(64, "backpressure: producers wait while the stream holds more groups", AT_LEAST_1)
+    max_policy_lag: int = F(4, "the learner drops groups generated by weights older than this many versions",
+                            AT_LEAST_0)
     reclaim_idle_s: float = F(60.0, "pending groups of a consumer idle this long are reclaimed by another "
-                                    "(must exceed the longest read-to-ack time of a live learner)")
-    publish_timeout_s: float = F(600.0, "a producer blocked by backpressure this long raises TimeoutError")
+                                    "(must exceed the longest read-to-ack time of a live learner)", POSITIVE)
+    publish_timeout_s: float = F(600.0, "a producer blocked by backpressure this long raises TimeoutError", POSITIVE)
     embedded_dir: str = F("", 'data dir of the embedded redis-server; "" makes a temporary one')
     embedded_aof: bool = F(True, "embedded redis-server keeps an append-only file (survives a restart)")
     embedded_maxmemory_mb: int = F(4096, "memory bound of the embedded redis-server (untrained groups + dead "
                                          "letters); when full, producers wait for the learner, then fail with a "
-                                         "message; 0: no bound")
+                                         "message; 0: no bound", AT_LEAST_0)
     max_deliveries: int = F(3, "a group is handed to the learner at most this many times; delivered once more "
-                               "(a learner crashed on it each time) it goes to the dead-letter stream instead")
-    dead_letter_max: int = F(200, "the dead-letter stream keeps this many newest entries (each holds a whole group)")
+                               "(a learner crashed on it each time) it goes to the dead-letter stream instead",
+                            AT_LEAST_1)
+    dead_letter_max: int = F(200, "the dead-letter stream keeps this many newest entries (each holds a whole group)",
+                             AT_LEAST_1)
 
 
 @dataclass
 class LearnerConfig:
     algorithm: Literal["gigpo", "grpo", "rloo"] = F("gigpo", '"gigpo", "grpo" or "rloo"')
-    groups_per_batch: int = F(16, "B: episode groups per update (paper: 16 tasks)")
-    gamma: float = F(0.95, "discount of step returns (Eq. 5)")
-    omega: float = F(1.0, "weight of the step advantage (Eq. 8)")
+    groups_per_batch: int = F(16, "B: episode groups per update (paper: 16 tasks)", AT_LEAST_1)
+    gamma: float = F(0.95, "discount of step returns (Eq. 5)", ((lambda v: 0 <= v <= 1), "must be in [0, 1]"))
+    omega: float = F(1.0, "weight of the step advantage (Eq. 8)", AT_LEAST_0)
     normalize_std: bool = F(True, "divide advantages by std + eps (mean_std_norm); False: mean_norm")
     episode_stats: Literal["rows", "trajectories"] = F(
         "rows", '"rows" (reference default) or "trajectories" (paper Eq. 3)')
-    similarity: float = F(0.0, "0: anchors grouped by identical text; in (0, 1): by similarity ratio")
+    similarity: float = F(0.0, "0: anchors grouped by identical text; in (0, 1): by similarity ratio",
+                          ((lambda v: 0 <= v < 1), "must be in [0, 1): 0 groups anchors by identical text"))
     dynamic_sampling: bool = F(False, "skip groups whose returns are all equal (counted)")
-    lr: float = F(1e-6, "AdamW learning rate")
-    weight_decay: float = F(0.01, "AdamW weight decay")
-    grad_clip: float = F(1.0, "gradient-norm clip; 0 disables it")
-    clip_ratio: float = F(0.2, "PPO ratio clip")
-    dual_clip: float = F(3.0, "dual-clip constant c for negative advantages (> 1); 0 disables it")
-    kl_coef: float = F(0.01, "low_var_kl (k3) loss coefficient to the frozen reference; 0 disables it")
-    entropy_coef: float = F(0.001, "entropy bonus")
-    ppo_epochs: int = F(1, "passes over each batch")
-    micro_batch_tokens: int = F(16384, "token budget of one micro-batch (rows are packed by tokens)")
-    mini_batch_rows: int = F(256, "rows per optimizer step (paper: 256 ALFWorld, 64 WebShop)")
+    lr: float = F(1e-6, "AdamW learning rate", POSITIVE)
+    weight_decay: float = F(0.01, "AdamW weight decay", AT_LEAST_0)
+    grad_clip: float = F(1.0, "gradient-norm clip; 0 disables it", AT_LEAST_0)
+    clip_ratio: float = F(0.2, "PPO ratio clip", POSITIVE)
+    dual_clip: float = F(3.0, "dual-clip constant c for negative advantages (> 1); 0 disables it",
+                         ((lambda v: v == 0 or v > 1), "must be > 1, or 0 to disable the dual clip"))
+    kl_coef: float = F(0.01, "low_var_kl (k3) loss coefficient to the frozen reference; 0 disables it", AT_LEAST_0)
+    entropy_coef: float = F(0.001, "entropy bonus", AT_LEAST_0)
+    ppo_epochs: int = F(1, "passes over each batch", AT_LEAST_1)
+    micro_batch_tokens: int = F(16384, "token budget of one micro-batch (rows are packed by tokens)", AT_LEAST_1)
+    mini_batch_rows: int = F(256, "rows per optimizer step (paper: 256 ALFWorld, 64 WebShop)", AT_LEAST_1)
     recompute_old_logprobs: bool = F(False, "recompute old log-probs with the learner instead of using "
                                             "the rollout's")
     zero_stage: Literal[1, 2, 3] = F(2, "DeepSpeed ZeRO stage (1, 2 or 3)")
     offload: bool = F(False, "ZeRO CPU offload of optimizer state (and params at stage 3)")
-    num_processes: int = F(1, "learner processes (one per device)")
-    gpus_per_process: float = F(0.0, "GPUs per learner process (0 on CPU-only machines)")
+    num_processes: int = F(1, "learner processes (one per device)", AT_LEAST_1)
+    gpus_per_process: float = F(0.0, "GPUs per learner process (0 on CPU-only machines)", AT_LEAST_0)
     resources: dict = F({}, 'Ray custom resources each learner process needs, e.g. {"learner_node": 1}')
-    checkpoint_every: int = F(10, "updates between checkpoints")
+    checkpoint_every: int = F(10, "updates between checkpoints; 0: no periodic ones", AT_LEAST_0)
     keep_checkpoints: int = F(2, "newest checkpoints kept, older ones deleted (each holds the optimizer state "
-                                 "too: several times the model's size); 0 keeps all")
+                                 "too: several times the model's size); 0 keeps all", AT_LEAST_0)
     ack_on_checkpoint: bool = F(True, "exactly-once across restarts: ack trained groups only once a "
                                       "checkpoint holds their update (a crash retrains the updates since "
                                       "the last checkpoint); a checkpoint is forced early when the unacked "
@@ -184,12 +200,12 @@ class LearnerConfig:
 
 @dataclass
 class RunConfig:
-    name: str = F("gigpo", "experiment name (also the TensorBoard run name)")
-    output_dir: str = F("runs/default", "checkpoints, logs and TensorBoard files go here")
-    seed: int = F(0, "seed of every random draw")
-    iterations: int = F(150, "learner updates to run")
-    eval_every: int = F(5, "updates between evaluations; 0 disables")
-    eval_episodes: int = F(0, "episodes per evaluation; 0: the whole eval split")
+    name: str = F("gigpo", "experiment name (also the TensorBoard run name)", NAMED)
+    output_dir: str = F("runs/default", "checkpoints, logs and TensorBoard files go here", NAMED)
+    seed: int = F(0, "seed of every random draw", AT_LEAST_0)
+    iterations: int = F(150, "learner updates to run", AT_LEAST_0)
+    eval_every: int = F(5, "updates between evaluations; 0 disables them", AT_LEAST_0)
+    eval_episodes: int = F(0, "episodes per evaluation; 0: the whole eval split", AT_LEAST_0)
     sync: bool = F(False, "synchronous mode: rollout then train in lockstep (the reference's schedule)")
     ray_address: str = F("", 'Ray cluster address; "" starts a local Ray (RAY_ADDRESS also works)')
     resume: bool = F(False, "resume from the latest checkpoint in output_dir")
@@ -199,7 +215,8 @@ class RunConfig:
                                "(without it, or run.resume, such a run is refused)")
     rollout_nice: int = F(5, "niceness added to the rollout side (vLLM engines, rollout actors, their env "
                              "workers): where they share CPUs with the learner, the learner, the critical "
-                             "path of async training, gets them first; 0: equal priority")
+                             "path of async training, gets them first; 0: equal priority",
+                          ((lambda v: 0 <= v <= 19), "must be in 0..19 (Linux niceness levels to add)"))
     learner_cpus: str = F("", 'CPUs the learner processes run on, e.g. "0" or "0-7" (Linux; "" = any): with '
                               "rollout_cpus, gives each side its own CPUs on a shared node")
     rollout_cpus: str = F("", 'CPUs the inference and rollout actors (and their engines and env workers) run '
@@ -299,100 +316,23 @@ def _build(cls: type, data: dict, where: str = "") -> Any:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Validation: ranges and rules across fields, checked once at load (and again where actors rebuild the config)
+# Validation: each field's rule (F(..., rule)) and the rules across fields, checked once at load (and again
+# where actors rebuild the config)
 # ----------------------------------------------------------------------------------------------------------
 
-def _at_least(low: int) -> tuple:
-    return (lambda v: v >= low), f"must be >= {low}"
-
-
-# Comparisons are written so that NaN fails them all (every comparison with NaN is false).
-_POSITIVE = ((lambda v: v > 0), "must be > 0")
-_NAMED = ((lambda v: bool(v.strip())), "must not be empty")
-_ONE_OR_MORE, _ZERO_OR_MORE = _at_least(1), _at_least(0)
-
-_FIELD_RULES: dict[str, tuple] = {
-    "model.path": ((lambda v: bool(v.strip())), 'must name a model: "tiny", a local directory or a Hugging '
-                                                "Face hub id"),
-    "model.max_prompt_tokens": _ONE_OR_MORE,
-    "model.max_response_tokens": _ONE_OR_MORE,
-    "model.warm_start_steps": _ZERO_OR_MORE,
-    "model.warm_start_games": _ONE_OR_MORE,
-    "model.warm_start_lr": _POSITIVE,
-    "model.warm_start_batch": _ONE_OR_MORE,
-    "env.train_split": _NAMED,
-    "env.eval_split": _NAMED,
-    "env.max_steps": _ONE_OR_MORE,
-    "env.num_generated_games": _ONE_OR_MORE,
-    "env.step_timeout_s": _POSITIVE,
-    "env.instances_per_process": _ONE_OR_MORE,
-    "rollout.num_actors": _ZERO_OR_MORE,            # 0: start none, add them with `gigpo scale`
-    "rollout.groups_per_actor": _ONE_OR_MORE,
-    "rollout.group_size": _ONE_OR_MORE,             # evaluation plays groups of 1
-    "rollout.history_length": _ZERO_OR_MORE,
-    "rollout.temperature": _POSITIVE,
-    "rollout.eval_temperature": _POSITIVE,          # evaluation copies it into rollout.temperature
-    "rollout.invalid_action_penalty": _ZERO_OR_MORE,
-    "rollout.success_reward": _POSITIVE,
-    "rollout.cpus_per_actor": _ZERO_OR_MORE,
-    "inference.num_actors": _ONE_OR_MORE,
-    "inference.gpus_per_actor": _ZERO_OR_MORE,
-    "inference.cpus_per_actor": _ZERO_OR_MORE,
-    "inference.gpu_memory_utilization": ((lambda v: 0 < v <= 1), "must be in (0, 1], a share of the memory"),
-    "inference.max_num_seqs": _ONE_OR_MORE,
-    "inference.weight_bucket_mb": _ONE_OR_MORE,
-    "inference.transfer_timeout_s": _POSITIVE,
-    "inference.generate_timeout_s": _POSITIVE,
-    "stream.max_stream_groups": _ONE_OR_MORE,
-    "stream.max_policy_lag": _ZERO_OR_MORE,
-    "stream.reclaim_idle_s": _POSITIVE,
-    "stream.max_deliveries": _ONE_OR_MORE,
-    "stream.dead_letter_max": _ONE_OR_MORE,
-    "stream.embedded_maxmemory_mb": _ZERO_OR_MORE,
-    "stream.publish_timeout_s": _POSITIVE,
-    "learner.groups_per_batch": _ONE_OR_MORE,
-    "learner.gamma": ((lambda v: 0 <= v <= 1), "must be in [0, 1]"),
-    "learner.omega": _ZERO_OR_MORE,
-    "learner.similarity": ((lambda v: 0 <= v < 1), "must be in [0, 1): 0 groups anchors by identical text"),
-    "learner.lr": _POSITIVE,
-    "learner.weight_decay": _ZERO_OR_MORE,
-    "learner.grad_clip": ((lambda v: v >= 0), "must be >= 0 (0 disables clipping)"),
-    "learner.clip_ratio": _POSITIVE,
-    "learner.dual_clip": ((lambda v: v == 0 or v > 1), "must be > 1, or 0 to disable the dual clip"),
-    "learner.kl_coef": _ZERO_OR_MORE,
-    "learner.entropy_coef": _ZERO_OR_MORE,
-    "learner.ppo_epochs": _ONE_OR_MORE,
-    "learner.micro_batch_tokens": _ONE_OR_MORE,
-    "learner.mini_batch_rows": _ONE_OR_MORE,
-    "learner.num_processes": _ONE_OR_MORE,
-    "learner.gpus_per_process": _ZERO_OR_MORE,
-    "learner.checkpoint_every": ((lambda v: v >= 0), "must be >= 0 (0: no periodic checkpoints)"),
-    "learner.keep_checkpoints": ((lambda v: v >= 0), "must be >= 0 (0 keeps all)"),
-    "run.name": _NAMED,
-    "run.output_dir": _NAMED,
-    "run.seed": _ZERO_OR_MORE,
-    "run.iterations": _ZERO_OR_MORE,
-    "run.eval_every": ((lambda v: v >= 0), "must be >= 0 (0 disables evaluation)"),
-    "run.eval_episodes": ((lambda v: v >= 0), "must be >= 0 (0: the whole eval split)"),
-    "run.rollout_nice": ((lambda v: 0 <= v <= 19), "must be in 0..19 (Linux niceness levels to add)"),
-}
-
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
-
-
-def _get(cfg: ExperimentConfig, dotted: str) -> Any:
-    section, name = dotted.split(".")
-    return getattr(getattr(cfg, section), name)
 
 
 def validate(cfg: ExperimentConfig) -> None:
     """Check ranges and the rules that tie fields together; raises ConfigError naming the field(s) and
     saying what to set. Called by `load_config` and `from_dict`, so a bad config stops before anything runs.
     Facts outside the config (files, servers) are checked by deploy/preflight.py."""
-    for dotted, (ok, rule) in _FIELD_RULES.items():
-        value = _get(cfg, dotted)
-        if not ok(value):
-            raise ConfigError(f"{dotted} = {value!r} is not allowed; it {rule}", dotted)
+    for section in dataclasses.fields(cfg):
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            value, rule = getattr(getattr(cfg, section.name), f.name), f.metadata.get("rule")
+            if rule and not rule[0](value):
+                dotted = f"{section.name}.{f.name}"
+                raise ConfigError(f"{dotted} = {value!r} is not allowed; it {rule[1]}", dotted)
     batch, bound = cfg.learner.groups_per_batch, cfg.stream.max_stream_groups
     if batch > bound:
         raise ConfigError(
@@ -597,7 +537,8 @@ def from_dict(tree: dict) -> ExperimentConfig:
 
 
 def describe(cls: type = ExperimentConfig, prefix: str = "") -> list[tuple[str, Any, str]]:
-    """(dotted name, default, doc) of every field, for `gigpo config` and the docs."""
+    """(dotted name, default, doc) of every field, for `gigpo config` and the docs; the doc ends with the
+    field's rule, when it has one ("; it must be >= 1")."""
     rows = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -606,5 +547,6 @@ def describe(cls: type = ExperimentConfig, prefix: str = "") -> list[tuple[str, 
             rows.extend(describe(hints[f.name], name + "."))
         else:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            rows.append((name, default, f.metadata.get("doc", "")))
+            rule = f.metadata.get("rule")
+            rows.append((name, default, f.metadata.get("doc", "") + (f"; it {rule[1]}" if rule else "")))
     return rows

@@ -134,12 +134,6 @@ class System:
 
         cfg = self.cfg
         t0 = time.perf_counter()
-        from common.cpu_placement import parse_cpu_list
-        for name in ("learner_cpus", "rollout_cpus"):      # a typo fails here, not later inside an actor
-            try:
-                parse_cpu_list(getattr(cfg.run, name))
-            except ValueError as exc:
-                raise ValueError(f"run.{name}: {exc}") from None
         if not eval_only:      # another run's checkpoints: refused (deleted with run.overwrite) before anything starts
             from learner.trainer import prepare_output_dir
             prepare_output_dir(cfg)

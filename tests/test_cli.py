@@ -70,7 +70,7 @@ def test_status_shows_every_declared_figure_by_section():
 def test_config_command_prints_fields_and_resolved_configs(capsys):
     assert cli.main(["config"]) == 0
     out = capsys.readouterr().out
-    assert "learner.omega = 1.0" in out and "weight of the step advantage" in out
+    assert "learner.omega = 1.0" in out and "weight of the step advantage (Eq. 8); it must be >= 0" in out
     assert cli.main(["config", "configs/embedded.yaml", "learner.lr=3e-4"]) == 0
     assert "lr: 0.0003" in capsys.readouterr().out
 

@@ -23,6 +23,14 @@ class PlacementError(RuntimeError):
     """An actor cannot be placed on any node of the cluster (or did not start there in time)."""
 
 
+def free_port(address: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on at `address` just now (bound, then released: callers that race for it
+    retry or fail clearly)."""
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
 def this_node() -> dict:
     """The node this process runs on, as `ray status` and `gigpo status` name it."""
     import ray

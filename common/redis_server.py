@@ -49,6 +49,7 @@ from redis.exceptions import (AuthenticationError, AuthorizationError, BusyLoadi
 from redis.retry import Retry
 
 from common.config import ConfigError, StreamConfig
+from common.placement import free_port
 
 PASSWORD_ENV = "GIGPO_REDIS_PASSWORD"       # a user's Redis password, for a URL that holds none
 REDACTED = "***"
@@ -182,12 +183,6 @@ def find_redis_server() -> str:
                             "or a redis-server on PATH, or set stream.redis_url to a running Redis")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _die_with_parent() -> None:
     # Linux: the server gets SIGTERM when the process that started it dies (even by SIGKILL), so a crashed
     # test or driver never leaves a redis-server behind. Best effort (no-op where prctl is missing).
@@ -291,7 +286,7 @@ class EmbeddedRedis:
         fixed_port = self.port is not None
         for attempt in range(5):
             if not fixed_port:
-                self.port = _free_port()
+                self.port = free_port()
             conf = self._write_conf()
             # stderr to a file, not a pipe: an unread pipe that fills up would stall the server.
             err_path = Path(self.data_dir) / "redis.stderr"
@@ -315,7 +310,7 @@ class EmbeddedRedis:
             err = err_path.read_text(errors="replace")[-2000:]
             log = self._log_tail()
             self._terminate(signal.SIGKILL)
-            # A port taken between _free_port() and bind (or still in TIME_WAIT on restart): try again.
+            # A port taken between free_port() and bind (or still in TIME_WAIT on restart): try again.
             if ("Address already in use" in log + err) and attempt < 4:
                 time.sleep(0.2 if fixed_port else 0)
                 continue

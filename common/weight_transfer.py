@@ -42,13 +42,14 @@ import json
 import logging
 import os
 import shutil
-import socket
 import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
+
+from common.placement import free_port, node_label
 
 log = logging.getLogger(__name__)
 
@@ -184,8 +185,6 @@ class ActorLost(RuntimeError):
 
 
 def _label(i: int, state: dict | None) -> str:
-    from common.placement import node_label
-
     if not state:
         return f"inference actor {i}"
     return f"inference actor {i} (pid {state.get('pid', '?')} on {node_label(state.get('node'))})"
@@ -393,12 +392,6 @@ def _rank_zero_ipc_engine():
     return RankZeroIPCTrainerWeightTransferEngine
 
 
-def _free_port(address: str) -> int:
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
-
-
 def _run_with_deadline(fn, timeout_s: float, what: str):
     """fn() in a daemon thread, waited for at most timeout_s: a collective without a deadline of its own
     (vLLM's NCCL) must not hang the learner. After a timeout the thread is abandoned with its group."""
@@ -465,7 +458,7 @@ class EngineTransfer:
             # Untested here (no GPU): vLLM's own NCCL engines, over the same client.
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
             address = self._learner_address()
-            info = NCCLTrainerInitInfo(master_address=address, master_port=_free_port(address),
+            info = NCCLTrainerInitInfo(master_address=address, master_port=free_port(address),
                                        world_size=world_size, packed=True,
                                        packed_buffer_size_bytes=self.bucket_bytes, rank=0)
         else:
@@ -569,8 +562,6 @@ class EngineTransfer:
 # -- the interface ------------------------------------------------------------------------------------------
 
 def _same_node(states: list[dict], learner_node: dict) -> tuple[bool, str]:
-    from common.placement import node_label
-
     away = [(i, s) for i, s in enumerate(states) if s["node"]["node_id"] != learner_node["node_id"]]
     if not away:
         return True, (f"learner rank 0 and the {len(states)} inference actor(s) share node "

@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,7 @@ if str(ROOT) not in sys.path:          # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from common.metrics import exported_name, metrics_urls, ray_init_metrics_options  # noqa: E402
+from common.placement import free_port  # noqa: E402
 from deploy.dashboard import DASHBOARD_PATH, dashboard_queries  # noqa: E402
 
 SCRAPE_INTERVAL_S = 2
@@ -49,12 +49,6 @@ SCREENSHOT_EXPRS = (
     f'sum(rate({exported_name("env_steps")}[{4 * SCRAPE_INTERVAL_S * 2}s]))',
     f'max by (stat) ({exported_name("policy_lag")})',
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fill_variables(expr: str) -> str:

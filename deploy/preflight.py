@@ -17,6 +17,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from common.config import ExperimentConfig
+from common.redis_server import password_of
 
 
 class PreflightError(Exception):
@@ -152,13 +153,6 @@ def redis_location(url: str) -> str:
         return "(an unparsable URL)"
 
 
-def _password_of(url: str) -> str | None:
-    try:
-        return urlsplit(url).password
-    except ValueError:
-        return None
-
-
 def check_redis(cfg: ExperimentConfig, timeout_s: float = 3.0) -> None:
     """stream.redis_url: one PING, no retries, short timeouts; a wrong password fails here, not in an actor.
     With no URL the run starts its own redis-server: the binary must be there."""
@@ -185,7 +179,7 @@ def check_redis(cfg: ExperimentConfig, timeout_s: float = 3.0) -> None:
     try:
         client.ping()
     except (AuthenticationError, AuthorizationError) as exc:
-        if _password_of(url) is None:
+        if password_of(url) is None:
             raise PreflightError(f"stream.redis_url: Redis at {where} needs a password; put it in the URL "
                                  "(redis://:PASSWORD@host:port/db)") from None
         raise PreflightError(f"stream.redis_url: Redis at {where} refused the credentials ({exc}); fix the "

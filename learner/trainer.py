@@ -22,7 +22,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import sys
 import time
 import uuid
@@ -33,6 +32,7 @@ import numpy as np
 import torch
 
 from common.config import LearnerConfig
+from common.placement import free_port
 from learner.batching import MicroBatch, TrainBatch, collate, mini_batches, plan_micro_batches
 from learner.gigpo import LossSettings, policy_loss, token_logprobs_and_entropy
 
@@ -139,12 +139,6 @@ def run_id_of(cfg) -> str:
     return cfg.stream.run_id
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def setup_distributed() -> tuple[int, int]:
     """Initialize torch.distributed through DeepSpeed (idempotent); returns (rank, world_size).
 
@@ -161,7 +155,7 @@ def setup_distributed() -> tuple[int, int]:
         return dist.get_rank(), dist.get_world_size()
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(free_port()))
     if not cuda:
         # Through sys.modules: `import deepspeed.comm.torch` would bind the torch package instead.
         sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None

@@ -2,12 +2,10 @@
 
 Each actor makes one `ActorMetrics` and records by short name:
 
-    m = ActorMetrics(kind="rollout", actor_id=3)
-    m.inc("env_steps", n)                    # counter: adds n
+    m = ActorMetrics(kind="learner", actor_id=0)  # only the metrics declared as recorded by learners
+    m.inc("groups_consumed", n)              # counter: adds n
     m.set("stream_depth", depth)             # gauge: last value wins
     m.set("policy_lag", 2, stat="max")       # a metric with an extra label names it as a keyword
-    with m.timer("learner_seconds", phase="train"):
-        ...                                  # adds the elapsed seconds to a seconds counter
 
 Ray's metrics API (`ray.util.metrics`) sends the values to the metrics agent of the node, which serves
 them in Prometheus text format at `metrics_url()`. Ray prefixes every name with `ray_` and counters get
@@ -26,9 +24,7 @@ import re
 import threading
 import time
 import urllib.request
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 PREFIX = "gigpo_"          # our namespace inside Ray's: exported names start with "ray_gigpo_"
 RAY_PREFIX = "ray_"        # what Ray's Prometheus exporter puts in front of every custom metric
@@ -299,21 +295,6 @@ class ActorMetrics:
     def observe(self, name: str, value: float, **labels: str) -> None:
         """Add one observation to a histogram."""
         self._record(self._check(name, "histogram", value, labels), value, labels)
-
-    @contextmanager
-    def timer(self, name: str, **labels: str) -> Iterator[None]:
-        """Adds the seconds spent inside the block to a seconds counter (or observes them, for a
-        histogram), also when the block raises: time lost to an error was still spent."""
-        spec = _spec(name)
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            elapsed = time.perf_counter() - start
-            if spec.type == "histogram":
-                self.observe(name, elapsed, **labels)
-            else:
-                self.inc(name, elapsed, **labels)
 
     # ------------------------------------------------------------------------------------------------
     def _check(self, name: str, want_type: str, value: float, labels: dict[str, str]) -> MetricSpec:

@@ -329,10 +329,6 @@ class MicroBatch:
     rows: np.ndarray               # batch row indices, in order
     loss_mask: torch.Tensor        # float32 [N]: 1 for tokens in the loss, 0 for forced ones
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.targets.numel())
-
 
 def collate(batch: TrainBatch, rows: np.ndarray, pad_id: int = 0) -> MicroBatch:
     """Left-pad prompt+response of the given rows into one micro-batch."""

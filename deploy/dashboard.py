@@ -13,7 +13,6 @@ this builder and check that each declared metric has a panel.
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 from common.metrics import COMMON_LABELS, SECTIONS, MetricSpec
@@ -148,12 +147,6 @@ def dashboard_queries(dashboard: dict) -> list[tuple[str, str, str]]:
         for target in panel.get("targets", []):
             out.append((panel["title"], target["refId"], target["expr"]))
     return out
-
-
-def metric_names_in(expr: str) -> set[str]:
-    """The ray_gigpo_* metric names an expression reads (histogram suffixes stripped)."""
-    names = set(re.findall(r"\bray_gigpo_[a-zA-Z0-9_]+", expr))
-    return {re.sub(r"_(bucket|sum|count)$", "", n) for n in names}
 
 
 def render() -> str:

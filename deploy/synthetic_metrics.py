@@ -34,22 +34,6 @@ def record_tick(m: ActorMetrics, tick: int) -> None:
                 m.observe(spec.name, HISTOGRAM_VALUE_S, **labels)
 
 
-def expected_after(ticks: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """What the scrape must show after `ticks` rounds of every kind (actor id "0"), keyed by
-    (exported sample name, sorted labels that matter): a histogram by its `_count` and `_sum`."""
-    want: dict = {}
-    for spec in METRICS.values():
-        for kind in spec.recorded_by:
-            for labels in label_sets(spec):
-                key = tuple(sorted({"kind": kind, **labels}.items()))
-                if spec.type == "histogram":
-                    want[(spec.exported_name + "_count", key)] = ticks
-                    want[(spec.exported_name + "_sum", key)] = HISTOGRAM_VALUE_S * ticks
-                else:
-                    want[(spec.exported_name, key)] = ticks
-    return want
-
-
 @ray.remote(num_cpus=0)
 class SyntheticActor:
     """Stands in for one actor of `kind`: records its metrics, one round per `tick`."""

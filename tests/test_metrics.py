@@ -13,12 +13,29 @@ import pytest
 from common.metrics import (ACTOR_KINDS, METRICS, ActorMetrics, exported_name, metrics_url, metrics_urls,
                             parse_prometheus_text, ray_init_metrics_options, scrape)
 from deploy import synthetic_metrics
+from deploy.synthetic_metrics import HISTOGRAM_VALUE_S, label_sets
+
+
+def expected_after(ticks: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """What the scrape must show after `ticks` rounds of every kind (actor id "0"), keyed by
+    (exported sample name, sorted labels that matter): a histogram by its `_count` and `_sum`."""
+    want: dict = {}
+    for spec in METRICS.values():
+        for kind in spec.recorded_by:
+            for labels in label_sets(spec):
+                key = tuple(sorted({"kind": kind, **labels}.items()))
+                if spec.type == "histogram":
+                    want[(spec.exported_name + "_count", key)] = ticks
+                    want[(spec.exported_name + "_sum", key)] = HISTOGRAM_VALUE_S * ticks
+                else:
+                    want[(spec.exported_name, key)] = ticks
+    return want
 
 
 def test_every_metric_is_recorded_by_actor_kinds_and_by_the_synthetic_workload():
     for spec in METRICS.values():
         assert spec.recorded_by and set(spec.recorded_by) <= set(ACTOR_KINDS), spec.name
-    recorded = {key[0].removesuffix("_count") for key in synthetic_metrics.expected_after(1)}
+    recorded = {key[0].removesuffix("_count") for key in expected_after(1)}
     assert {spec.exported_name for spec in METRICS.values()} <= recorded
 
 
@@ -116,7 +133,7 @@ def test_every_metric_is_scraped_from_ray_with_its_values(metrics_ray):
     actors = synthetic_metrics.start_actors()
     ticks = ray.get([a.tick.remote(3) for a in actors])
     assert ticks == [3] * len(actors)
-    want = synthetic_metrics.expected_after(3)
+    want = expected_after(3)
 
     deadline = time.monotonic() + 60       # workers report every second (ray_init_metrics_options)
     while True:

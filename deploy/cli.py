@@ -85,43 +85,11 @@ def _channel(output_dir: str):
     return ControlChannel(connect(url), job.get("run_id") or job["run"])
 
 
-NOT_STARTED = "not started yet"
-LISTED_PER_ROLE = 4      # more actors of one role on a node are counted, not listed
-
-
-def format_placement(status: dict | None) -> str:
-    """Which actors run on which node, one line per node, from the status record's "placement" ({actor
-    name: {"ip", "hostname"}}, "ip" None while the actor has not started); "" when the record has none."""
-    placement = (status or {}).get("placement") or {}
-    by_node: dict[str, list[str]] = {}
-    for name, node in placement.items():
-        where = f"{node['ip']} ({node.get('hostname') or '?'})" if node and node.get("ip") else NOT_STARTED
-        by_node.setdefault(where, []).append(name)
-    if not by_node:
-        return ""
-    width = max(map(len, by_node))
-    lines = ["nodes:"]
-    for where in sorted(by_node, key=lambda w: (w == NOT_STARTED, w)):
-        roles: dict[str, list[str]] = {}
-        for name in by_node[where]:
-            roles.setdefault(name.rsplit("-", 1)[0], []).append(name)
-        parts = [", ".join(names) if len(names) <= LISTED_PER_ROLE else f"{len(names)} {role} actors"
-                 for role, names in roles.items()]
-        lines.append(f"  {where:<{width}}  {', '.join(parts)}")
-    return "\n".join(lines)
-
-
-def status_text(status: dict | None) -> str:
-    """`gigpo status`'s screen: the run's progress, then where its actors run."""
-    from deploy.control import format_status
-    placement = format_placement(status)
-    return format_status(status) + ("\n" + placement if placement else "")
-
-
 def cmd_status(args) -> int:
+    from deploy.control import format_status
     channel = _channel(args.output_dir)
     while True:
-        text = status_text(channel.read_status())
+        text = format_status(channel.read_status())
         if not args.watch:
             print(text)
             return 0

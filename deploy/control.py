@@ -100,8 +100,9 @@ class ControlChannel:
 
 
 def format_status(status: dict | None) -> str:
-    """The one-screen view of `gigpo status`: the run and its actors, then one line per section of
-    common/metrics.py with the latest figure of each declared metric the status holds."""
+    """The one-screen view of `gigpo status`: the run and its actors, one line per section of
+    common/metrics.py with the latest figure of each declared metric the status holds, and where the
+    actors run."""
     if not status:
         return "no status published yet (the job may still be starting)"
     age = time.time() - status.get("updated_at", 0)
@@ -125,6 +126,33 @@ def format_status(status: dict | None) -> str:
             lines.append(f"{section}: " + "   ".join(shown))
     if status.get("outputs"):
         lines.append(f"outputs: {status['outputs']}")
+    placement = format_placement(status)
+    return "\n".join(lines + ([placement] if placement else []))
+
+
+NOT_STARTED = "not started yet"
+LISTED_PER_ROLE = 4      # more actors of one role on a node are counted, not listed
+
+
+def format_placement(status: dict | None) -> str:
+    """Which actors run on which node, one line per node, from the status record's "placement" ({actor
+    name: {"ip", "hostname"}}, "ip" None while the actor has not started); "" when the record has none."""
+    placement = (status or {}).get("placement") or {}
+    by_node: dict[str, list[str]] = {}
+    for name, node in placement.items():
+        where = f"{node['ip']} ({node.get('hostname') or '?'})" if node and node.get("ip") else NOT_STARTED
+        by_node.setdefault(where, []).append(name)
+    if not by_node:
+        return ""
+    width = max(map(len, by_node))
+    lines = ["nodes:"]
+    for where in sorted(by_node, key=lambda w: (w == NOT_STARTED, w)):
+        roles: dict[str, list[str]] = {}
+        for name in by_node[where]:
+            roles.setdefault(name.rsplit("-", 1)[0], []).append(name)
+        parts = [", ".join(names) if len(names) <= LISTED_PER_ROLE else f"{len(names)} {role} actors"
+                 for role, names in roles.items()]
+        lines.append(f"  {where:<{width}}  {', '.join(parts)}")
     return "\n".join(lines)
 
 

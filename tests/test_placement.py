@@ -152,7 +152,7 @@ def test_rollout_actor_lands_by_resources_and_loads_the_shipped_tokenizer(kinds_
         assert Path(path).parent.name == CACHE_DIR_NAME and not (Path(path) / "model.safetensors").exists()
         assert ids == AutoTokenizer.from_pretrained(tiny_model_path).encode(SAMPLE)
         # What the driver publishes for `gigpo status`, and how it shows: the actor under its node.
-        from deploy.cli import status_text
+        from deploy.control import format_status
         from deploy.system import System
         system = System(from_dict(cfg))
         system.rollouts = {"rollout-0": actor}
@@ -160,7 +160,7 @@ def test_rollout_actor_lands_by_resources_and_loads_the_shipped_tokenizer(kinds_
         record = system.placement_record()
         node = this_node()
         assert record == {"rollout-0": {"ip": node["ip"], "hostname": node["hostname"]}}
-        assert f"  {node['ip']} ({node['hostname']})  rollout-0" in status_text({"placement": record})
+        assert f"  {node['ip']} ({node['hostname']})  rollout-0" in format_status({"placement": record})
         ray.get(actor.close.remote())
     finally:
         ray.kill(actor)
@@ -168,7 +168,7 @@ def test_rollout_actor_lands_by_resources_and_loads_the_shipped_tokenizer(kinds_
 
 def test_status_groups_the_actors_by_node(redis_server):
     from common.redis_server import connect
-    from deploy.cli import status_text
+    from deploy.control import format_status
     from deploy.control import ControlChannel
 
     here = {"ip": "10.0.0.2", "hostname": "head"}
@@ -177,7 +177,7 @@ def test_status_groups_the_actors_by_node(redis_server):
                  **{f"rollout-{i}": there for i in range(6)}, "rollout-6": {"ip": None, "hostname": None}}
     channel = ControlChannel(connect(redis_server.url), "placement-demo")
     channel.publish_status({"run": "placement-demo", "state": "training", "placement": placement})
-    text = status_text(channel.read_status())
+    text = format_status(channel.read_status())
     lines = text.splitlines()
     nodes = lines.index("nodes:")
     assert lines[nodes + 1].split() == ["10.0.0.2", "(head)", "learner-0"]
@@ -185,4 +185,4 @@ def test_status_groups_the_actors_by_node(redis_server):
                                         "actors"]
     assert lines[nodes + 3].split() == ["not", "started", "yet", "rollout-6"]
     # A record without placement (a job started by an older version) shows no node section.
-    assert "nodes:" not in status_text({"run": "x", "state": "training"})
+    assert "nodes:" not in format_status({"run": "x", "state": "training"})

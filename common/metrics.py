@@ -20,10 +20,8 @@ missing series on the dashboard.
 from __future__ import annotations
 
 import difflib
-import re
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass
 
 PREFIX = "gigpo_"          # our namespace inside Ray's: exported names start with "ray_gigpo_"
@@ -348,44 +346,6 @@ def ray_init_metrics_options(export_port: int | None = None,
     if export_port:
         options["_metrics_export_port"] = int(export_port)
     return options
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One scraped line: `name{labels} value`."""
-
-    name: str
-    labels: dict[str, str]
-    value: float
-
-
-_SAMPLE_RE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+\d+)?$')
-_LABEL_RE = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-def _unescape(value: str) -> str:
-    return re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), value)
-
-
-def parse_prometheus_text(text: str) -> list[Sample]:
-    """The samples of a Prometheus text-format page (comments skipped, label values unescaped)."""
-    samples = []
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        match = _SAMPLE_RE.match(line)
-        if not match:
-            raise ValueError(f"not a Prometheus sample line: {line[:200]!r}")
-        name, raw_labels, value = match.groups()
-        labels = {k: _unescape(v) for k, v in _LABEL_RE.findall(raw_labels or "")}
-        samples.append(Sample(name, labels, float(value)))
-    return samples
-
-
-def scrape(url: str, timeout_s: float = 10.0) -> list[Sample]:
-    """GET a /metrics page and parse it."""
-    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-        return parse_prometheus_text(resp.read().decode("utf-8"))
 
 
 def metrics_urls() -> list[str]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 
 import ray
@@ -23,8 +22,8 @@ import ray
 from common.config import ExperimentConfig, from_dict, to_dict
 from common.cpu_placement import place_this_process
 from common.log_files import send_output_to
-from common.placement import (PLACEMENT_TIMEOUT_S, PlacementError, actor_need, format_need, node_label, this_node,
-                              wait_placeable)
+from common.placement import (PLACEMENT_TIMEOUT_S, PlacementError, actor_need, format_need, free_port, node_label,
+                              this_node, wait_placeable)
 from common.process_env import apply_project_env
 
 log = logging.getLogger("gigpo")
@@ -50,9 +49,7 @@ class LearnerWorker:
 
     def rendezvous_address(self) -> tuple[str, int]:
         """(this node's IP, a TCP port free on it): where the other ranks find rank 0."""
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return ray.util.get_node_ip_address(), s.getsockname()[1]
+        return ray.util.get_node_ip_address(), free_port("")
 
     def join(self, master_addr: str, master_port: int) -> None:
         """Join the process group at rank 0's address (returns once every rank has joined)."""

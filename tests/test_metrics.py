@@ -11,9 +11,10 @@ import time
 import pytest
 
 from common.metrics import (ACTOR_KINDS, METRICS, ActorMetrics, exported_name, metrics_url, metrics_urls,
-                            parse_prometheus_text, ray_init_metrics_options, scrape)
+                            ray_init_metrics_options)
 from deploy import synthetic_metrics
 from deploy.synthetic_metrics import HISTOGRAM_VALUE_S, label_sets
+from tests.scrape import parse_prometheus_text, scrape
 
 
 def expected_after(ticks: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -13,13 +13,14 @@ import pytest
 import ray
 
 from common.config import load_config
-from common.metrics import METRICS, exported_name, metrics_url, scrape
+from common.metrics import METRICS, exported_name, metrics_url
 from deploy.control import JOB_FILE
 from deploy.system import System, evaluate_only, format_eval
 from env_servers.data import build_metadata
 from learner.loop import PUSHED_VERSION
 from learner.trainer import LEARNER_STATE
 from tests.alfworld_games import REAL_GAMES, extract_games
+from tests.scrape import scrape
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -41,7 +41,8 @@ def metric_panel(spec: MetricSpec) -> tuple[str, str, str, list[tuple[str, str]]
         seconds = spec.name.endswith("_seconds")
         return (f"{title}: share of time" if seconds else f"{title} / s", "percentunit" if seconds else "short",
                 spec.doc, [(f"sum by ({by}) (rate({name}{{{F}}}[{RATE}]))", legend)], True)
-    unit = "s" if spec.name.endswith("_seconds") else "percentunit" if spec.name.endswith(("_share", "_rate")) else "short"
+    share = spec.name.endswith(("_share", "_rate"))
+    unit = "s" if spec.name.endswith("_seconds") else "percentunit" if share else "short"
     return title, unit, spec.doc, [(f"max by ({by}) ({name}{{{F}}})", legend)], False
 
 
@@ -162,15 +163,16 @@ def render_metrics_doc() -> str:
              "(`SessionName`, `NodeAddress`, ...). The last column is the key of the figure an update's metrics",
              "(`metrics.jsonl`, TensorBoard) hold for it, which `gigpo status` shows.", ""]
     for section, specs in SECTIONS.items():
-        lines += [f"## {section}", "", "| exported name | type | recorded by | extra labels | meaning | update figure |",
+        lines += [f"## {section}", "",
+                  "| exported name | type | recorded by | extra labels | meaning | update figure |",
                   "|---|---|---|---|---|---|"]
         for spec in specs:
             labels = "; ".join(f"`{k}`: " + ", ".join(f"`{v}`" for v in values)
                                for k, values in (spec.labels or {}).items())
             figures = ", ".join(f"`{key}`" + (f" ({' '.join(lab.values())})" if lab else "")
                                 for lab, key in spec.update_keys)
-            lines.append(f"| `{spec.exported_name}` | {spec.type} | {', '.join(spec.recorded_by)} | {labels} | {spec.doc} "
-                         f"| {figures} |")
+            lines.append(f"| `{spec.exported_name}` | {spec.type} | {', '.join(spec.recorded_by)} | {labels} "
+                         f"| {spec.doc} | {figures} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -1,5 +1,5 @@
-"""deploy/grafana/gigpo-dashboard.json and docs/metrics.md: up to date with their builder, every declared metric on a panel, every
-query on a declared metric; and (slow, needs Debian's prometheus: `make prometheus`) every query returns
+"""deploy/grafana/gigpo-dashboard.json and docs/metrics.md: up to date with their builder, every declared
+metric on a panel, every query on a declared metric; and (slow, needs Debian's prometheus: `make prometheus`) every query returns
 data from a real Prometheus scraping a real Ray (deploy/check_dashboard.py)."""
 from __future__ import annotations
 

@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 # The gauges set from an update's metrics (common/metrics.py: MetricSpec.update_key); the inference actors'
 # and the driver's figures are not in the learner's metrics.
 UPDATE_GAUGES = [spec for spec in METRICS.values() if spec.type == "gauge" and spec.update_key]
+# The drops the stream counts itself, {reason: key of TrajectoryStream.stats}, as groups_dropped declares them.
+STREAM_DROPS = {labels["reason"]: key.removeprefix("stream/")
+                for labels, key in METRICS["groups_dropped"].update_keys if key.startswith("stream/")}
 
 
 def _read_int(path: Path) -> int | None:
@@ -401,8 +404,7 @@ class Learner:
             return
         m = self.metrics
         stats = dict(self.stream.stats)
-        for reason, key in (("stale", "dropped_stale"), ("duplicate", "duplicates_skipped"),
-                            ("dead_letter", "dead_lettered")):
+        for reason, key in STREAM_DROPS.items():
             m.inc("groups_dropped", stats.get(key, 0) - self._stream_stats_seen.get(key, 0), reason=reason)
         self._stream_stats_seen = stats
         m.set("stream_depth", self.stream.depth())

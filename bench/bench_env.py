@@ -11,7 +11,7 @@ does not count against either engine):
 - steps/s: env steps only; target: fast >= 3x upstream;
 - reset/s: load + reset of a game (first time each game is seen: nothing cached);
 - WebShop, per catalog (the shipped 50-product sample; the 1,000-product one from $WEBSHOP_DATA after
-  `make data`, else the shared copy; the original full catalog when $WEBSHOP_DATA points at it): the
+  `make data`, else from $WEBSHOP_SOURCE; the original full catalog when $WEBSHOP_DATA points at it): the
   one-time build of the shop (products, goals, BM25 index), search latency over the index (the queries
   of the first 500 goals' solution paths, i.e. the goal's words, and the goals' short product queries),
   and env steps/s of scripted purchases (each episode: a search, paging, the item, sub pages, options, buy).
@@ -21,7 +21,6 @@ Runs in ~1 minute on a 2-core machine.
 import os
 import random
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -33,25 +32,15 @@ N_GAMES = 6
 RANDOM_STEPS = 15
 
 
-def pick_games(tmp: str) -> list[str]:
-    """Game files of N_GAMES valid_unseen games, one per task type where possible."""
+def pick_games() -> list[str]:
+    """Game files of N_GAMES valid_unseen games, one per task type where possible: from the game set `make
+    data` prepared, else the few real games the repository holds for its tests (tests/data)."""
     root = os.path.join(default_data_dir(), GAME_SET)
-    if os.path.isdir(root):
-        ids = list_data_tasks(root, "valid_unseen")
-        base = root
-    else:
-        from tests.alfworld_games import extract_games, real_archive
-        if real_archive() is None:
-            raise SystemExit("no ALFWorld games: run `make data` (or set ALFWORLD_SOURCE)")
-        import tarfile
-        with tarfile.open(real_archive(), "r:xz") as tar:
-            names = [m.name for m in tar if m.name.endswith(GAME_FILE) and "/valid_unseen/" in m.name]
-        ids = sorted(n[len(GAME_SET) + 1:-len(GAME_FILE) - 1] for n in names)
-        chosen = _one_per_type(ids)
-        extract_games(tmp, chosen)
-        base = os.path.join(tmp, GAME_SET)
-        ids = chosen
-    return [os.path.join(base, t, GAME_FILE) for t in _one_per_type(ids)]
+    if not os.path.isdir(root):
+        root = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "alfworld", GAME_SET)
+        print(f"no game set in $ALFWORLD_DATA (`make data`): the repository's test games ({root})")
+    ids = list_data_tasks(root, "valid_unseen") or list_data_tasks(root, "valid_seen")
+    return [os.path.join(root, t, GAME_FILE) for t in _one_per_type(ids)]
 
 
 def _one_per_type(ids: list[str]) -> list[str]:
@@ -91,13 +80,13 @@ def play(engine_name: str, game_files: list[str]) -> dict:
 
 
 def webshop_catalogs() -> list[tuple[str, str]]:
-    """(label, directory) of each WebShop catalog at hand: the shipped sample, $WEBSHOP_DATA, the shared copy
-    (`make data`'s source), each catalog once (a copy of one already listed is skipped)."""
+    """(label, directory) of each WebShop catalog at hand: the shipped sample, $WEBSHOP_DATA, $WEBSHOP_SOURCE
+    (a local copy `make data` copies from), each catalog once (a copy of one already listed is skipped)."""
     from env_servers.webshop.catalog import PRODUCT_FILES, find_file, has_catalog
     from env_servers.webshop.data import SAMPLE_DIR, default_source
     found: dict[tuple, tuple[str, str]] = {}
     for label, folder in (("shipped sample", SAMPLE_DIR), ("$WEBSHOP_DATA", os.environ.get("WEBSHOP_DATA", "")),
-                          ("shared copy", default_source())):
+                          ("$WEBSHOP_SOURCE", default_source())):
         if folder and has_catalog(folder):
             products = find_file(folder, PRODUCT_FILES)
             found.setdefault((os.path.basename(products), os.path.getsize(products)), (label, folder))
@@ -139,12 +128,11 @@ def bench_webshop(label: str, data_dir: str, num_goals: int = 500) -> None:
 
 
 def main() -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        games = pick_games(tmp)
-        print(f"ALFWorld: {len(games)} valid_unseen games ({', '.join(g.split('/')[-3].split('-')[0] for g in games)})")
-        start = time.time()
-        up = play("upstream", games)
-        fast = play("fast", games)
+    games = pick_games()
+    print(f"ALFWorld: {len(games)} valid_unseen games ({', '.join(g.split('/')[-3].split('-')[0] for g in games)})")
+    start = time.time()
+    up = play("upstream", games)
+    fast = play("fast", games)
     identical = up["trace"] == fast["trace"]
     print(f"  upstream engine: {up['steps_per_s']:7.1f} steps/s per core, {up['resets_per_s']:5.2f} resets/s "
           f"({up['steps']} steps)")

@@ -52,6 +52,24 @@ def actor_need(num_cpus: float = 0.0, num_gpus: float = 0.0, resources: dict | N
     return {k: v for k, v in need.items() if v > 0}
 
 
+# What each learner process reserves next to its GPUs (what Ray schedules by; its torch threads follow the
+# CPUs it may use: common.cpu_placement.compute_threads).
+LEARNER_CPUS_PER_PROCESS = 1.0
+
+
+def job_needs(cfg) -> dict[str, tuple[dict, int]]:
+    """{role: (what one of its actors asks of a node, how many it starts)} for an ExperimentConfig: the
+    learner processes, the inference actors and the rollout actors (at start; `gigpo scale` changes their
+    number). The evaluation actor reserves nothing (it rides on a rollout actor's node)."""
+    ro, inf, ln = cfg.rollout, cfg.inference, cfg.learner
+    return {
+        "learner process": (actor_need(LEARNER_CPUS_PER_PROCESS, ln.gpus_per_process, ln.resources),
+                            ln.num_processes),
+        "inference actor": (actor_need(inf.cpus_per_actor, inf.gpus_per_actor, inf.resources), inf.num_actors),
+        "rollout actor": (actor_need(ro.cpus_per_actor, 0, ro.resources), ro.num_actors),
+    }
+
+
 def format_need(need: dict) -> str:
     return ", ".join(f"{k} {v:g}" for k, v in sorted(need.items())) or "nothing"
 

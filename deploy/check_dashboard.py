@@ -1,27 +1,35 @@
 """Checks the Grafana dashboard end to end on this machine, without Grafana:
 
-1. starts a local Ray whose metrics agent serves /metrics on a free port;
-2. starts Debian's `prometheus` (`make prometheus`) with a generated config that scrapes that endpoint;
+1. starts a local Ray whose metrics agent serves /metrics on a free port, with its dashboard, which writes
+   Ray's file-based service discovery file (the list of every node's metrics endpoint) into Ray's temp dir;
+2. starts Debian's `prometheus` (`make prometheus`) with the shipped scrape config,
+   deploy/prometheus/prometheus.yml, rendered for this run: the discovery file of this Ray instead of the
+   head's /tmp/ray/..., and short intervals; its relabelling (the `ray_io_cluster` label) is kept as is;
 3. runs a workload: by default the synthetic one (deploy/synthetic_metrics.py, every declared metric);
    `--workload module:function` calls a Python function instead (it runs after ray.init, in this
    process, and returns when done) and `--command "..."` runs a shell command with RAY_ADDRESS set to
    this Ray (e.g. a short real `gigpo train` run joining it);
 4. runs EVERY query of deploy/grafana/gigpo-dashboard.json against Prometheus' HTTP API over the
-   workload's time range, with Grafana's variables filled in, and reports which returned data;
+   workload's time range, with Grafana's variables filled in (`Cluster`: the label value the scrape config
+   sets, so a query only has data when the relabelling works), and reports which returned data; and asks
+   for the values of each dashboard variable (`label_values(...)`), as Grafana does to fill its drop-down;
 5. takes a PNG screenshot with headless `chromium` of Prometheus' graph page for env steps/s and policy
    lag (docs/dashboard-check.png by default).
 
     python deploy/check_dashboard.py [--seconds 30] [--workload synthetic] [--command CMD] [--png PATH]
 
-Exit status 0 when every query returned data, 1 when some did not, 2 when a tool is missing.
+Exit status 0 when every query returned data and every variable has values, 1 when not, 2 when a tool is
+missing.
 Every process it starts (Prometheus, chromium, Ray) is stopped before it exits; ports are free ones.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -33,6 +41,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:          # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
@@ -41,9 +51,11 @@ from common.metrics import exported_name, metrics_urls, ray_init_metrics_options
 from common.placement import free_port  # noqa: E402
 from deploy.dashboard import DASHBOARD_PATH, dashboard_queries  # noqa: E402
 
+PROMETHEUS_CONFIG_PATH = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 SCRAPE_INTERVAL_S = 2
 # What Grafana would put in for the dashboard's variables: every session and cluster, and a rate window
-# of a few scrapes ($__rate_interval is at least 4 scrape intervals).
+# of a few scrapes ($__rate_interval is at least 4 scrape intervals). main() puts the cluster label's value
+# the scrape config sets in for $Cluster.
 VARIABLES = {"$SessionName": ".+", "$Cluster": ".*", "$__rate_interval": f"{4 * SCRAPE_INTERVAL_S * 2}s"}
 SCREENSHOT_EXPRS = (
     f'sum(rate({exported_name("env_steps")}[{4 * SCRAPE_INTERVAL_S * 2}s]))',
@@ -51,8 +63,8 @@ SCREENSHOT_EXPRS = (
 )
 
 
-def fill_variables(expr: str) -> str:
-    for name, value in VARIABLES.items():
+def fill_variables(expr: str, variables: dict | None = None) -> str:
+    for name, value in (variables or VARIABLES).items():
         expr = expr.replace(name, value)
     return expr
 
@@ -62,25 +74,63 @@ def http_json(url: str, timeout_s: float = 10.0) -> dict:
         return json.loads(resp.read().decode())
 
 
-def prometheus_config(targets: list[str]) -> str:
-    """A Prometheus config scraping Ray's metrics agents (host:port targets)."""
-    return json.dumps({   # JSON is YAML: no YAML writer needed
-        "global": {"scrape_interval": f"{SCRAPE_INTERVAL_S}s", "evaluation_interval": f"{SCRAPE_INTERVAL_S}s"},
-        "scrape_configs": [{"job_name": "ray", "static_configs": [{"targets": targets}]}],
-    }, indent=2)
+def shipped_prometheus_config() -> dict:
+    return yaml.safe_load(PROMETHEUS_CONFIG_PATH.read_text())
+
+
+def render_prometheus_config(config: dict, discovery_file: Path, interval_s: float = SCRAPE_INTERVAL_S) -> dict:
+    """The shipped scrape config for a local run: every file_sd_configs entry reads `discovery_file` (the
+    local Ray's, instead of the head's /tmp/ray/...) and is re-read every `interval_s`, and the scrape and
+    evaluation intervals are `interval_s`. Everything else (jobs, relabelling) stays as shipped."""
+    config = copy.deepcopy(config)
+    interval = f"{interval_s:g}s"
+    config.setdefault("global", {}).update(scrape_interval=interval, evaluation_interval=interval)
+    entries = [sd for job in config.get("scrape_configs", []) for sd in job.get("file_sd_configs", [])]
+    if not entries:
+        raise ValueError("the scrape config has no file_sd_configs entry to point at Ray's discovery file")
+    for sd in entries:
+        sd.update(files=[str(discovery_file)], refresh_interval=interval)
+    return config
+
+
+def set_labels(config: dict) -> dict[str, str]:
+    """{label: value} the config's relabelling sets on every target (target_label + replacement, no source
+    labels): what `ray_io_cluster` will be on every series."""
+    labels = {}
+    for job in config.get("scrape_configs", []):
+        for rule in job.get("relabel_configs", []):
+            if rule.get("action", "replace") == "replace" and not rule.get("source_labels") and "target_label" in rule:
+                labels[rule["target_label"]] = rule.get("replacement", "$1")
+    return labels
+
+
+def wait_for_discovery(path: Path, targets: list[str], timeout_s: float = 60.0) -> list[str]:
+    """Wait until Ray's service discovery file at `path` lists every target (host:port); its targets."""
+    deadline = time.monotonic() + timeout_s
+    listed: list[str] = []
+    while time.monotonic() < deadline:
+        try:
+            listed = [t for group in json.loads(path.read_text()) for t in group["targets"]]
+            if set(targets) <= set(listed):
+                return listed
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"Ray's service discovery file {path} does not list {targets} after {timeout_s:.0f}s "
+                       f"(it lists {listed}); Ray's dashboard writes it")
 
 
 class Prometheus:
     """A throw-away Prometheus server on a free port with its data in a temp dir."""
 
-    def __init__(self, binary: str, targets: list[str], workdir: Path):
+    def __init__(self, binary: str, config: dict, workdir: Path):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = workdir / "prometheus.yml"
-        config.write_text(prometheus_config(targets))
+        path = workdir / "prometheus.yml"
+        path.write_text(json.dumps(config, indent=2))      # JSON is YAML: no YAML writer needed
         self.log = open(workdir / "prometheus.log", "w")
         self.proc = subprocess.Popen(
-            [binary, f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
+            [binary, f"--config.file={path}", f"--storage.tsdb.path={workdir / 'data'}",
              f"--web.listen-address=127.0.0.1:{self.port}", "--storage.tsdb.retention.time=1h"],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -106,6 +156,10 @@ class Prometheus:
         params = urllib.parse.urlencode({"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}",
                                          "step": f"{SCRAPE_INTERVAL_S}s"})
         return http_json(f"{self.url}/api/v1/query_range?{params}")
+
+    def label_values(self, label: str, match: str, start: float, end: float) -> list[str]:
+        params = urllib.parse.urlencode({"match[]": match, "start": f"{start:.3f}", "end": f"{end:.3f}"})
+        return http_json(f"{self.url}/api/v1/label/{urllib.parse.quote(label)}/values?{params}")["data"]
 
     def graph_url(self, exprs: tuple[str, ...], range_s: int) -> str:
         params = {}
@@ -160,12 +214,32 @@ def run_workload(args, ray_address: str) -> None:
         getattr(importlib.import_module(module), func)()
 
 
-def check_queries(prom: Prometheus, start: float, end: float) -> list[tuple[str, str, str, int, str]]:
+def check_variables(prom: Prometheus, start: float, end: float,
+                    expected: dict[str, str]) -> list[tuple[str, str, str, int, str]]:
+    """(variable, "", status, values, detail) for every `label_values(metric, label)` variable of the dashboard
+    JSON: the values Grafana would offer; NO DATA when there are none, or when `expected` ({label: value})
+    names a value they lack."""
+    dashboard = json.loads(DASHBOARD_PATH.read_text())
+    rows = []
+    for var in dashboard["templating"]["list"]:
+        found = re.fullmatch(r"label_values\((\w+),\s*(\w+)\)", str(var.get("definition", "")))
+        if not found:
+            continue
+        metric, label = found.groups()
+        values = prom.label_values(label, metric, start, end)
+        ok = bool(values) and (label not in expected or expected[label] in values)
+        rows.append((f"variable {var['name']}", "", "DATA" if ok else "NO DATA", len(values),
+                     f"{label}: {values[:4]}" + (f" (expected {expected[label]!r})" if label in expected else "")))
+    return rows
+
+
+def check_queries(prom: Prometheus, start: float, end: float,
+                  variables: dict | None = None) -> list[tuple[str, str, str, int, str]]:
     """(panel, refId, status, series, detail) for every query of the dashboard JSON."""
     dashboard = json.loads(DASHBOARD_PATH.read_text())
     rows = []
     for title, ref, expr in dashboard_queries(dashboard):
-        filled = fill_variables(expr)
+        filled = fill_variables(expr, variables)
         try:
             result = prom.query_range(filled, start, end)
         except urllib.error.HTTPError as exc:
@@ -199,15 +273,29 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="gigpo-dashcheck-"))
     prom = None
     try:
+        shipped = shipped_prometheus_config()
         t0 = time.monotonic()
+        # The dashboard is on here (unlike a run's own ray.init) because it writes the discovery file.
         ctx = ray.init(address="local", num_cpus=2, object_store_memory=100 * 1024**2,
-                       include_dashboard=False, _temp_dir=str(workdir / "ray"),
-                       **ray_init_metrics_options(free_port()))
+                       include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=free_port(),
+                       _temp_dir=str(workdir / "ray"), **ray_init_metrics_options(free_port()))
         targets = [u.split("//", 1)[1].split("/", 1)[0] for u in metrics_urls()]
-        print(f"ray up in {time.monotonic() - t0:.1f}s; metrics endpoints: {targets}", flush=True)
-        prom = Prometheus(prom_bin, targets, workdir)
+        # The shipped config reads /tmp/ray/<file>: this Ray's temp dir stands in for /tmp/ray.
+        shipped_files = [f for job in shipped["scrape_configs"] for sd in job.get("file_sd_configs", [])
+                         for f in sd["files"]]
+        discovery = workdir / "ray" / Path(shipped_files[0]).name
+        listed = wait_for_discovery(discovery, targets)
+        print(f"ray up in {time.monotonic() - t0:.1f}s; metrics endpoints: {targets}; Ray's discovery file "
+              f"lists {listed}", flush=True)
+        config = render_prometheus_config(shipped, discovery)
+        labels = set_labels(config)
+        variables = dict(VARIABLES)
+        if "ray_io_cluster" in labels:         # what the dashboard's Cluster variable filters on
+            variables["$Cluster"] = re.escape(labels["ray_io_cluster"])
+        prom = Prometheus(prom_bin, config, workdir)
         prom.wait_ready()
-        print(f"prometheus up at {prom.url}", flush=True)
+        print(f"prometheus up at {prom.url} with {PROMETHEUS_CONFIG_PATH.relative_to(ROOT)} (labels it sets: "
+              f"{labels})", flush=True)
 
         start = time.time()
         run_workload(args, ctx.address_info["gcs_address"])
@@ -216,18 +304,21 @@ def main(argv: list[str] | None = None) -> int:
         if not prom.targets_up():
             print("warning: a scrape target is not up", file=sys.stderr)
 
-        rows = check_queries(prom, start, end)
-        width = max(len(r[0]) for r in rows) + 4
-        for title, ref, status, n, detail in rows:
+        rows = check_queries(prom, start, end, variables)
+        var_rows = check_variables(prom, start, end, labels)
+        width = max(len(r[0]) for r in rows + var_rows) + 4
+        for title, ref, status, n, detail in rows + var_rows:
             print(f"{status:8s} {title + ' ' + ref:{width}s} series={n} {detail}")
         empty = [r for r in rows if r[2] != "DATA"]
+        empty_vars = [r for r in var_rows if r[2] != "DATA"]
         print(f"{len(rows) - len(empty)}/{len(rows)} dashboard queries returned data", flush=True)
+        print(f"{len(var_rows) - len(empty_vars)}/{len(var_rows)} dashboard variables have values", flush=True)
 
         if not args.no_screenshot:
             png = Path(args.png)
             screenshot(chromium, prom.graph_url(SCREENSHOT_EXPRS, int(end - start) + 5), png, workdir)
             print(f"screenshot of Prometheus' graph page (env steps/s, policy lag): {png}")
-        return 0 if not empty else 1
+        return 0 if not empty and not empty_vars else 1
     finally:
         if prom is not None:
             prom.stop()

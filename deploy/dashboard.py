@@ -6,9 +6,10 @@ in common/metrics.py: a row per section, a panel per metric (and a few derived f
 The JSON is committed so that it can be imported as is (Grafana: Dashboards > New > Import, or dropped
 into the dashboards folder Ray provisions for its Grafana: <ray session>/metrics/grafana/dashboards).
 Like Ray's own dashboards it asks for a Prometheus data source through the `datasource` variable, and
-filters by the `SessionName` (and, on KubeRay, `Cluster`) variables. Every query names metrics through
-`exported_name`, so a renamed metric cannot leave a panel silently empty: tests compare the file with
-this builder and check that each declared metric has a panel.
+filters by the `SessionName` and `Cluster` variables (Cluster: the `ray_io_cluster` label that the shipped
+scrape configs set, deploy/prometheus/prometheus.yml and deploy/kuberay/podmonitor.yaml). Every query names
+metrics through `exported_name`, so a renamed metric cannot leave a panel silently empty: tests compare the
+file with this builder and check that each declared metric has a panel.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from common.metrics import exported_name as N
 DASHBOARD_PATH = Path(__file__).resolve().parent / "grafana" / "gigpo-dashboard.json"
 METRICS_DOC_PATH = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 UID = "gigpo-rl"
-# Series filter of every query: the chosen Ray session(s) and KubeRay cluster(s).
+# Series filter of every query: the chosen Ray session(s) and cluster(s).
 F = 'SessionName=~"$SessionName",ray_io_cluster=~"$Cluster"'
 RATE = "$__rate_interval"
 
@@ -133,8 +134,9 @@ def build_dashboard() -> dict:
              "refresh": 1, "regex": ""},
             _variable("SessionName", "Ray session(s) to show.",
                       f"label_values({version_metric}, SessionName)", ".+"),
-            _variable("Cluster", "KubeRay cluster(s) (the ray_io_cluster label set by a PodMonitor); "
-                                 "empty on other deployments.",
+            _variable("Cluster", "Ray cluster(s): the ray_io_cluster label, set by the shipped scrape configs "
+                                 "(deploy/prometheus/prometheus.yml, deploy/kuberay/podmonitor.yaml); empty "
+                                 "where Prometheus sets none.",
                       f"label_values({version_metric}, ray_io_cluster)", ".*"),
         ]},
         "panels": panels,

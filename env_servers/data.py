@@ -1,13 +1,17 @@
 """`python -m env_servers.data prepare`: put the environments' data in place (what `make data` runs).
 
-ALFWorld: unpacks `json_2.1.1.tar.xz` ($ALFWORLD_SOURCE, else the shared copy) into $ALFWORLD_DATA, or runs
-`alfworld-download` when no archive is at hand. Then, once per game set, it rebuilds the per-game metadata
-ALFWorld's own loader (`AlfredTWEnv`) wants, `traj_data.json` (task_type and pddl_params from the directory
-name `<task_type>-<Object>-<MovableRecep>-<ParentTarget>-<scene>`), and writes `index.json`: the solvable
-games of every split, which `ALFWorldEnv.task_ids` reads. WebShop: `env_servers.webshop.data.prepare`.
+ALFWorld: unpacks `json_2.1.1.tar.xz` ($ALFWORLD_SOURCE: a local copy of the archive) into $ALFWORLD_DATA,
+or runs `alfworld-download` (needs internet) when no archive is given. Then, once per game set, it rebuilds
+the per-game metadata ALFWorld's own loader (`AlfredTWEnv`) wants, `traj_data.json` (task_type and
+pddl_params from the directory name `<task_type>-<Object>-<MovableRecep>-<ParentTarget>-<scene>`), and
+writes `index.json`: the solvable games of every split, which `ALFWorldEnv.task_ids` reads.
+WebShop: `env_servers.webshop.data.prepare` into $WEBSHOP_DATA: a copy of $WEBSHOP_SOURCE, else a download of
+the original files (Google Drive, or $WEBSHOP_BASE_URL), each checked by sha256.
 
-Idempotent: a prepared game set (index.json present) is left alone, so a second run takes well under a
-second.
+Idempotent: a prepared game set (index.json present) and a catalog in place are left alone, so a second run
+takes well under a second. Exit status 2, one line on stderr per data set, when data cannot be had here
+(no local copy given and no network, a download that is not the expected file): the line says how to
+provide it instead.
 """
 from __future__ import annotations
 
@@ -24,21 +28,19 @@ import time
 from pathlib import Path
 
 from env_servers.alfworld_env import DATA_SPLITS, GAME_FILE, GAME_SET, default_data_dir
+from env_servers.webshop import data as webshop_data
 
-SHARED_ARCHIVES = ("/work/shared/data/alfworld/json_2.1.1.tar.xz",)
 _SOLVABLE = re.compile(r'"solvable"\s*:\s*(true|false)')
+_ALFWORLD_HOW = "set ALFWORLD_SOURCE to a local copy of ALFWorld's json_2.1.1.tar.xz"
+
+
+class DataUnavailable(RuntimeError):
+    """The data cannot be had here; the message (one line) says how to provide it."""
 
 
 def default_alfworld_source() -> str | None:
-    """$ALFWORLD_SOURCE, else a shared copy of the archive next to the checkout, else None."""
-    env = os.environ.get("ALFWORLD_SOURCE")
-    if env:
-        return env
-    here = Path(__file__).resolve().parents[1]
-    for candidate in (here.parent / "shared" / "data" / "alfworld" / "json_2.1.1.tar.xz", *map(Path, SHARED_ARCHIVES)):
-        if candidate.is_file():
-            return str(candidate)
-    return None
+    """$ALFWORLD_SOURCE (the path of json_2.1.1.tar.xz), else None."""
+    return os.environ.get("ALFWORLD_SOURCE") or None
 
 
 def traj_data_for(game_dir_name: str) -> dict:
@@ -124,6 +126,13 @@ def _unpack(archive: str, dest: Path) -> None:
         unpacked.rename(target)
 
 
+def _alfworld_download() -> str | None:
+    """ALFWorld's download script: beside this Python (the venv's bin/, which `make` does not put on PATH),
+    else on PATH."""
+    beside = Path(sys.executable).parent / "alfworld-download"
+    return str(beside) if beside.is_file() else shutil.which("alfworld-download")
+
+
 def prepare_alfworld(dest: str | None = None, source: str | None = None, log=print) -> Path:
     """Make $ALFWORLD_DATA/json_2.1.1 ready (unpacked + metadata). Returns the game-set root."""
     dest_dir = Path(dest or default_data_dir())
@@ -140,33 +149,40 @@ def prepare_alfworld(dest: str | None = None, source: str | None = None, log=pri
                                         f"json_2.1.1.tar.xz path)")
             log(f"ALFWorld: unpacking {archive} into {dest_dir}")
             _unpack(archive, dest_dir)
-        elif shutil.which("alfworld-download"):
-            log("ALFWorld: no local archive; running alfworld-download (needs internet)")
+        elif _alfworld_download():
+            log("ALFWorld: no local archive ($ALFWORLD_SOURCE); running alfworld-download (needs internet, "
+                "several minutes)")
             env = dict(os.environ, ALFWORLD_DATA=str(dest_dir))
-            subprocess.run(["alfworld-download"], check=True, env=env)
+            # Its progress bars and, offline, its traceback go to stderr: kept for the one-line error.
+            done = subprocess.run([_alfworld_download()], env=env, stderr=subprocess.PIPE, text=True)
+            if done.returncode != 0:
+                last = next((ln.strip() for ln in reversed(done.stderr.splitlines()) if ln.strip()),
+                            f"exit status {done.returncode}")
+                last = last if len(last) <= 160 else last[:157] + "..."
+                raise DataUnavailable(f"ALFWorld: alfworld-download failed ({last}): it needs internet "
+                                      f"(github.com); without it, {_ALFWORLD_HOW}")
             if not root.is_dir():
                 raise RuntimeError(f"alfworld-download finished but {root} does not exist")
         else:
-            raise FileNotFoundError("no ALFWorld game set: set ALFWORLD_SOURCE to json_2.1.1.tar.xz or install "
-                                    "alfworld (for alfworld-download)")
+            raise FileNotFoundError(f"no ALFWorld game set: {_ALFWORLD_HOW}, or install alfworld "
+                                    "(for alfworld-download)")
     index = build_metadata(root)
     counts = ", ".join(f"{k} {len(v)}" for k, v in index.items())
     log(f"ALFWorld: {counts} solvable games indexed in {time.time() - start:.1f}s")
     return root
 
 
-def prepare_webshop(dest: str | None = None, log=print) -> None:
-    try:
-        from env_servers.webshop import data as webshop_data
-    except ImportError:
-        log("WebShop: env_servers.webshop not present; skipped")
-        return
+def prepare_webshop(dest: str | None = None, source: str | None = None, log=print) -> str:
+    """Make $WEBSHOP_DATA hold the catalog: a copy of `source` / $WEBSHOP_SOURCE, else the one already
+    there, else the original files downloaded (from $WEBSHOP_BASE_URL when set). Returns the directory."""
     dest = dest or os.environ.get("WEBSHOP_DATA") or os.path.join(os.getcwd(), "data", "webshop")
-    if webshop_data.has_catalog(dest) and not webshop_data.has_catalog(webshop_data.default_source()):
-        log(f"WebShop: catalog in {dest} (nothing to copy it from; kept as it is)")
-        return
-    webshop_data.prepare(dest)
-    log(f"WebShop: catalog in {dest}")
+    source = source or webshop_data.default_source()
+    start = time.time()
+    done = webshop_data.prepare(dest, source=source, log=log)
+    how = {"copied": f"copied from {source}", "kept": "already there; kept as it is",
+           "downloaded": f"downloaded and checked in {time.time() - start:.1f}s"}[done]
+    log(f"WebShop: catalog in {dest} ({how})")
+    return dest
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,15 +190,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("command", choices=["prepare"])
     parser.add_argument("--only", choices=["alfworld", "webshop"], default=None)
     args = parser.parse_args(argv)
-    try:
-        if args.only in (None, "alfworld"):
-            prepare_alfworld()
-        if args.only in (None, "webshop"):
-            prepare_webshop()
-    except FileNotFoundError as exc:
-        print(f"{parser.prog}: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    status = 0
+    for name, step in (("alfworld", prepare_alfworld), ("webshop", prepare_webshop)):
+        if args.only not in (None, name):
+            continue
+        try:
+            step()
+        except (FileNotFoundError, DataUnavailable, webshop_data.DownloadError) as exc:
+            # One line per data set that could not be had; the other is still prepared.
+            print(f"{parser.prog}: {exc}", file=sys.stderr)
+            status = 2
+    return status
 
 
 if __name__ == "__main__":

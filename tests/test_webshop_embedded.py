@@ -8,12 +8,13 @@ import re
 import pytest
 
 from actors import rollout
-from env_servers.webshop.data import SAMPLE_DIR, default_source
+from env_servers.webshop.data import SAMPLE_DIR
 from env_servers.webshop.env import QUERY_MAX_CHARS, WebShopEnv, solution_path, solution_query
+from tests.webshop_catalog import NO_REAL_CATALOG, real_catalog
 
 SEARCH = "search[<your query>]"
-REAL_CATALOG = default_source()
-has_real_catalog = os.path.isfile(os.path.join(REAL_CATALOG, "items_shuffle_1000.json"))
+REAL_CATALOG = real_catalog()
+has_real_catalog = REAL_CATALOG is not None
 
 
 def response(action: str, think: str = "") -> str:
@@ -101,7 +102,7 @@ def test_solution_query_is_the_goals_words():
     assert len(query) <= QUERY_MAX_CHARS and query.startswith("very long") and query.endswith("words")
 
 
-@pytest.mark.skipif(not has_real_catalog, reason="the 1,000-product catalog is not at hand")
+@pytest.mark.skipif(not has_real_catalog, reason=NO_REAL_CATALOG)
 def test_solution_paths_on_the_1000_product_catalog():
     """Every goal's query has the shape the action grammar allows, and the solution paths of the held-out
     goals win at the measured rate (95.2% of 500: the search finds the goal's product for all but 2, and

@@ -109,7 +109,8 @@ def load_products(data_dir: str, human_goals: bool = False, num_products: int | 
     if human_goals:
         human_path = os.path.join(data_dir, HUMAN_GOALS_FILE)
         if not os.path.isfile(human_path):
-            raise FileNotFoundError(f"human_goals=True needs {human_path} (not shipped; put the original file there)")
+            raise FileNotFoundError(f"human_goals=True needs {human_path} (`make data` downloads it when "
+                                    "$WEBSHOP_DATA holds no catalog yet; or put the original file there)")
         human = _read_json(human_path)
     reviews, ratings = {}, {}
     reviews_path = os.path.join(data_dir, REVIEWS_FILE)

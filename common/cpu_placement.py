@@ -53,3 +53,20 @@ def place_this_process(cpus: str = "", nice: int = 0) -> None:
                 os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
         except (ProcessLookupError, FileNotFoundError):     # a thread that ended meanwhile
             pass
+
+
+def compute_threads(cpus: str = "", sharers: int = 1) -> int:
+    """How many compute threads (torch's intra-op pool) a process should run: the CPUs of `cpus` when given,
+    else the CPUs this process may run on, split between the `sharers` processes of its kind on the node;
+    at least 1. Not Ray's figure: Ray sets OMP_NUM_THREADS to an actor's num_cpus (1 for the learner),
+    which is what it reserves for scheduling, not what the process may use."""
+    allowed = parse_cpu_list(cpus) or os.sched_getaffinity(0)
+    return max(1, len(allowed) // max(1, sharers))
+
+
+def use_compute_threads(threads: int) -> None:
+    """Run torch's intra-op pool (and OpenMP/MKL in processes started from here) with `threads` threads."""
+    import torch
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[name] = str(threads)
+    torch.set_num_threads(threads)

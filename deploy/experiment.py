@@ -76,10 +76,10 @@ QUICK = Protocol(seeds=1, updates=4, eval_games=32)
 def build_warm_model(config: str, protocol: Protocol, work: Path, overrides: list[str]) -> str:
     """The one warm-started model every run starts from (reused when its settings are unchanged)."""
     from common.config import load_config
-    from common.tiny_model import resolve_model_path
+    from deploy.models import prepare_model_path
     from deploy.warm_start import warm_start
     cfg = load_config(config, [*protocol.overrides(), *overrides, f"run.output_dir={work / 'warm'}", "run.seed=0"])
-    return str(Path(warm_start(cfg, resolve_model_path(cfg.model.path, cfg.run.output_dir))).resolve())
+    return str(Path(warm_start(cfg, prepare_model_path(cfg.model.path, cfg.run.output_dir))).resolve())
 
 
 def run_one(config: str, protocol: Protocol, algorithm: str, seed: int, warm_model: str, run_dir: Path,

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 from common.config import ExperimentConfig
 from common.redis_server import password_of
+from deploy.models import PINNED, ModelError, check_gguf
 
 
 class PreflightError(Exception):
@@ -48,21 +49,50 @@ def _looks_like_local_path(path: str) -> bool:
     return path.startswith(("/", "./", "../", "~")) or path.count("/") > 1 or (os.sep != "/" and os.sep in path)
 
 
+def _check_weight_files(local: Path, path: str) -> None:
+    """A model directory holds weights, and every safetensors file's header covers the file exactly (a
+    truncated or overwritten file fails here, not minutes later inside an actor)."""
+    from safetensors import safe_open
+    shards = sorted(local.glob("*.safetensors"))
+    if not shards and not any(local.glob("*.bin")):
+        raise PreflightError(f"model.path {path!r} holds no weights (no *.safetensors or *.bin file); point "
+                             "model.path at a directory written by save_pretrained")
+    for shard in shards:
+        try:
+            with safe_open(str(shard), "pt"):
+                pass
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error type from Rust
+            raise PreflightError(f"model.path {path!r}: {shard.name} is corrupt or truncated ({exc}); copy or "
+                                 "convert the model again") from None
+
+
 def check_model(cfg: ExperimentConfig, hub_cache: str | None = None) -> None:
-    """model.path: "tiny" (built at start); a local directory with a config.json; or a Hugging Face hub id,
-    which with HF_HUB_OFFLINE=1 must already be in the local cache (`hub_cache`: that cache's directory,
-    default the one huggingface_hub uses)."""
+    """model.path: "tiny" (built at start); a GGUF file (converted at start); a local directory with a
+    config.json and whole weight files; or a Hugging Face hub id, which with HF_HUB_OFFLINE=1 must already
+    be in the local cache (`hub_cache`: that cache's directory, default the one huggingface_hub uses)."""
     path = cfg.model.path
     if path == "tiny":
         return
     local = Path(path).expanduser()
+    if local.suffix == ".gguf":
+        try:
+            check_gguf(local)
+        except ModelError as exc:
+            raise PreflightError(str(exc)) from None
+        return
     if local.is_dir():
         if not (local / "config.json").is_file():
             raise PreflightError(f"model.path {path!r} is a directory without a config.json, not a saved model; "
                                  "point model.path at a directory written by save_pretrained")
+        _check_weight_files(local, path)
         return
     if local.exists():
-        raise PreflightError(f"model.path {path!r} is a file; point it at a model directory or a hub id")
+        raise PreflightError(f"model.path {path!r} is a file; point it at a model directory, a .gguf file or a "
+                             "hub id")
+    if local.name in PINNED:
+        raise PreflightError(f"model.path {path!r} is not prepared yet; run `make model` (puts "
+                             f"{PINNED[local.name].title} into $GIGPO_MODELS/{local.name}, by default "
+                             f"./data/models/{local.name})")
     if _looks_like_local_path(path):
         raise PreflightError(f"model.path {path!r}: no such directory; fix the path (or use a Hugging Face hub "
                              'id, or "tiny")')

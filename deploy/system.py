@@ -179,10 +179,9 @@ class System:
 
     def role_needs(self) -> dict[str, dict]:
         """What one inference and one rollout actor (also the eval actor's node) need of a node."""
-        from common.placement import actor_need
-        inf, ro = self.cfg.inference, self.cfg.rollout
-        return {"an inference actor": actor_need(inf.cpus_per_actor, inf.gpus_per_actor, inf.resources),
-                "a rollout actor": actor_need(ro.cpus_per_actor, 0, ro.resources)}
+        from common.placement import job_needs
+        needs = job_needs(self.cfg)
+        return {"an inference actor": needs["inference actor"][0], "a rollout actor": needs["rollout actor"][0]}
 
     def refresh_placement(self, timeout_s: float = 0.0) -> dict[str, dict | None]:
         """{actor name: its node, None while it has not started} for every actor of the run, in role order.
@@ -228,8 +227,8 @@ class System:
     def _initial_model(self) -> str:
         """The policy a training run starts from: model.path ("tiny": built under run.output_dir), then the
         supervised warm start on training walkthroughs (cached under run.output_dir)."""
-        from common.tiny_model import resolve_model_path
-        path = resolve_model_path(self.cfg.model.path, self.cfg.run.output_dir)
+        from deploy.models import prepare_model_path
+        path = prepare_model_path(self.cfg.model.path, self.cfg.run.output_dir)
         if self.cfg.model.warm_start_steps > 0:
             from deploy.warm_start import warm_start
             path = warm_start(self.cfg, path, progress=self.terminal.err if self.terminal else None)
@@ -240,14 +239,14 @@ class System:
         own warm model or tiny model as they are (the settings they were made with are the run's, whatever
         this evaluation's config says); with a checkpoint to load, that model only supplies the architecture
         and tokenizer. What the run lacks is built in `scratch_dir`."""
-        from common.tiny_model import resolve_model_path
+        from deploy.models import prepare_model_path
         from deploy.warm_start import existing_warm_model, warm_start
         cfg = self.cfg
         if cfg.model.warm_start_steps > 0:
             warm = existing_warm_model(cfg.run.output_dir)
             if warm:
                 return warm
-        path = resolve_model_path(cfg.model.path, cfg.run.output_dir, build_dir=scratch_dir or None)
+        path = prepare_model_path(cfg.model.path, cfg.run.output_dir, build_dir=scratch_dir or None)
         from learner.trainer import LATEST, checkpoint_dir_of
         has_checkpoint = bool(cfg.run.resume_tag) or (checkpoint_dir_of(cfg) / LATEST).exists()
         if cfg.model.warm_start_steps > 0 and not has_checkpoint:

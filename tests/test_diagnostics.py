@@ -208,6 +208,8 @@ def test_evaluation_result_lists_every_episode():
                      "steps": t.num_steps, "return": t.episode_return, "score": t.score,
                      "termination": t.termination.value, "policy_version": 7 if t.num_steps else -1}
     assert sum(d["success"] for d in detail) / len(detail) == result["success"]
+    valid = [bool(v) for g in groups for v in g.rows["valid"]]
+    assert result["valid_action_share"] == sum(valid) / len(valid)
 
 
 def test_every_learner_gauge_shows_a_key_the_batch_reports():

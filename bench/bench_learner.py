@@ -16,7 +16,14 @@ Figures:
   shared memory (`common.weight_transfer.write_buckets`, what `ShmTransfer.push` does before the
   inference actors load them), per update, against the bare gather as baseline.
 
-Runs in < ~3 minutes on a 2-core machine.
+- the learner inside a real system run (`--system`, default on): a short `gigpo train` of
+  configs/embedded.yaml (the tiny model, async rollouts; the warm start off, so both sides train the same
+  initial model), its per-update tokens/s (`perf/tokens_per_s`: every token of every row, the log-prob
+  recompute included) against this bench's own figure for the same groups, captured off the Redis stream as
+  the rollout actors publish them and trained again here, in the same order and batch size, with the
+  threads the learner runs (common.cpu_placement.compute_threads). Target (issue 31): ratio >= 0.9.
+
+Runs in < ~3 minutes on a 2-core machine (+ ~4 minutes for the system part).
 """
 import os
 import sys
@@ -100,7 +107,86 @@ def one_step(trainer, groups, cfg, update):
             "rss_peak_mb": rss.above_base_mb, "tokens": metrics["train/response_tokens"]}
 
 
+class StreamTap:
+    """Every group published on a run's stream, decoded, in publish order: a plain XREAD (no consumer
+    group, no ack) polled by a thread, which sees each entry long before the learner's ack deletes it."""
+
+    def __init__(self, url: str, key: str):
+        from common.redis_server import connect
+        self.redis, self.key, self.groups = connect(url), key, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from common.records import decode_group
+        last = "0-0"
+        while not self._stop.is_set():
+            for _, entries in self.redis.xread({self.key: last}, count=100, block=200) or []:
+                for entry_id, fields in entries:
+                    last = entry_id
+                    self.groups.append(decode_group(fields))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def in_system(updates: int) -> None:
+    """Tokens/s of the learner inside a real run against this bench's on the same groups (see the module)."""
+    import json
+    import shutil
+
+    from common.config import load_config
+    from common.cpu_placement import compute_threads, use_compute_threads
+    from common.stream import stream_key
+    from deploy.system import System
+
+    out = tempfile.mkdtemp(prefix="gigpo-bench-learner-")
+    try:
+        cfg = load_config("configs/embedded.yaml", [
+            f"run.output_dir={out}", f"run.iterations={updates}", "run.eval_every=0", "model.warm_start_steps=0",
+            "learner.checkpoint_every=0"])
+        with System(cfg) as system:
+            system.start()
+            tap = StreamTap(system.redis_url, stream_key(cfg.stream))
+            try:
+                history = system.train()
+            finally:
+                tap.close()
+            model_path = system.model_path
+        in_run = [m["perf/tokens_per_s"] for m in history[1:]]       # the first update warms up
+        use_compute_threads(compute_threads(cfg.run.learner_cpus))
+        trainer = PolicyTrainer(model_path, cfg.learner, dtype=cfg.model.dtype, seed=cfg.run.seed,
+                                temperature=cfg.rollout.temperature)
+        bench, size = [], cfg.learner.groups_per_batch
+        batches = [tap.groups[i:i + size] for i in range(0, len(tap.groups) - size + 1, size)][:len(history)]
+        for i, groups in enumerate(batches):
+            m = trainer.train_step(build_batch(groups, cfg.learner, invalid_action_penalty=0.1), update=i)
+            if i:
+                bench.append(m["perf/tokens_per_s"])
+        trainer.close()
+        teardown_distributed()
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            rows = [json.loads(line)["batch/rows"] for line in f]
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    ratio = float(np.median(in_run)) / float(np.median(bench))
+    print(f"learner in a real run (configs/embedded.yaml, async, {torch.get_num_threads()} torch threads, "
+          f"{len(in_run)} updates after a warm-up, ~{np.mean(rows):.0f} rows each): "
+          f"{np.median(in_run):.0f} tokens/s (per update: {' '.join(f'{v:.0f}' for v in in_run)})")
+    print(f"this bench on the same groups:    {np.median(bench):.0f} tokens/s (per update: "
+          f"{' '.join(f'{v:.0f}' for v in bench)})")
+    print(f"in the run / on the bench         {ratio:.2f}  (target >= 0.9)")
+
+
 def main() -> None:
+    import argparse
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--system-updates", type=int, default=6, help="updates of the in-system run (0: skip it)")
+    args = ap.parse_args()
+    if args.system_updates:
+        in_system(args.system_updates)
     # One thread, and CPU time as the figure: on a shared machine wall-clock swings by 2x from round to
     # round, and idle OpenMP threads spinning under contention would inflate CPU time.
     torch.set_num_threads(1)

@@ -1,5 +1,6 @@
 """Weight push, learner -> vLLM inference actor: seconds per push and GB/s of the shm way against the
-collective (gloo) way, for the tiny policy and a ~100M-parameter random Qwen2, in the same run.
+collective (gloo) way, for the tiny policy, a ~100M-parameter random Qwen2 and the real SmolLM2-135M-Instruct
+(`--models smollm2`), in the same run.
 
     .venv/bin/python bench/bench_weight_sync.py                        # one node: a local Ray of 2 CPUs
     .venv/bin/python bench/bench_weight_sync.py --models tiny --repeats 5
@@ -37,9 +38,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-MODELS = {   # name: build_tiny_model arguments (head_dim 64 for vLLM CPU)
+MODELS = {   # name: build_tiny_model arguments (head_dim 64 for vLLM CPU); "smollm2": the real pretrained model
     "tiny": {},
     "100M": {"hidden_size": 768, "num_layers": 11, "num_heads": 12},
+    "smollm2": None,     # SmolLM2-135M-Instruct as `make model` prepares it ($GIGPO_MODELS; prepared if missing)
 }
 
 
@@ -168,7 +170,9 @@ def main() -> None:
 
     t_start = time.perf_counter()
     cache = Path(__file__).resolve().parents[1] / ".cache"
-    paths = {name: build_tiny_model(str(cache / f"bench-weight-sync-{name}"), **MODELS[name]) for name in names}
+    from deploy.models import prepare_pinned
+    paths = {name: str(prepare_pinned()) if MODELS[name] is None
+             else build_tiny_model(str(cache / f"bench-weight-sync-{name}"), **MODELS[name]) for name in names}
     if args.ray_address:
         ray.init(address=args.ray_address, log_to_driver=False)
     else:

@@ -184,6 +184,10 @@ class LearnerConfig:
     mini_batch_rows: int = F(256, "rows per optimizer step (paper: 256 ALFWorld, 64 WebShop)", AT_LEAST_1)
     recompute_old_logprobs: bool = F(False, "recompute old log-probs with the learner instead of using "
                                             "the rollout's")
+    trainable_layers: int = F(0, "0: train every parameter; N: only the last N transformer blocks and the final "
+                                 "norm train, the rest (embeddings included) stay as loaded: the backward pass "
+                                 "stops there, ~2x faster on a CPU for N = 6 of 30 (docs/real-model.md)",
+                              AT_LEAST_0)
     zero_stage: Literal[1, 2, 3] = F(2, "DeepSpeed ZeRO stage (1, 2 or 3)")
     offload: bool = F(False, "ZeRO CPU offload of optimizer state (and params at stage 3)")
     num_processes: int = F(1, "learner processes (one per device)", AT_LEAST_1)

@@ -231,7 +231,9 @@ class PolicyTrainer:
             self.ref_model = AutoModelForCausalLM.from_pretrained(
                 model_path, dtype=torch.bfloat16 if bf16 else torch.float32).to(self.device).eval()
             self.ref_model.requires_grad_(False)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        train_only_last_layers(model, cfg.trainable_layers)
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                                      weight_decay=cfg.weight_decay)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                     config=_ds_config(cfg, bf16))
         self.updates = 0   # optimizer-update calls (train_step) done by this trainer, restored on load
@@ -444,6 +446,25 @@ class PolicyTrainer:
         if getattr(self, "engine", None) is not None:
             self.engine.destroy()
             self.engine = None
+
+
+def train_only_last_layers(model, n: int) -> int:
+    """learner.trainable_layers: with n > 0, freeze every parameter but those of the last n transformer
+    blocks and the final norm (the decoder's `layers` and `norm`, as Llama, Qwen2 and most causal LMs name
+    them); n = 0 leaves all trainable. Returns how many parameters train."""
+    if n > 0:
+        decoder = model.get_decoder()
+        layers, norm = getattr(decoder, "layers", None), getattr(decoder, "norm", None)
+        if layers is None or norm is None:
+            raise ValueError(f"learner.trainable_layers={n}: {type(model).__name__} has no decoder.layers / "
+                             "decoder.norm to train; set learner.trainable_layers=0")
+        if n > len(layers):
+            raise ValueError(f"learner.trainable_layers={n} but the model has {len(layers)} layers; set at most "
+                             f"{len(layers)} (or 0: all)")
+        model.requires_grad_(False)
+        for module in [*layers[-n:], norm]:
+            module.requires_grad_(True)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def response_logprobs(model, mb: MicroBatch, temperature: float = 1.0, device="cpu", with_entropy: bool = False

@@ -119,6 +119,25 @@ def test_update_moves_logprobs_with_the_sign_of_the_advantage(tiny_model_path):
     assert np.mean(pos > 0) > 0.8 and np.mean(neg < 0) > 0.8
 
 
+def test_trainable_layers_train_only_the_last_blocks_and_the_norm(tiny_model_path):
+    """learner.trainable_layers=1 of the tiny model's 2: one step changes the last block and the final norm,
+    and leaves the first block and the (tied) embeddings bit for bit as loaded."""
+    batch = build_batch(synthetic_groups(2, 4, vocab_size=1000, seed=5), LearnerConfig())
+    cfg = LearnerConfig(zero_stage=2, mini_batch_rows=1024, micro_batch_tokens=600, lr=1e-3, kl_coef=0.0,
+                        trainable_layers=1)
+    trainer = PolicyTrainer(tiny_model_path, cfg, dtype="float32")
+    try:
+        before = {name: t.clone() for name, t in trainer.named_weights()}
+        trainer.train_step(batch, update=0)
+        changed = {name for name, t in trainer.named_weights() if not torch.equal(t, before[name])}
+    finally:
+        trainer.close()
+    trainable = {name for name in before if name.startswith(("model.layers.1.", "model.norm."))}
+    assert changed == trainable and trainable
+    with pytest.raises(ValueError, match="the model has 2 layers"):
+        PolicyTrainer(tiny_model_path, LearnerConfig(trainable_layers=3), dtype="float32")
+
+
 def test_checkpoint_tag_loads_that_checkpoint_and_a_missing_tag_is_an_error(tiny_model_path, fixed_batch, tmp_path):
     cfg = LearnerConfig(zero_stage=2, mini_batch_rows=1024, micro_batch_tokens=600, lr=1e-3)
     weights = lambda t: {n: w.clone() for n, w in t.named_weights()}  # noqa: E731

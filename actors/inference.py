@@ -40,7 +40,9 @@ Design:
   shm manifest (common.weight_transfer) and comes back with the newest published weights and version;
   without one (collective transfer) it comes back without weights (gate closed, `has_weights()` False,
   outside the group) until the learner notices and pushes (`Learner.repush_if_needed`): nobody ever
-  samples from the initial weights again by accident. Callers' retried requests just wait.
+  samples from the initial weights again by accident. Callers' retried requests just wait. An actor added
+  to a running job (`gigpo scale --inference`, `wait_for_weights`) starts the same way: the newest manifest,
+  or no weights until the learner, told of it by the driver, pushes its current version.
 """
 from __future__ import annotations
 
@@ -126,7 +128,10 @@ class InferenceEngine:
     """The actor's body (kept as a plain class so that it can also run in-process)."""
 
     def __init__(self, model: ModelSource | str, model_cfg: dict, infer_cfg: dict, seed: int = 0, cpus: str = "",
-                 nice: int = 0, log_dir: str = "", name: str = "inference"):
+                 nice: int = 0, log_dir: str = "", name: str = "inference", wait_for_weights: bool = False):
+        """wait_for_weights: serve nothing from the model's files; wait for the learner's weights (the newest
+        shm manifest, or a push). For an actor added to a running job (`gigpo scale --inference`), whose
+        files hold the initial policy, not the learner's current one."""
         apply_project_env()     # vLLM's, DeepSpeed's, ... variables first
         # <log_dir>/<name>.log: vLLM's logs, and its engine core process's (it inherits the fds).
         send_output_to(log_dir, name)
@@ -191,13 +196,14 @@ class InferenceEngine:
         self._pending_manifest = weight_transfer.read_manifest(self._weights_dir)
         # Disk weights are version 0, the learner's initial policy, unless this is a restart: then they are
         # older than what the learner pushed since (the manifest, if any, brings the newest back).
-        self._has_weights = not dummy and not _reconstructed()
+        self._has_weights = not dummy and not _reconstructed() and not wait_for_weights
         if self._has_weights:
             self._open.set()
             self.metrics.set("policy_version", self._version)     # served from the start, before any push
         else:
-            log.info("serving nothing until the learner pushes weights (%s)",
-                     "dummy weights: the model's files are not on this node" if dummy else "restarted")
+            log.info("serving nothing until the learner's weights arrive (%s)",
+                     "dummy weights: the model's files are not on this node" if dummy else
+                     "added to a running job" if wait_for_weights and not _reconstructed() else "restarted")
         # The shared memory this engine's processes map, noted beside the weights: if this actor is killed,
         # its restarted self (here, now) or the driver at the end of the run removes it (common.shm_cleanup).
         self._shm_note = os.path.join(self._weights_dir, f".engine-shm-{seed}.json")
@@ -319,6 +325,8 @@ class InferenceEngine:
         if self._pending_manifest is None:
             return
         manifest, self._pending_manifest = self._pending_manifest, None
+        # The newest now: a push since the constructor read it may have replaced (and removed) its files.
+        manifest = weight_transfer.read_manifest(self._weights_dir) or manifest
         if int(manifest["version"]) > self._version or not self._has_weights:
             try:
                 await self.update_weights_from_files(manifest["files"], int(manifest["version"]))
@@ -587,19 +595,31 @@ def stop_inference_actors(actors: list, timeout_s: float = 60.0) -> None:
     shm_cleanup.remove_unused(held, wait_s=30)
 
 
-def create_inference_actors(cfg: dict, model: ModelSource | str, num_actors: int | None = None,
-                            max_restarts: int = 3, log_dir: str = "") -> list:
-    """Start the inference actors of an experiment (cfg: ExperimentConfig as a dict; model: where the policy
-    comes from, a ModelSource, or a path every node sees); each needs inference.resources on its node;
-    log_dir: actor i's output goes to <log_dir>/inference-<i>.log."""
-    infer = dict(cfg["inference"])
-    n = infer["num_actors"] if num_actors is None else num_actors
-    if not infer.get("weights_dir"):
-        # One directory per run, fixed here so that restarted actors (same args) find the manifest.
-        infer["weights_dir"] = weight_transfer.default_weights_dir(f"{_run_tag()}-{uuid.uuid4().hex[:8]}")
+def with_weights_dir(cfg: dict) -> dict:
+    """A copy of `cfg` (an ExperimentConfig as a dict) whose inference.weights_dir is set: the configured
+    one, else a new directory for this run (under /dev/shm), made here and removed by
+    `remove_made_weights_dirs`. Actors created from the copy, now or later (`gigpo scale --inference`),
+    share the directory, so a restarted or added actor finds the manifest of the newest shm push."""
+    cfg = dict(cfg, inference=dict(cfg["inference"]))
+    if not cfg["inference"].get("weights_dir"):
+        cfg["inference"]["weights_dir"] = weight_transfer.default_weights_dir(f"{_run_tag()}-{uuid.uuid4().hex[:8]}")
         # The driver that made the directory removes it (it lives in RAM under /dev/shm): System.close,
         # else at exit. The actors only need it while the driver, and so the run, lives.
-        _MADE_WEIGHTS_DIRS.append(infer["weights_dir"])
+        _MADE_WEIGHTS_DIRS.append(cfg["inference"]["weights_dir"])
+    return cfg
+
+
+def create_inference_actors(cfg: dict, model: ModelSource | str, num_actors: int | None = None,
+                            max_restarts: int = 3, log_dir: str = "", first: int = 0,
+                            wait_for_weights: bool = False) -> list:
+    """Start the inference actors of an experiment (cfg: ExperimentConfig as a dict; model: where the policy
+    comes from, a ModelSource, or a path every node sees); each needs inference.resources on its node;
+    log_dir: actor i's output goes to <log_dir>/inference-<i>.log. first: the index of the first one (actors
+    added to a running job continue the numbering); wait_for_weights: see `InferenceEngine`. Without
+    inference.weights_dir a directory is made for them (`with_weights_dir`)."""
+    cfg = with_weights_dir(cfg)
+    infer = cfg["inference"]
+    n = infer["num_actors"] if num_actors is None else num_actors
     seed = int(cfg["run"]["seed"])
     return [
         InferenceActor.options(
@@ -607,6 +627,6 @@ def create_inference_actors(cfg: dict, model: ModelSource | str, num_actors: int
             resources=infer.get("resources") or None,
             max_restarts=max_restarts, max_task_retries=max_restarts, max_concurrency=100_000,
         ).remote(model, dict(cfg["model"]), infer, seed * 1000 + i, cfg["run"].get("rollout_cpus", ""),
-                 int(cfg["run"].get("rollout_nice", 0)), log_dir, f"inference-{i}")
-        for i in range(n)
+                 int(cfg["run"].get("rollout_nice", 0)), log_dir, f"inference-{i}", wait_for_weights)
+        for i in range(first, first + n)
     ]

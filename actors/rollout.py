@@ -274,6 +274,15 @@ class Rollout:
         """The node this actor runs on (`gigpo status`)."""
         return this_node()
 
+    def set_inference_actors(self, inference_actors: list) -> int:
+        """Send the requests of later steps to these inference actors (`gigpo scale --inference`: the driver
+        calls it on every rollout actor). A request already sent finishes on its actor (or, should that
+        actor die, is retried on these). Returns how many there are now."""
+        if not inference_actors:
+            raise ValueError("a rollout actor needs at least one inference actor")
+        self.inference_actors = list(inference_actors)
+        return len(self.inference_actors)
+
     # -- control ----------------------------------------------------------------------------------------
 
     async def run(self, max_groups: int | None = None) -> dict:
@@ -493,15 +502,17 @@ class Rollout:
         one that has not answered within that deadline (hung, or on a lost node) is given up and the request
         sent to the next actor. Fails, naming the actor, when every actor timed out or none came back."""
         t0 = time.perf_counter()
-        n = len(self.inference_actors)
         timeout_s = self.cfg.inference.generate_timeout_s
         deadline = time.monotonic() + timeout_s
         delay, attempt, timeouts = 0.5, 0, 0
         try:
             while True:
+                # The list as it is now: `set_inference_actors` may have replaced it since the last attempt.
+                actors = self.inference_actors
+                n = len(actors)
                 index = (instance + attempt) % n
                 t1 = time.perf_counter()
-                ref = self.inference_actors[index].generate.remote(prompt_ids, sampling)
+                ref = actors[index].generate.remote(prompt_ids, sampling)
                 try:
                     out = await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout_s)
                 except asyncio.TimeoutError:

@@ -9,7 +9,7 @@ batches. docs/webshop.md has the figures and the default chosen from them.
 
     python bench/webshop_anchor_groups.py --model runs/webshop-embedded/warm_model --batches 4
     python bench/webshop_anchor_groups.py --model runs/webshop-embedded/warm_model \
-        --checkpoint runs/webshop-embedded/checkpoints/update_0000024        # a trained policy's batches
+        --checkpoint runs/webshop-embedded/checkpoints/update_0000010        # a trained policy's batches
 
 Not a `make bench` benchmark (it needs a trained run's model); ~2-4 minutes per batch on 2 busy cores.
 """

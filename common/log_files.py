@@ -137,6 +137,10 @@ def run_output(log_dir: str | os.PathLike, log_name: str = "driver") -> Iterator
     except BaseException:
         # INFO: into the log file only; Python prints the traceback on the terminal once restored.
         logging.getLogger("gigpo").info("run ended by an exception", exc_info=True)
+        if terminal.bar is not None:      # a progress bar left half-way: what follows starts on its own line
+            with contextlib.suppress(Exception):
+                terminal.bar.close()
+            terminal.bar = None
         raise
     finally:
         logging.captureWarnings(False)

@@ -30,6 +30,9 @@ Deadlines: every call to an inference actor has one (inference.transfer_timeout_
 the gloo group's rendezvous and broadcasts time out after it too, so a peer that never joins or dies
 half-way gives an error naming the inference actor, not a hang.
 
+Added and removed actors (`gigpo scale --inference`): `WeightTransfer.set_actors` takes the new list between
+two pushes; an added actor starts like a restarted one (below) and gets the current version at once.
+
 Restarts: an inference actor that Ray restarts has lost its place in the process group (its group token is
 gone): the next push notices (`transfer_state()["group"]`), rebuilds the group on a fresh port with every
 actor, and pushes. A push that fails because an actor died is tried once more after the actors are back.
@@ -631,6 +634,19 @@ class WeightTransfer:
         self.mode, self.reason = mode, reason
         log.info("weight transfer: %s%s (%s)", mode,
                  f" ({self.transport.backend})" if mode != "shm" else "", reason)
+
+    def set_actors(self, inference_actors: list) -> None:
+        """Push to these inference actors from now on (`gigpo scale --inference` added or removed some). The
+        transport is built anew for them (a collective group is left by the actors it had, removed ones
+        included, and rebuilt with these at the next push; `auto` chooses again for their placement). An
+        added actor that lacks the current weights shows in `needs_push`."""
+        if not inference_actors:
+            raise ValueError("a weight transfer needs inference actors")
+        old, self.transport, self.mode = self.transport, None, ""
+        self.actors = list(inference_actors)
+        if old is not None:
+            old.close()
+        self._choose(actor_states(self.actors, self.timeout_s))
 
     def needs_push(self, version: int) -> bool:
         """Whether some inference actor lacks weights or serves another version than `version`."""

@@ -3,7 +3,7 @@
     gigpo train configs/embedded.yaml learner.lr=2e-6 rollout.num_actors=4
     gigpo eval  configs/embedded.yaml run.output_dir=runs/embedded
     gigpo status --output-dir runs/embedded [--watch]
-    gigpo scale  --output-dir runs/embedded --rollout 6
+    gigpo scale  --output-dir runs/embedded --rollout 6 [--inference 2]
     gigpo config [configs/embedded.yaml] [overrides...]     # every field, its value and its doc
     gigpo model                                  # the pinned pretrained model -> data/models/ (`make model`)
 
@@ -12,7 +12,9 @@ Ray is local unless `--address` (or RAY_ADDRESS, or run.ray_address) names a clu
 
 A mistake in what was asked (a bad config value, a missing model or game data, a Redis that refuses the
 password) is one line on stderr, `gigpo: <what is wrong>; <how to fix>`, exit status 2, found before
-anything starts or is written; `--debug` shows the traceback instead.
+anything starts or is written; `--debug` shows the traceback instead. A training run that loses a part it
+cannot go on without (a learner rank or its node, its Redis) ends with a few lines saying what was lost,
+the newest checkpoint and the command that resumes, exit status 3 (deploy.system.RunLost).
 """
 from __future__ import annotations
 
@@ -51,9 +53,29 @@ def _load(args) -> "object":
 def cmd_train(args) -> int:
     cfg = _load(args)
     run_checks(cfg)
-    from deploy.system import train      # (imports Ray: only once the checks have passed)
-    summary = train(cfg)
+    from deploy.system import EXIT_LOST, RunLost, lost_run_message, train   # (imports Ray: once the checks passed)
+    try:
+        summary = train(cfg)
+    except RunLost as exc:      # a learner rank, its node or the Redis is gone: what, where from, how to go on
+        if args.debug:
+            raise
+        print(lost_run_message(exc, resume_command(args)), file=sys.stderr)
+        return EXIT_LOST
     return 0 if summary.get("ok", True) else 1
+
+
+# Overrides a resumed run must not repeat: run.resume_tag would pick an older checkpoint than the newest,
+# run.overwrite would delete them (and contradicts run.resume).
+NOT_ON_RESUME = ("run.resume", "run.resume_tag", "run.overwrite")
+
+
+def resume_command(args) -> list[str]:
+    """The `gigpo train` command line that continues this run from its newest checkpoint: the same program
+    (as typed), config, overrides and --address, then run.resume=true."""
+    prog = sys.argv[0] if os.path.basename(sys.argv[0]) == "gigpo" else "gigpo"
+    overrides = [o for o in args.overrides if o.split("=", 1)[0].strip() not in NOT_ON_RESUME]
+    address = ["--address", args.address] if args.address and args.address != os.environ.get("RAY_ADDRESS") else []
+    return [prog, "train", args.config, *overrides, "run.resume=true", *address]
 
 
 def cmd_eval(args) -> int:
@@ -101,13 +123,24 @@ def cmd_status(args) -> int:
 
 
 def cmd_scale(args) -> int:
-    if args.rollout < 0:
+    if args.rollout is None and args.inference is None:
+        raise UsageError("say how many actors: --rollout N, --inference N, or both")
+    if args.rollout is not None and args.rollout < 0:
         raise UsageError(f"--rollout {args.rollout}: a number of actors must be >= 0")
+    if args.inference is not None and args.inference < 1:
+        raise UsageError(f"--inference {args.inference}: a run needs at least 1 inference actor")
     channel = _channel(args.output_dir)
-    channel.send_command({"op": "scale_rollout", "num_actors": args.rollout, "drain": not args.discard})
-    print(f"asked run {channel.run_id!r} to run {args.rollout} rollout actors "
-          f"({'discarding' if args.discard else 'finishing'} the in-flight groups of removed actors); "
-          "`gigpo status` shows when it is done")
+    asked = []
+    # Inference first: rollout actors added by the same call then start with the new inference actors.
+    if args.inference is not None:
+        channel.send_command({"op": "scale_inference", "num_actors": args.inference})
+        asked.append(f"{args.inference} inference actors (added ones join once their engine is up and has the "
+                     "learner's weights; removed ones stop once their requests are done)")
+    if args.rollout is not None:
+        channel.send_command({"op": "scale_rollout", "num_actors": args.rollout, "drain": not args.discard})
+        asked.append(f"{args.rollout} rollout actors ({'discarding' if args.discard else 'finishing'} the "
+                     "in-flight groups of removed actors)")
+    print(f"asked run {channel.run_id!r} to run {' and '.join(asked)}; `gigpo status` shows when it is done")
     return 0
 
 
@@ -188,9 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", default="runs/embedded", help="the job's run.output_dir")
     p.add_argument("--watch", action="store_true", help="refresh until interrupted")
     p.add_argument("--interval", type=float, default=2.0)
-    p = command("scale", cmd_scale, "add or remove rollout actors of a running job")
+    p = command("scale", cmd_scale, "add or remove rollout or inference actors of a running job")
     p.add_argument("--output-dir", default="runs/embedded", help="the job's run.output_dir")
-    p.add_argument("--rollout", type=int, required=True, help="number of rollout actors wanted")
+    p.add_argument("--rollout", type=int, default=None, help="number of rollout actors wanted (0 pauses the run)")
+    p.add_argument("--inference", type=int, default=None, help="number of inference actors wanted (at least 1)")
     p.add_argument("--discard", action="store_true",
                    help="discard in-flight groups of removed actors instead of finishing them")
     p = command("config", cmd_config, "print every config field with its doc, or a resolved config")

@@ -112,7 +112,9 @@ def format_status(status: dict | None) -> str:
         f"policy version {status.get('policy_version', 0)}   (updated {age:.0f}s ago)",
         f"rollout actors {status.get('rollout_actors', 0)} (restarted {status.get('rollout_restarts', 0)} times, "
         f"{status.get('rollout_restarting', 0)} coming back)"
-        f"   inference actors {status.get('inference_actors', 0)}   env instances {status.get('env_instances', 0)}",
+        f"   inference actors {status.get('inference_actors', 0)}"
+        + (f" (+{status['inference_starting']} starting)" if status.get("inference_starting") else "")
+        + f"   env instances {status.get('env_instances', 0)}",
     ]
     figures = status.get("metrics", {})
     for section, specs in SECTIONS.items():

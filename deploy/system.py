@@ -39,9 +39,43 @@ log = logging.getLogger("gigpo")
 
 LEARNER_CLOSE_S = 300    # a learner's close may save a checkpoint (of a large model: minutes)
 ROLLOUT_STOP_S = 30      # rollout actors told to stop without draining (they discard what is in flight)
+ROLLOUT_TELL_S = 30      # rollout actors told of added or removed inference actors
 RATE_WINDOW = 8      # updates the progress bar's env steps/s is measured over
 WAIT_FOR_DATA_S = 10.0   # the learner's wait for a batch, between which the driver handles commands and status
 EVALS_FILE = "evals.jsonl"     # a training run's evaluations, one line each (System.evaluate)
+LOST_CHECK_S = 15.0      # how long the driver asks the learner's ranks whether they live, after a failure
+EXIT_LOST = 3            # `gigpo train`'s exit status when the run lost a part it needs (RunLost)
+
+
+class RunLost(RuntimeError):
+    """The run lost a part it cannot go on without: a learner rank (its process, or its node), or its Redis.
+    `lost`: one line per part; `output_dir`: the run's; `learner_node`: learner rank 0's node when it is not
+    the driver's (its checkpoints are written there). `lost_run_message` says it to the user."""
+
+    def __init__(self, lost: list[str], output_dir: str, learner_node: dict | None = None):
+        super().__init__("the run lost " + "; ".join(lost))
+        self.lost, self.output_dir, self.learner_node = list(lost), output_dir, learner_node
+
+
+def lost_run_message(exc: RunLost, resume_command: list[str]) -> str:
+    """What `gigpo train` prints (a few lines, no traceback) when the run lost a part it needs: what was
+    lost, the newest complete checkpoint (or that there is none) and the command that resumes from it."""
+    import shlex
+
+    from learner.trainer import checkpoint_tags, is_complete_checkpoint, tag_update
+    root = Path(exc.output_dir) / "checkpoints"
+    complete = [tag for tag in checkpoint_tags(root) if is_complete_checkpoint(tag)]
+    lines = [f"gigpo: the run lost {part}" for part in exc.lost]
+    if complete:
+        lines.append(f"newest complete checkpoint: {complete[-1]} (update {tag_update(complete[-1].name)}); "
+                     f"updates done after it are trained again")
+    else:
+        lines.append(f"no complete checkpoint in {root} on this node"
+                     + (f" (learner rank 0 wrote its checkpoints on its own node, {node_label(exc.learner_node)}: "
+                        "there, unless a filesystem both nodes mount holds run.output_dir)" if exc.learner_node
+                        else "") + ": a resumed run starts from update 0")
+    lines.append(f"resume with: {shlex.join(resume_command)}")
+    return "\n".join(lines)
 
 
 def start_ray(cfg: ExperimentConfig) -> str:
@@ -100,7 +134,13 @@ class System:
         self.rollout_runs: dict[str, object] = {}   # actor id -> ObjectRef of its run() (async mode)
         self.retiring: dict[str, tuple] = {}        # actor id -> (handle, ObjectRef of its stop())
         self._next_rollout = 0
-        self.inference: list = []
+        self.inference: list = []                   # serving: the learner pushes to them, rollout actors use them
+        self.inference_starting: list[tuple] = []   # (handle, ObjectRef of its node()) added, engine starting
+        self.inference_retiring: list[list] = []    # [handle, deadline, ObjectRef of stats() | None] removed ones
+        self._actor_cfg: dict = {}                  # the config inference actors are created from (weights_dir set)
+        self._lost: list[str] = []                  # what the run lost (see lost_parts), once it has ended
+        self._learner_lost = False                  # ... a learner rank among it: the others are not closed
+        self._training = False                      # start() of a training run (not `gigpo eval`) has begun
         self.learners: list = []
         self.model = None                           # the policy as every actor receives it (a ModelSource)
         self.placement: dict[str, dict | None] = {}  # actor name -> the node it answered from (None: not yet)
@@ -134,6 +174,7 @@ class System:
 
         cfg = self.cfg
         t0 = time.perf_counter()
+        self._training = not eval_only
         if not eval_only:      # another run's checkpoints: refused (deleted with run.overwrite) before anything starts
             from learner.trainer import prepare_output_dir
             prepare_output_dir(cfg)
@@ -152,10 +193,12 @@ class System:
             write_job_file(cfg.run.output_dir, cfg.run.name, self.redis_url, address, run_id=cfg.stream.run_id)
             self.tracker = Tracker(cfg.run.output_dir, cfg.run.name, to_dict(cfg), resume=cfg.run.resume)
 
-        from actors.inference import create_inference_actors
+        from actors.inference import create_inference_actors, with_weights_dir
         from common.placement import PLACEMENT_TIMEOUT_S, wait_placeable
         from learner.actor import create_learner_workers
-        self.inference = create_inference_actors(to_dict(cfg), self.model, log_dir=self.log_dir)
+        # One weights directory for the run's inference actors, those `gigpo scale --inference` adds included.
+        self._actor_cfg = with_weights_dir(to_dict(cfg))
+        self.inference = create_inference_actors(self._actor_cfg, self.model, log_dir=self.log_dir)
         # Resources no node has would leave an actor pending forever: say which, before waiting on any.
         # (The learner checks its own need, in create_learner_workers.)
         wait_placeable(self.role_needs(), PLACEMENT_TIMEOUT_S, log=log)
@@ -188,7 +231,8 @@ class System:
         Asks the inference and rollout actors again (one call in flight per actor: a restarted actor may
         come back on another node) and waits up to timeout_s for the answers; the learner's ranks reported
         theirs at start."""
-        actors = {f"inference-{i}": actor for i, actor in enumerate(self.inference)}
+        serving = self.inference + [actor for actor, _ in self.inference_starting]
+        actors = {f"inference-{i}": actor for i, actor in enumerate(serving)}
         actors.update(self.rollouts)
         for name in list(self._node_asks):
             if name not in actors:
@@ -291,18 +335,22 @@ class System:
                 ray.shutdown()
 
         steps = [("rollout actors", stop_rollouts), ("learners", self._close_learners),
-                 ("inference actors", lambda: stop_inference_actors(self.inference, timeout_s=60)),
+                 ("inference actors", lambda: stop_inference_actors(
+                     self.inference + [a for a, _ in self.inference_starting]
+                     + [entry[0] for entry in self.inference_retiring], timeout_s=60)),
                  # What killed engines noted in a weights directory of the config's; one made for this run
                  # goes with its notes.
                  ("engine shared memory", lambda: shm_cleanup.remove_noted_in(self.cfg.inference.weights_dir)),
                  ("weights directory", remove_made_weights_dirs),
                  ("tracker", lambda: self.tracker and self.tracker.close()), ("redis", stop_redis)]
+        # After a lost part (lost_parts), failures of the parts that needed it are expected: the log file has them.
+        say = log.info if self._lost else log.warning
         try:
             for name, step in steps:
                 try:
                     step()
                 except Exception as exc:  # noqa: BLE001 - the next parts must still be stopped
-                    log.warning("closing %s failed: %s", name, exc)
+                    say("closing %s failed: %s", name, exc)
             # What this run's processes still map (a local Ray's are all below this process), before Ray
             # ends them: what is left of it afterwards, nobody else could remove.
             held = shm_cleanup.mapped_by(shm_cleanup.descendants(os.getpid()))
@@ -314,16 +362,24 @@ class System:
                     log.info("removed shared memory left by ended processes: %s", removed)
         finally:
             self.inference, self.learners, self.redis, self.tracker = [], [], None, None
+            self.inference_starting, self.inference_retiring = [], []
             self._restore_signals()
 
     def _close_learners(self) -> None:
+        if self._learner_lost:
+            # The other ranks would wait for the lost one in the close's collectives (a checkpoint): the
+            # resumed run starts from the last checkpoint written, as it would have after the close.
+            for worker in self.learners:
+                ray.kill(worker)
+            return
         refs = [worker.close.remote() for worker in self.learners]
         done, late = ray.wait(refs, num_returns=len(refs), timeout=LEARNER_CLOSE_S) if refs else ([], [])
         for ref in done:
             try:
                 ray.get(ref)
             except Exception as exc:  # noqa: BLE001 - a dead learner has nothing left to save
-                log.warning("learner close failed: %s", exc)
+                # (After a lost Redis: expected, its checkpoint is written before the acks that fail.)
+                (log.info if self._lost else log.warning)("learner close failed: %s", exc)
         if late:
             log.warning("%d learner(s) did not close within %d s", len(late), LEARNER_CLOSE_S)
         for worker in self.learners:
@@ -364,9 +420,59 @@ class System:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        learner_node = None
+        if self._training and isinstance(exc, Exception) and not isinstance(exc, RunLost):
+            # Before close() stops everything: was the failure a part the run cannot go on without?
+            try:
+                self._lost = self.lost_parts()
+                nodes = getattr(self.learners, "nodes", None)
+                if nodes and nodes[0]["node_id"] != ray.get_runtime_context().get_node_id():
+                    learner_node = nodes[0]
+            except Exception as check:  # noqa: BLE001 - the failure itself is what the user then gets
+                log.info("could not check which parts of the run are lost: %s", check)
         self.close()
         if self._stopped_by == signal.SIGTERM:
             raise SystemExit(128 + signal.SIGTERM) from None     # the usual exit status of a terminated job
+        if self._lost:
+            raise RunLost(self._lost, str(self.out), learner_node) from exc
+
+    def lost_parts(self, timeout_s: float = LOST_CHECK_S) -> list[str]:
+        """What the run cannot go on without and has lost, one line each ([]: nothing): a learner rank whose
+        actor Ray reports dead (its process died, or its node left the cluster: said which, with the node),
+        the embedded Redis (its process ended) or the configured one (it does not answer). A rank that does
+        not answer within timeout_s (busy in a collective with a dead one, or hung) is not counted."""
+        from common.placement import alive_nodes
+        lost = []
+        if self.learners and ray.is_initialized():
+            pings = [worker.node.remote() for worker in self.learners]
+            ready, _ = ray.wait(pings, num_returns=len(pings), timeout=timeout_s)
+            nodes = getattr(self.learners, "nodes", None) or [None] * len(self.learners)
+            alive = {node["node_id"] for node in alive_nodes()}
+            for rank, ping in enumerate(pings):
+                if ping not in ready:
+                    continue
+                try:
+                    ray.get(ping)
+                except ray.exceptions.RayActorError as exc:
+                    gone = nodes[rank] is not None and nodes[rank]["node_id"] not in alive
+                    if gone or isinstance(exc, ray.exceptions.ActorDiedError):
+                        lost.append(f"learner rank {rank} on node {node_label(nodes[rank])}: "
+                                    + ("the node is gone (it left the Ray cluster)" if gone else "its process died"))
+                        self._learner_lost = True
+        if self.redis is not None:
+            if not self.redis.running:
+                lost.append(f"its embedded Redis (the trajectory stream and the control channel; redis-server pid "
+                            f"{self.redis.pid} on this node): the process ended")
+        elif self.redis_url:
+            import redis
+
+            from common.redis_server import connect, redact
+            try:
+                connect(self.redis_url, retries=0, socket_timeout_s=5).ping()
+            except redis.RedisError as exc:
+                lost.append(f"its Redis at {redact(self.redis_url)} (stream.redis_url): it does not answer "
+                            f"({' '.join(str(exc).split())[:200]}); start it again (with AOF its stream is kept)")
+        return lost
 
     # -- rollout actors --------------------------------------------------------------------------------
 
@@ -404,6 +510,105 @@ class System:
             except Exception as exc:
                 log.warning("rollout actor %s did not stop cleanly: %s", actor_id, exc)
             ray.kill(actor)
+
+    # -- inference actors: `gigpo scale --inference` ---------------------------------------------------
+
+    def scale_inference(self, num_actors: int) -> None:
+        """Run `num_actors` (>= 1) inference actors. Added ones start in the background (a vLLM engine takes
+        a while), created as the first ones were (resources, CPUs/GPUs, weights directory) but waiting for
+        the learner's weights; each joins once its engine is up (`join_started_inference`). Removed ones (the
+        newest first; one still starting is just stopped) leave at once: the learner stops pushing to them
+        and the rollout actors stop sending them requests; each is stopped once the requests it holds have
+        finished (`reap_retired_inference`)."""
+        from actors.inference import create_inference_actors, stop_inference_actors
+        if num_actors < 1:
+            raise ValueError(f"a run needs at least one inference actor, not {num_actors}")
+        have = len(self.inference) + len(self.inference_starting)
+        if num_actors > have:
+            added = create_inference_actors(self._actor_cfg, self.model, num_actors=num_actors - have,
+                                            log_dir=self.log_dir, first=have, wait_for_weights=True)
+            self.inference_starting += [(actor, actor.node.remote()) for actor in added]
+        cancelled = []
+        while len(self.inference) + len(self.inference_starting) > num_actors and self.inference_starting:
+            cancelled.append(self.inference_starting.pop()[0])
+        if cancelled:         # never used by anyone
+            stop_inference_actors(cancelled, timeout_s=10)
+        if len(self.inference) > num_actors:
+            deadline = time.monotonic() + self.cfg.inference.generate_timeout_s
+            self.inference_retiring += [[actor, deadline, None] for actor in self.inference[num_actors:]]
+            self._use_inference(self.inference[:num_actors])
+
+    def join_started_inference(self) -> None:
+        """Added inference actors whose engine is up join the run, in the order they were added: the learner
+        pushes its current weights to them, then the rollout actors send them requests too. One that died
+        while starting (Ray gave up restarting it) is dropped, with a warning."""
+        ready = 0
+        for actor, ping in self.inference_starting:
+            if not ray.wait([ping], timeout=0)[0]:
+                break
+            try:
+                ray.get(ping)
+            except ray.exceptions.RayError as exc:
+                log.warning("an added inference actor did not start (%s); it is dropped: see its log, then scale "
+                            "again", str(exc).splitlines()[0][:300])
+                self.inference_starting.remove((actor, ping))
+                ray.kill(actor)
+                return
+            ready += 1
+        if ready:
+            joining = [actor for actor, _ in self.inference_starting[:ready]]
+            del self.inference_starting[:ready]
+            info = self._use_inference(self.inference + joining)
+            log.info("%d inference actor(s) joined; the learner's policy version %d was pushed to them (%s)",
+                     len(joining), info.get("policy_version", -1),
+                     f"{info['total_s']:.2f} s" if "total_s" in info else "they had it already")
+
+    def _use_inference(self, actors: list) -> dict:
+        """Make `actors` the run's inference actors: first the learner (it pushes to them from now on, and its
+        current version to one that lacks it), then every rollout actor (its later requests go to them; one
+        that does not answer in time, still starting or restarting, is told when it is back, and until then
+        a request of its to a removed actor is retried on another). Returns learner rank 0's answer."""
+        from learner.actor import set_learner_inference
+        info = set_learner_inference(self.learners, actors, timeout_s=2 * self.cfg.inference.transfer_timeout_s + 60,
+                                     on_wait=self._while_updating)
+        handles = [a for actor_id, a in self.rollouts.items() if actor_id not in self.restarting]
+        handles += [a for a, _ in self.retiring.values()]
+        told = [a.set_inference_actors.remote(actors) for a in handles]
+        ready, late = ray.wait(told, num_returns=len(told), timeout=ROLLOUT_TELL_S) if told else ([], [])
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError:
+                pass        # died: Ray restarts it, and _check_rollouts_alive tells it when it is back
+        if late:
+            log.info("%d rollout actor(s) did not take the new inference actors within %d s (still starting?): "
+                     "they do when they answer", len(late), ROLLOUT_TELL_S)
+        self.inference = list(actors)
+        return info
+
+    def reap_retired_inference(self) -> None:
+        """Stop each removed inference actor once it holds no request (one without weights serves none: at
+        once); after inference.generate_timeout_s, also with requests, which then fail over to the other
+        actors (the rollout actors retry them there)."""
+        from actors.inference import stop_inference_actors
+        for entry in list(self.inference_retiring):
+            actor, deadline, ref = entry
+            if ref is None:
+                ref = entry[2] = actor.stats.remote()
+            idle = False
+            if ray.wait([ref], timeout=5)[0]:
+                entry[2] = None
+                try:
+                    stats = ray.get(ref)
+                    idle = not stats["inflight"] and (not stats["held"] or not stats["has_weights"])
+                except ray.exceptions.RayError:
+                    idle = True         # gone already
+            if idle or time.monotonic() > deadline:
+                if not idle:
+                    log.warning("a removed inference actor still held requests after inference.generate_timeout_s: "
+                                "stopped; the rollout actors retry them on the others")
+                stop_inference_actors([actor], timeout_s=60)
+                self.inference_retiring.remove(entry)
 
     def rollout_stats(self) -> dict:
         """Totals over live, retiring and removed rollout actors."""
@@ -451,8 +656,7 @@ class System:
         bar = terminal.bar = tqdm(initial=self.update, total=cfg.run.iterations, desc="training",
                                   unit="update", dynamic_ncols=True, file=terminal.err)
         while self.update < cfg.run.iterations:
-            self._apply_commands()
-            self.reap_retired()
+            self._between_updates()
             if cfg.run.sync:
                 self._collect_sync_batch()
             metrics = None
@@ -460,8 +664,7 @@ class System:
                 self._check_rollouts_alive()
                 metrics = step_learner(self.learners, timeout_s=WAIT_FOR_DATA_S, on_wait=self._while_updating)
                 if metrics is None:        # no full batch yet: stay responsive (scale commands, status)
-                    self._apply_commands()
-                    self.reap_retired()
+                    self._between_updates()
                     self._publish_waiting_status()
             now = time.perf_counter()
             stats = self.rollout_stats()
@@ -507,8 +710,9 @@ class System:
             done, _ = ray.wait([ping], timeout=0)
             if not done:
                 continue
-            try:                # it answers: back, play again
-                ray.get(ping)
+            try:                # it answers: back, play again (with the inference actors of now: its
+                ray.get(ping)   # constructor's arguments may name others, from before a `scale --inference`)
+                ray.get(self.rollouts[actor_id].set_inference_actors.remote(self.inference), timeout=60)
                 del self.restarting[actor_id]
                 self.rollout_runs[actor_id] = self.rollouts[actor_id].run.remote()
                 log.info("rollout actor %s is back", actor_id)
@@ -553,11 +757,23 @@ class System:
             state = "training" if updating else "waiting for data"
         self._publish_status(self._last_metrics, state=state)
 
+    def _between_updates(self) -> None:
+        """What the driver does while the learner is not in an update: apply `gigpo scale` commands, collect
+        retired rollout actors, let started inference actors join, stop retired ones once idle."""
+        self._apply_commands()
+        self.reap_retired()
+        self.join_started_inference()
+        self.reap_retired_inference()
+
     def _apply_commands(self) -> None:
         for command in self.channel.pop_commands():
-            if command.get("op") == "scale_rollout" and isinstance(command.get("num_actors"), int):
-                log.info("scaling rollout actors %d -> %d", len(self.rollouts), command["num_actors"])
-                self.scale_rollout(max(0, command["num_actors"]), drain=bool(command.get("drain", True)))
+            op, n = command.get("op"), command.get("num_actors")
+            if op == "scale_rollout" and isinstance(n, int):
+                log.info("scaling rollout actors %d -> %d", len(self.rollouts), n)
+                self.scale_rollout(max(0, n), drain=bool(command.get("drain", True)))
+            elif op == "scale_inference" and isinstance(n, int) and n >= 1:
+                log.info("scaling inference actors %d -> %d", len(self.inference) + len(self.inference_starting), n)
+                self.scale_inference(n)
             else:
                 log.warning("ignoring unknown command %r", command)
 
@@ -567,6 +783,7 @@ class System:
             "run": self.cfg.run.name, "state": state, "iteration": int(metrics.get("update", 0)),
             "iterations": self.cfg.run.iterations, "policy_version": int(metrics.get("policy_version", 0)),
             "rollout_actors": len(self.rollouts), "inference_actors": len(self.inference),
+            "inference_starting": len(self.inference_starting),
             "rollout_restarts": self.rollout_restarts, "rollout_restarting": len(self.restarting),
             "env_instances": len(self.rollouts) * self.cfg.rollout.groups_per_actor * self.cfg.rollout.group_size,
             "metrics": update_figures({**metrics, **last_eval}),

@@ -2,6 +2,7 @@
 
     workers = create_learner_workers(cfg, model, stream_url, inference_actors)   # model: a ModelSource
     metrics = step_learner(workers, timeout_s=600)       # one update on every rank; rank 0's metrics
+    set_learner_inference(workers, inference_actors, timeout_s=1200)   # `gigpo scale --inference`
     workers.nodes[r]                                     # the node rank r runs on
 
 Start-up, in three steps with a deadline each, so that a cluster that cannot run the learner says why
@@ -91,6 +92,11 @@ class LearnerWorker:
         lr = self.learner
         return {"updates": lr.updates, "policy_version": lr.policy_version,
                 "trained_groups": len(lr.trained_group_ids), **lr.stats}
+
+    def set_inference_actors(self, inference_actors: list) -> dict:
+        """The inference actors changed (`gigpo scale --inference`): see `Learner.set_inference_actors`.
+        Every rank calls it (a repush gathers collectively at ZeRO-3)."""
+        return self.learner.set_inference_actors(inference_actors)
 
     def save_checkpoint(self) -> str | None:
         return self.learner.save_checkpoint()
@@ -198,3 +204,16 @@ def step_learner(workers: list, timeout_s: float | None = None, deadline_s: floa
         raise TimeoutError(f"learner {where} did not finish an update within {limit:.0f} s (a hung collective or "
                            f"a dead node?); see learner-<rank>.log in the run's logs")
     return ray.get(refs)[0]
+
+
+def set_learner_inference(workers: list, inference_actors: list, timeout_s: float, on_wait=None) -> dict:
+    """Every rank takes a new list of inference actors (`Learner.set_inference_actors`: an added actor gets
+    the current weights); rank 0's answer. Raises TimeoutError naming the ranks and their nodes when they
+    have not answered within timeout_s. on_wait: as in step_learner."""
+    refs = [w.set_inference_actors.remote(inference_actors) for w in workers]
+    late = _wait_all(refs, timeout_s, on_wait)
+    if late:
+        where = workers.where(late) if isinstance(workers, LearnerWorkers) else f"rank(s) {late}"
+        raise TimeoutError(f"learner {where} did not take the new inference actors within {timeout_s:.0f} s (a "
+                           f"weight push to them that hangs?); see learner-<rank>.log in the run's logs")
+    return ray.get(refs[0]) if refs else {}

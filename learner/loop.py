@@ -463,6 +463,15 @@ class Learner:
                 pass
         return info
 
+    def set_inference_actors(self, inference_actors: list) -> dict:
+        """Push to these inference actors from now on (the driver's `gigpo scale --inference`, between two
+        updates); an added one that lacks the current version (it started without weights, or with an
+        older manifest) gets it now, as a repush. All processes call it. Returns the repush's timings (empty
+        when none was needed) and the current policy version."""
+        if self._pushes and self.rank == 0:
+            self.publisher.set_actors(inference_actors)
+        return {**self.repush_if_needed(), "policy_version": self.policy_version}
+
     def _ack(self) -> None:
         if self.stream is not None and self._unacked:
             self.stream.ack(self._unacked)

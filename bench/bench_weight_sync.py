@@ -23,7 +23,9 @@ The inference actor is placed with --inference-resource; the shm figure's pusher
 one node's), and a third row, "collective (cross-node)", pushes from a pusher placed with
 --learner-resource, as learner rank 0 on another node would. The issue's target: cross-node collective
 within 2x of one-node shm. The model reaches the inference node through Ray (ModelSource.ship; the
-actor starts with dummy weights and gets version 0 from the first push).
+actor starts with dummy weights and gets version 0 from the first push): the driver copies each model into
+its own temp dir first, a directory no other node sees (a model in the checkout, which the nodes share,
+would be loaded from disk there instead).
 """
 from __future__ import annotations
 
@@ -186,7 +188,15 @@ def main() -> None:
                             weight_bucket_mb=args.bucket_mb, transfer_timeout_s=600.0,
                             resources={args.inference_resource: 0.01} if args.inference_resource else {})
     lines = []
+    staged = ""
     try:
+        if args.ray_address:
+            # Only the driver's node sees its temp dir: the model must go through Ray, as a run's does on nodes
+            # that do not share the driver's files (the checkout, where prepare_pinned and .cache are, they do).
+            staged = tempfile.mkdtemp(prefix="gigpo-bench-model-")
+            paths = {name: shutil.copytree(path, os.path.join(staged, name)) for name, path in paths.items()}
+            print(f"models copied to {staged} (the driver's node only): shipped to the inference node by Ray",
+                  flush=True)
         for name in names:
             if not args.ray_address:     # one node: the driver's /dev/shm (a directory per model)
                 cfg["inference"]["weights_dir"] = os.path.join(weights_dir, name)
@@ -194,6 +204,8 @@ def main() -> None:
     finally:
         ray.shutdown()
         shutil.rmtree(weights_dir, ignore_errors=True)
+        if staged:
+            shutil.rmtree(staged, ignore_errors=True)
     print()
     for line in lines:
         print(line)

@@ -16,14 +16,16 @@ drivers with `run_on_head`/`popen_on_head` (this process is outside both namespa
 them). An actor goes to a node by asking for its resource: `.options(resources={cluster.worker_resource: 1})`
 or, in a run's config, `inference.resources={"worker": 1}`.
 
-For a benchmark across the two nodes (bench/bench_weight_sync.py's collective figure): run its driver on the
+For a benchmark across the two nodes (bench/bench_weight_sync.py's cross-node figure): run its driver on the
 head against `cluster.address`, the learner side placed with `head_resource`, the inference side with
 `worker_resource`, and read its result from stdout (the head shares this machine's files under /tmp):
 
-    with two_node_cluster(head_cpus=1, worker_cpus=2) as cluster:
-        done = cluster.run_on_head([str(VENV_BIN / "python"), "bench/bench_weight_sync.py", "--driver",
-                                    cluster.address, cluster.head_resource, cluster.worker_resource],
-                                   timeout_s=600, env={"OMP_NUM_THREADS": "1"})
+    # object_store_mb: room for the shipped model (SmolLM2-135M: 0.5 GB of float32 files)
+    with two_node_cluster(head_cpus=1, worker_cpus=2, object_store_mb=1024) as cluster:
+        done = cluster.run_on_head([str(VENV_BIN / "python"), "bench/bench_weight_sync.py", "--models", "smollm2",
+                                    "--ray-address", cluster.address, "--learner-resource", cluster.head_resource,
+                                    "--inference-resource", cluster.worker_resource],
+                                   timeout_s=1800, env={"OMP_NUM_THREADS": "1"})
         print(done.stdout)
 
 What it builds (root only; `namespaces_unavailable()` says why not, for a skip):
@@ -38,6 +40,11 @@ What it builds (root only; `namespaces_unavailable()` says why not, for a skip):
   output directory made under /tmp, an embedded Redis's directory, a model cache); the checkout (code,
   .venv) it shares, as nodes built from one image do. Then `ray start --address 10.250.0.1:6379
   --node-ip-address 10.250.0.2 --resources '{"worker": 100}' --block`.
+  The checkout may live anywhere, /tmp included: what the worker shares with the head (`worker_shared_paths`:
+  the checkout, the venv `.venv` names, which may be a symlink to one elsewhere, and the Python it was made
+  from) and a private tmpfs would hide is bound back into place on top of it (`worker_binds`), so the worker
+  sees the checkout at the same path and nothing else of the head's /tmp. A checkout that is /tmp or
+  /dev/shm itself cannot be shared that way: `namespaces_unavailable()` says so (the tests skip).
 
 Ray 2.60 has token authentication on by default: both nodes and every client here run with
 RAY_AUTH_MODE=token and one token generated per cluster (RAY_AUTH_TOKEN in `cluster.env`, never on a command
@@ -59,6 +66,7 @@ import itertools
 import json
 import os
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
@@ -76,6 +84,10 @@ RESOURCE_UNITS = 100            # per node: each actor asks for 1, so many fit o
 GCS_PORT = 6379                 # Ray's default ports: free in a fresh namespace
 DASHBOARD_PORT = 8265
 WORKER_RAY_TEMP = "/tmp/ray"    # inside the worker's private /tmp
+PRIVATE_MOUNTS = {              # the worker's own tmpfs mounts: mount point -> (tmpfs name, options)
+    "/dev/shm": ("gmn-shm", "mode=1777,size=8g"),
+    "/tmp": ("gmn-tmp", "mode=1777"),
+}
 START_TIMEOUT_S = 180.0         # both nodes up (2 busy cores: a Ray node takes ~5-20 s)
 STOP_TIMEOUT_S = 5.0            # SIGTERM to SIGKILL for Ray's processes (`ray start --block` and the
                                 # GCS ignore SIGTERM for longer: nothing of theirs needs a clean exit)
@@ -93,10 +105,66 @@ def namespaces_unavailable() -> str:
         return f"needs {', '.join(missing)} on PATH (iproute2, util-linux)"
     if not (VENV_BIN / "ray").exists():
         return f"no {VENV_BIN / 'ray'}: run `make install` first"
+    try:
+        worker_binds(worker_shared_paths())
+    except ValueError as exc:
+        return str(exc)
     probe = subprocess.run(["unshare", "--net", "--mount", "true"], capture_output=True, text=True)
     if probe.returncode != 0:
         return f"cannot create namespaces here (`unshare --net --mount` failed: {probe.stderr.strip()})"
     return ""
+
+
+# -- what the worker shares with the head under its private mounts -------------------------------------------
+
+def worker_shared_paths(repo: Path = REPO) -> list[Path]:
+    """What the worker node must see where the head sees it: the checkout, the venv its `.venv` names (a
+    symlink to a venv elsewhere is followed) and the installation of the Python that venv was made from."""
+    venv = repo / ".venv"
+    python = Path(os.path.realpath(venv / "bin" / "python"))
+    return [Path(os.path.realpath(repo)), Path(os.path.realpath(venv)), python.parent.parent]
+
+
+def worker_binds(shared: list[Path], private: list[str] | None = None) -> list[Path]:
+    """Those of `shared` that a private tmpfs of the worker (`private`, default PRIVATE_MOUNTS) would hide,
+    each to be bound back into place over it; one inside another is covered by the outer one. Raises
+    ValueError (the reason, for a skip) for a path that is a private mount point itself: binding it back
+    would give the worker the head's whole /tmp (or /dev/shm), which the private mounts are there to hide."""
+    mounts = [Path(os.path.realpath(m)) for m in (private if private is not None else PRIVATE_MOUNTS)]
+    hidden: list[Path] = []
+    for path in shared:
+        path = Path(os.path.realpath(path))
+        if path in mounts:
+            raise ValueError(f"the checkout, its venv or their Python is {path} itself, where the worker node "
+                             f"has a private tmpfs so as not to share the head's files: the worker could not see "
+                             f"it without seeing all of them (put it in a directory of its own)")
+        if any(m in path.parents for m in mounts) and path not in hidden:
+            hidden.append(path)
+    return sorted(p for p in hidden if not any(q in p.parents for q in hidden))
+
+
+def worker_sees_head_path(path: str | Path, binds: list[Path]) -> bool:
+    """Whether the worker would see `path` of the head's /tmp or /dev/shm (it is in a bound-back path)."""
+    path = Path(os.path.realpath(path))
+    return any(path == b or b in path.parents for b in binds)
+
+
+def worker_private_argv(binds: list[Path], cwd: Path, argv: list[str]) -> list[str]:
+    """`argv` in a new mount namespace (private propagation: nothing leaks back) with a fresh tmpfs on each
+    of PRIVATE_MOUNTS, `binds` bound back into place over them, from `cwd`. Each bind's directory is opened
+    before the tmpfs hides it and bound from that descriptor (/proc/self/fd/N: mount is told not to
+    canonicalize the path, so the kernel follows the descriptor to the hidden directory)."""
+    if len(binds) > 7:
+        raise ValueError(f"too many paths to bind back into the worker's view: {binds}")
+    fds = {b: 3 + i for i, b in enumerate(binds)}
+    steps = [f"exec {fd}<{shlex.quote(str(b))}" for b, fd in fds.items()]
+    steps += [f"mount -t tmpfs -o {opts} {name} {shlex.quote(m)}" for m, (name, opts) in PRIVATE_MOUNTS.items()]
+    for b, fd in fds.items():
+        steps += [f"mkdir -p {shlex.quote(str(b))}",
+                  f"mount --no-canonicalize --rbind /proc/self/fd/{fd} {shlex.quote(str(b))}",
+                  f"exec {fd}<&-"]
+    steps += [f"cd {shlex.quote(str(cwd))}", 'exec "$@"']
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", " && ".join(steps), "sh", *argv]
 
 
 def _sh(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -161,14 +229,13 @@ class TwoNodeCluster:
 
     def start_worker(self) -> None:
         """Start the worker node (again): a fresh machine, with its own empty /dev/shm and /tmp (a private
-        mount namespace holding two tmpfs), whose `ray start` is the process `self.worker` holds. Returns at
-        once; `wait_for_nodes(2)` waits until it has joined."""
-        private = ("mount -t tmpfs -o mode=1777,size=8g gmn-shm /dev/shm && "
-                   "mount -t tmpfs -o mode=1777 gmn-tmp /tmp && exec \"$@\"")
+        mount namespace holding two tmpfs; the checkout and venv bound back into place if they live there),
+        whose `ray start` is the process `self.worker` holds. Returns at once; `wait_for_nodes(2)` waits
+        until it has joined."""
+        argv = worker_private_argv(worker_binds(worker_shared_paths()), REPO, self._worker_cmd)
         with open(self.root / "worker.out", "ab") as out:
             self.worker = subprocess.Popen(
-                ["ip", "netns", "exec", self.worker_ns, "unshare", "--mount", "--propagation", "private",
-                 "sh", "-c", private, "sh", *self._worker_cmd],
+                ["ip", "netns", "exec", self.worker_ns, *argv],
                 env=self.env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True)
 

@@ -13,26 +13,103 @@ worker with its own /dev/shm and /tmp), and training runs placed across them.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
+import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.multinode import (REPO, VENV_BIN, head_start_argv, namespaces_unavailable, two_node_cluster,
+                             worker_binds, worker_private_argv, worker_sees_head_path, worker_shared_paths,
                              worker_start_argv)
 
 pytestmark = [pytest.mark.multinode]
 
 
 @pytest.fixture
-def namespaces():
-    """Skips a test that needs the two namespaces where they cannot be made, saying why."""
+def namespaces(tmp_path):
+    """Skips a test that needs the two namespaces where they cannot be made, saying why; also where this
+    test's directory (the head's output, which the worker must not see) is inside what the worker shares."""
     reason = namespaces_unavailable()
     if reason:
         pytest.skip(f"two Ray nodes in network namespaces: {reason}")
+    binds = worker_binds(worker_shared_paths())
+    if worker_sees_head_path(tmp_path, binds):
+        pytest.skip(f"two Ray nodes in network namespaces: this test's directory {tmp_path} is inside "
+                    f"{[str(b) for b in binds]}, which the worker node shares with the head, so the worker "
+                    f"would see the head's files there (give pytest a --basetemp outside it)")
+
+
+# -- the worker's view of the filesystem: cheap checks of the mounts, no Ray ----------------------------------
+
+def test_worker_binds_back_what_its_private_mounts_would_hide():
+    """Runs everywhere: which of the checkout, its venv and their Python a private tmpfs on /tmp or /dev/shm
+    would hide from the worker (each bound back into place), for checkouts in various places."""
+    usr = Path("/usr")
+    assert worker_binds([Path("/work/main"), Path("/work/main/.venv"), usr]) == []
+    assert worker_binds([Path("/tmp/co"), Path("/tmp/co/.venv"), usr]) == [Path("/tmp/co")]
+    # .venv a symlink to a venv elsewhere under /tmp; a Python installed under /tmp too
+    assert worker_binds([Path("/tmp/co"), Path("/tmp/venvs/a"), Path("/tmp/py/3.11")]) == [
+        Path("/tmp/co"), Path("/tmp/py/3.11"), Path("/tmp/venvs/a")]
+    assert worker_binds([Path("/work/main"), Path("/tmp/venvs/a"), usr]) == [Path("/tmp/venvs/a")]
+    assert worker_binds([Path("/dev/shm/co"), Path("/dev/shm/co/.venv"), usr]) == [Path("/dev/shm/co")]
+    for private in ("/tmp", "/dev/shm"):
+        with pytest.raises(ValueError, match="private tmpfs"):
+            worker_binds([Path(private), Path(private) / ".venv", usr])
+    assert worker_sees_head_path("/tmp/co/run", [Path("/tmp/co")])
+    assert not worker_sees_head_path("/tmp/co-run", [Path("/tmp/co")])
+    assert not worker_sees_head_path("/tmp/pytest-of-root/run", [Path("/tmp/co")])
+    assert worker_shared_paths(Path("/tmp/co"))[:2] == [Path("/tmp/co"), Path("/tmp/co/.venv")]
+
+
+def test_worker_mounts_hide_the_heads_tmp_but_not_a_checkout_there():
+    """Root only, cheap (a mount namespace, no network namespace, no Ray): the worker's own mounts, as
+    start_worker makes them, for a checkout under /tmp whose .venv is a symlink to a venv elsewhere under
+    /tmp. The worker sees both at their paths (and writes to the checkout land in the head's copy) but not
+    a head file beside them in /tmp nor one in /dev/shm, and what it writes to its /tmp stays its own."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("mount") is None:
+        pytest.skip("needs root and unshare/mount (a mount namespace with tmpfs and bind mounts)")
+    probe = subprocess.run(["unshare", "--mount", "true"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot create a mount namespace here: {probe.stderr.strip()}")
+    base = Path(tempfile.mkdtemp(prefix="gmn-mounts-", dir="/tmp"))
+    shm_file = Path(f"/dev/shm/gmn-mounts-{os.getpid()}")
+    try:
+        checkout, venv = base / "checkout with space", base / "venvs" / "v"
+        (checkout / "tests").mkdir(parents=True)
+        (checkout / "tests" / "marker").write_text("code")
+        (venv / "bin").mkdir(parents=True)
+        (venv / "bin" / "python").write_text("")
+        (checkout / ".venv").symlink_to(venv)
+        (base / "head-output").write_text("head")
+        shm_file.write_text("head")
+        binds = worker_binds(worker_shared_paths(checkout))
+        assert binds == [checkout, venv]
+        worker_tmp_file = base / "written-by-worker"
+        script = " ; ".join([
+            'test -f tests/marker && echo cwd_checkout=1 || echo cwd_checkout=0',
+            f'test -f {shlex.quote(str(checkout / ".venv" / "bin" / "python"))} && echo venv=1 || echo venv=0',
+            f'test -e {shlex.quote(str(base / "head-output"))} && echo head_tmp=1 || echo head_tmp=0',
+            f'test -e {shm_file} && echo head_shm=1 || echo head_shm=0',
+            f'echo worker > {shlex.quote(str(checkout / "from-worker"))}',
+            f'echo worker > {shlex.quote(str(worker_tmp_file))} && echo wrote_tmp=1',
+        ])
+        done = subprocess.run(worker_private_argv(binds, checkout, ["sh", "-c", script]), capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        seen = dict(line.split("=", 1) for line in done.stdout.split())
+        assert seen == {"cwd_checkout": "1", "venv": "1", "head_tmp": "0", "head_shm": "0", "wrote_tmp": "1"}, (
+            done.stdout, done.stderr)
+        assert (checkout / "from-worker").read_text() == "worker\n"
+        assert not worker_tmp_file.exists()
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+        shm_file.unlink(missing_ok=True)
 
 
 def _probe_json(stdout: str, tag: str) -> dict:

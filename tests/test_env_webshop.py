@@ -14,10 +14,8 @@ from env_servers.webshop.data import SAMPLE_DIR, resolve_data_dir
 from env_servers.webshop.env import scripted_purchase
 from env_servers.webshop.goals import PRICE_RANGE, build_goals
 from env_servers.webshop.sample_catalog import generate
-from tests.webshop_catalog import NO_REAL_CATALOG, real_catalog
+from tests.webshop_catalog import real_catalog
 
-REAL_DATA = real_catalog()
-has_real_data = REAL_DATA is not None
 
 
 @pytest.fixture(scope="module")
@@ -251,9 +249,8 @@ def test_bench_steps_per_second_runs():
     assert bench_steps_per_second(200, data_dir=SAMPLE_DIR) > 100
 
 
-@pytest.mark.skipif(not has_real_data, reason=NO_REAL_CATALOG)
 def test_real_small_catalog_goal_counts_and_episodes():
-    env = WebShopEnv(data_dir=REAL_DATA)
+    env = WebShopEnv(data_dir=real_catalog())
     assert len(env.shop.products) == 1000
     assert sum(1 for p in env.shop.products if p.instruction_text is not None) == 415
     # The README counts 477 with customization_options; 54 of those hold only null option lists.

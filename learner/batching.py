@@ -42,6 +42,9 @@ class TrainBatch:
     # per row, bool: which response tokens take part in the loss (False: forced by the action grammar,
     # see learner/gigpo.py); None: all of them
     token_masks: list[np.ndarray] | None = None
+    # per row, float32: the weight of each response token's policy-gradient term (learner.gigpo's
+    # correction_weights, set by the trainer); None: all 1
+    weights: list[np.ndarray] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -328,6 +331,7 @@ class MicroBatch:
     advantages: torch.Tensor       # float32 [N]
     rows: np.ndarray               # batch row indices, in order
     loss_mask: torch.Tensor        # float32 [N]: 1 for tokens in the loss, 0 for forced ones
+    weights: torch.Tensor          # float32 [N]: each token's policy-gradient weight (1 without a correction)
 
 
 def collate(batch: TrainBatch, rows: np.ndarray, pad_id: int = 0) -> MicroBatch:
@@ -359,4 +363,6 @@ def collate(batch: TrainBatch, rows: np.ndarray, pad_id: int = 0) -> MicroBatch:
         advantages=torch.from_numpy(adv.astype(np.float32)), rows=np.asarray(rows, dtype=np.int64),
         loss_mask=torch.from_numpy(np.concatenate([batch.token_mask(r) for r in rows]).astype(np.float32)
                                    if len(rows) else np.zeros(0, dtype=np.float32)),
+        weights=torch.from_numpy(flat(batch.weights, np.float32) if batch.weights is not None
+                                 else np.ones(sum(len(batch.response_ids[r]) for r in rows), dtype=np.float32)),
     )

@@ -529,10 +529,68 @@ def ppo_token_losses(logp: torch.Tensor, old_logp: torch.Tensor, advantages: tor
     return loss, clipped, dual
 
 
+# ----------------------------------------------------------------------------------------------------------
+# The sampler is not the learner: the gap between their log-probs, and corrections for it (NumPy)
+# ----------------------------------------------------------------------------------------------------------
+#
+# The tokens were sampled by vLLM (mu: another kernel, often another precision, possibly the grammar's
+# mask), not by the learner's old policy (pi_old) that PPO's ratio pi_theta / pi_old refers to. With the
+# learner's own old log-probs (learner.recompute_old_logprobs) the ratio starts at 1, and what is left is
+# that the samples came from mu. An importance weight w = pi_old / mu per token corrects for it; since a
+# few tokens can be off by nats, it is bounded by a cap C > 1:
+#   tis            w = min(pi_old / mu, C)                truncated importance sampling (the weight's variance
+#                                                          stays bounded; the bias is on tokens above C only)
+#   mask_token     w = 1 if 1/C <= pi_old / mu <= C else 0 tokens the two policies disagree on are dropped
+#   mask_sequence  w = 1 for a whole row if 1/C <= geometric mean of its ratios <= C, else 0 for the row
+# w multiplies the token's policy-gradient term (not the KL or entropy terms); the loss stays normalized by
+# the count of loss tokens, dropped ones included, so a correction never inflates the other tokens' weight.
+
+CORRECTIONS = ("none", "tis", "mask_token", "mask_sequence")
+GAP_THRESHOLD = 0.1     # nat: tokens whose |log pi_old - log mu| exceeds it count in logprob_gap_share
+
+
+def logprob_gap(learner_logp: np.ndarray, sampler_logp: np.ndarray) -> dict[str, float]:
+    """How far the learner's log-probs of the sampled tokens are from the sampler's (flat, over the tokens of
+    the loss): mean and max of |d|, the share of tokens with |d| > GAP_THRESHOLD, and the k3 estimate of
+    KL(mu || pi_old), mean of exp(d) - 1 - d with d = log pi_old - log mu (each term >= 0; its mean under
+    samples of mu is unbiased)."""
+    d = np.asarray(learner_logp, dtype=np.float64) - np.asarray(sampler_logp, dtype=np.float64)
+    if d.size == 0:
+        return {"mean": 0.0, "max": 0.0, "share": 0.0, "kl": 0.0}
+    a = np.abs(d)
+    return {"mean": float(a.mean()), "max": float(a.max()), "share": float((a > GAP_THRESHOLD).mean()),
+            "kl": float(np.mean(np.expm1(d) - d))}
+
+
+def correction_weights(learner_logp: list[np.ndarray], sampler_logp: list[np.ndarray], kind: str, cap: float,
+                       masks: list[np.ndarray] | None = None) -> list[np.ndarray]:
+    """Per row, the weight of each response token (see above). `masks`: the tokens of the loss per row
+    (a row's geometric mean is over those; None: all). kind "none" gives all ones."""
+    if kind not in CORRECTIONS:
+        raise ValueError(f"unknown correction {kind!r}; use one of {', '.join(CORRECTIONS)}")
+    if not cap > 1:
+        raise ValueError(f"the correction's cap must be > 1, got {cap!r}")
+    out = []
+    for r, (mine, theirs) in enumerate(zip(learner_logp, sampler_logp)):
+        log_ratio = np.asarray(mine, dtype=np.float64) - np.asarray(theirs, dtype=np.float64)
+        if kind == "none":
+            w = np.ones_like(log_ratio)
+        elif kind == "tis":
+            w = np.minimum(np.exp(log_ratio), cap)
+        elif kind == "mask_token":
+            w = (np.abs(log_ratio) <= math.log(cap)).astype(np.float64)
+        else:
+            kept = log_ratio if masks is None else log_ratio[masks[r]]
+            inside = kept.size == 0 or abs(kept.mean()) <= math.log(cap)
+            w = np.full_like(log_ratio, 1.0 if inside else 0.0)
+        out.append(w.astype(np.float32))
+    return out
+
+
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 settings: LossSettings, *, token_normalizer: float | torch.Tensor | None = None,
-                ref_logp: torch.Tensor | None = None, entropy: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                ref_logp: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
+                weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss of one micro-batch and its metrics.
 
     Args:
@@ -545,6 +603,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
             None: this micro-batch's own count (plain token mean).
         ref_logp: [R, T] log-probs under the frozen reference (needed when settings.kl_coef > 0).
         entropy: [R, T] per-token entropy of the policy (with grad; needed when entropy_coef > 0).
+        weights: per-token weights of the policy-gradient term (`correction_weights`); None: all 1.
 
     Returns:
         (loss, metrics): the scalar to backpropagate; metrics are detached *sums over tokens* (keys ending
@@ -563,6 +622,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     norm = torch.clamp(torch.as_tensor(norm, dtype=logp.dtype, device=logp.device), min=1.0)
 
     pg, clipped, dual = ppo_token_losses(logp, old_logp, advantages, settings.clip_ratio, settings.dual_clip)
+    if weights is not None:
+        pg = pg * weights.to(logp.dtype)
     pg_sum = (pg * mask).sum()
     loss_sum = pg_sum
     with torch.no_grad():

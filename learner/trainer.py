@@ -34,7 +34,8 @@ import torch
 from common.config import LearnerConfig
 from common.placement import free_port
 from learner.batching import MicroBatch, TrainBatch, collate, mini_batches, plan_micro_batches
-from learner.gigpo import LossSettings, policy_loss, token_logprobs_and_entropy
+from learner.gigpo import (LossSettings, correction_weights, logprob_gap, policy_loss,
+                           token_logprobs_and_entropy)
 
 LEARNER_STATE = "learner_state.json"   # written next to each DeepSpeed checkpoint tag, for humans and tools
 
@@ -286,8 +287,10 @@ class PolicyTrainer:
 
     def train_step(self, batch: TrainBatch, update: int | None = None) -> dict[str, float]:
         """ppo_epochs passes over the batch, one optimizer step per mini-batch; returns metrics
-        (token means over the whole batch, on every process). With learner.recompute_old_logprobs the
-        batch's old_logprobs are replaced by the learner's own before training."""
+        (token means over the whole batch, on every process). With learner.recompute_old_logprobs, or a
+        learner.logprob_correction, the batch's old_logprobs are replaced by the learner's own before
+        training (and a correction's weights computed from both); the log-prob gap between the sampler
+        and the learner is measured every update (train/logprob_gap_*)."""
         import torch.distributed as dist
 
         update = self.updates if update is None else update
@@ -295,15 +298,32 @@ class PolicyTrainer:
             return {"train/skipped_empty_batch": 1.0}
         t0 = time.perf_counter()
         metrics: dict[str, float] = {}
-        if self.cfg.recompute_old_logprobs:
+        # The gap between the sampler's log-probs and the learner's old ones (learner.gigpo): from the
+        # recompute when there is one (every token), else from the first mini-batch's forward pass, whose
+        # weights are still the old ones (its tokens only: all of them when one mini-batch holds the batch).
+        correction = self.cfg.logprob_correction
+        gap_in_first_mini_batch = not (self.cfg.recompute_old_logprobs or correction != "none")
+        if not gap_in_first_mini_batch:
             t = time.perf_counter()
             new_old = self.compute_logprobs(batch)
             # Forced tokens (log-prob 0 under the constrained sampler) are not in the loss, nor here.
-            drift = np.concatenate([(a - b)[batch.token_mask(r)]
-                                    for r, (a, b) in enumerate(zip(new_old, batch.old_logprobs))])
-            metrics["train/rollout_vs_learner_logprob_abs_diff"] = float(np.abs(drift).mean()) if len(drift) else 0.0
+            masks = [batch.token_mask(r) for r in range(batch.num_rows)]
+            gap = logprob_gap(np.concatenate([a[m] for a, m in zip(new_old, masks)]),
+                              np.concatenate([b[m] for b, m in zip(batch.old_logprobs, masks)]))
+            metrics.update({f"train/logprob_gap_{k}": v for k, v in gap.items()})
+            if correction != "none":
+                batch.weights = correction_weights(new_old, batch.old_logprobs, correction,
+                                                   self.cfg.correction_cap, masks)
+                kept = np.concatenate([w[m] for w, m in zip(batch.weights, masks)])
+                # Where the correction binds: a ratio truncated at the cap (tis), a token dropped (masks).
+                bound = kept == (np.float32(self.cfg.correction_cap) if correction == "tis" else 0.0)
+                metrics["train/correction_share"] = float(bound.mean()) if kept.size else 0.0
             batch.old_logprobs = new_old
             metrics["time/recompute_s"] = time.perf_counter() - t
+        if correction == "none":
+            metrics["train/correction_share"] = 0.0
+        gap_sums = np.zeros(4)         # |d| sum, k3 sum, count over the threshold, tokens (first mini-batch)
+        gap_max = 0.0
 
         sums: dict[str, float] = {}
         grad_norms: list[float] = []
@@ -315,13 +335,20 @@ class PolicyTrainer:
                 plan = self._plan_all(batch, rows)
                 # Loss x world_size: DeepSpeed averages gradients over processes, we want their sum.
                 scale = float(self.world_size) / max(plan.response_tokens, 1)
+                measure = gap_in_first_mini_batch and steps == 0
                 for rows_mb in plan.per_rank[self.rank]:
                     mb, weight = self._micro(batch, rows_mb, int(rows[0]))
-                    ms = self._train_micro(mb, scale * weight)
+                    ms, logp = self._train_micro(mb, scale * weight)
                     if weight:
                         for k, v in ms.items():
                             sums[k] = sums.get(k, 0.0) + v
                         tokens_seen += float(mb.attention_mask.sum())
+                        if measure:
+                            kept = mb.loss_mask.bool()
+                            gap = logprob_gap(logp[kept].numpy(), mb.old_logprobs[kept].numpy())
+                            n = int(kept.sum())
+                            gap_sums += [gap["mean"] * n, gap["kl"] * n, gap["share"] * n, n]
+                            gap_max = max(gap_max, gap["max"])
                 self.engine.step()
                 steps += 1
                 gn = self.engine.get_global_grad_norm()
@@ -330,11 +357,17 @@ class PolicyTrainer:
         self.updates = update + 1
 
         keys = sorted(sums)
-        total = torch.tensor([sums[k] for k in keys] + [tokens_seen], dtype=torch.float64)
+        total = torch.tensor([sums[k] for k in keys] + list(gap_sums) + [tokens_seen], dtype=torch.float64)
+        peak = torch.tensor([gap_max], dtype=torch.float64)
         if self.world_size > 1:
             dist.all_reduce(total)
-        sums = dict(zip(keys, total[:-1].tolist()))
-        tokens_seen = float(total[-1])
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        sums = dict(zip(keys, total[:len(keys)].tolist()))
+        gap_sums, tokens_seen = total[len(keys):-1].tolist(), float(total[-1])
+        if gap_in_first_mini_batch:
+            n = max(gap_sums[3], 1.0)
+            metrics.update({"train/logprob_gap_mean": gap_sums[0] / n, "train/logprob_gap_kl": gap_sums[1] / n,
+                            "train/logprob_gap_share": gap_sums[2] / n, "train/logprob_gap_max": float(peak[0])})
         n = max(sums.get("tokens", 0.0), 1.0)
         for k, v in sums.items():
             if k.endswith("_sum"):
@@ -351,9 +384,10 @@ class PolicyTrainer:
         })
         return metrics
 
-    def _train_micro(self, mb: MicroBatch, scale: float) -> dict[str, float]:
+    def _train_micro(self, mb: MicroBatch, scale: float) -> tuple[dict[str, float], torch.Tensor]:
         """Forward + backward of one micro-batch; `scale` turns the token sum into its share of the
-        mini-batch token mean (0 for a stand-in micro-batch)."""
+        mini-batch token mean (0 for a stand-in micro-batch). Returns its metrics and its log-probs
+        (detached, float32, on the CPU)."""
         # Entropy is reported even when its coefficient is 0 (cheap next to the forward pass); then it
         # is detached so that its softmax is not kept for the backward pass.
         logp, entropy = self._forward_logprobs(self.engine, mb, with_entropy=True)
@@ -365,10 +399,10 @@ class PolicyTrainer:
                 ref_logp, _ = self._forward_logprobs(self.ref_model, mb, with_entropy=False)
         loss, ms = policy_loss(logp, mb.old_logprobs.to(self.device), mb.advantages.to(self.device),
                                mb.loss_mask.to(self.device), self.settings, token_normalizer=1.0,
-                               ref_logp=ref_logp, entropy=entropy)
+                               ref_logp=ref_logp, entropy=entropy, weights=mb.weights.to(self.device))
         # token_normalizer=1 gives the plain sum; the scale applies the mini-batch normalizer.
         self.engine.backward(loss * scale, scale_wrt_gas=False)
-        return {k: float(v) for k, v in ms.items()}
+        return {k: float(v) for k, v in ms.items()}, logp.detach().float().cpu()
 
     # ------------------------------------------------------------------------------------------------
     # Weights and checkpoints

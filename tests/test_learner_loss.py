@@ -10,8 +10,8 @@ import torch
 
 from common.config import LearnerConfig
 from learner.batching import build_batch, collate, mini_batches, pack_by_tokens, plan_micro_batches
-from learner.gigpo import (LossSettings, gigpo_advantages, grpo_advantages, policy_loss,
-                           token_logprobs_and_entropy)
+from learner.gigpo import (LossSettings, correction_weights, gigpo_advantages, grpo_advantages, logprob_gap,
+                           policy_loss, token_logprobs_and_entropy)
 from tests.synthetic import step_rows, synthetic_groups
 
 
@@ -161,3 +161,57 @@ def test_collate_aligns_targets_with_response_tokens():
     assert torch.equal(mb.targets, torch.from_numpy(np.concatenate([b.response_ids[r] for r in rows])).long())
     assert mb.old_logprobs.shape == mb.advantages.shape == mb.targets.shape
     assert int(mb.attention_mask.sum()) == int(b.row_lengths()[rows].sum())
+
+
+# -- the sampler is not the learner: the gap, and the corrections (learner/gigpo.py) ------------------------
+
+def test_logprob_gap_of_a_known_difference():
+    """A sampler whose log-probs are the learner's minus 0.3 nat on every token, but one that is 0.05 above."""
+    learner = np.array([-1.0, -2.0, -0.5, -3.0])
+    sampler = learner - np.array([0.3, 0.3, 0.3, -0.05])
+    gap = logprob_gap(learner, sampler)
+    d = np.array([0.3, 0.3, 0.3, -0.05])
+    assert gap["mean"] == pytest.approx(0.2375) and gap["max"] == pytest.approx(0.3)
+    assert gap["share"] == 0.75                        # three tokens above the 0.1-nat threshold
+    assert gap["kl"] == pytest.approx(float(np.mean(np.exp(d) - 1 - d)))
+    assert logprob_gap(learner, learner) == {"mean": 0.0, "max": 0.0, "share": 0.0, "kl": 0.0}
+
+
+def test_correction_weights_on_a_constructed_case():
+    """Ratios pi_old / mu of exp(+1), exp(+0.5), 1, exp(-0.5), exp(-1) (the sampler gave the first token
+    e^-1 of the learner's probability, ...), cap C = 2 (log C = 0.693): each correction's weights by hand."""
+    d = np.array([1.0, 0.5, 0.0, -0.5, -1.0])
+    learner = [np.array([-1.0, -1.0, -1.0, -1.0, -1.0]), np.array([-2.0, -2.0])]
+    sampler = [learner[0] - d, learner[1] - np.array([0.2, 0.4])]
+    tis = correction_weights(learner, sampler, "tis", 2.0)
+    np.testing.assert_allclose(tis[0], [2.0, math.exp(0.5), 1.0, math.exp(-0.5), math.exp(-1.0)], rtol=1e-6)
+    np.testing.assert_allclose(tis[1], [math.exp(0.2), math.exp(0.4)], rtol=1e-6)
+    token = correction_weights(learner, sampler, "mask_token", 2.0)
+    assert token[0].tolist() == [0.0, 1.0, 1.0, 1.0, 0.0] and token[1].tolist() == [1.0, 1.0]
+    # Row 0's geometric mean is exp(0) = 1: kept; row 1's exp(0.3) in [1/2, 2]: kept; with C = 1.2
+    # (log 1.2 = 0.182) row 1 goes, row 0 stays.
+    seq = correction_weights(learner, sampler, "mask_sequence", 1.2)
+    assert seq[0].tolist() == [1.0] * 5 and seq[1].tolist() == [0.0, 0.0]
+    # The mean is over the loss tokens only: row 0 without its first two tokens has mean log ratio -0.5,
+    # outside log 1.5 = 0.405 -> dropped; all five average 0 -> kept.
+    masks = [np.array([False, False, True, True, True]), np.array([True, True])]
+    assert correction_weights(learner, sampler, "mask_sequence", 1.5, masks)[0].tolist() == [0.0] * 5
+    assert correction_weights(learner, sampler, "mask_sequence", 1.5)[0].tolist() == [1.0] * 5
+    assert [w.tolist() for w in correction_weights(learner, sampler, "none", 2.0)] == [[1.0] * 5, [1.0] * 2]
+    with pytest.raises(ValueError, match="cap must be > 1"):
+        correction_weights(learner, sampler, "tis", 1.0)
+
+
+def test_weighted_policy_gradient_equals_the_hand_computation():
+    """At ratio 1 (logp = old_logp) PPO's token loss is -A * ratio, so d loss / d logp_i = -A_i * w_i / N with
+    N the loss tokens (a dropped token, w = 0, still counts in N). KL and entropy terms off."""
+    logp = torch.tensor([-1.0, -0.5, -2.0, -0.7], requires_grad=True)
+    old = logp.detach().clone()
+    adv = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    mask = torch.tensor([1.0, 1.0, 1.0, 0.0])          # the last token is forced: out of the loss
+    w = torch.tensor([2.0, 0.5, 0.0, 1.0])
+    loss, metrics = policy_loss(logp, old, adv, mask, LossSettings(kl_coef=0.0, entropy_coef=0.0), weights=w)
+    loss.backward()
+    expected = [-1.0 * 2.0 / 3, 2.0 * 0.5 / 3, 0.0, 0.0]
+    assert torch.allclose(logp.grad, torch.tensor(expected), atol=1e-7), logp.grad
+    assert loss.item() == pytest.approx((-1.0 * 2.0 + 2.0 * 0.5 + 0.0) / 3)

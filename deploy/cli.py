@@ -23,7 +23,7 @@ import os
 import sys
 import time
 
-from common.config import ConfigError, describe, load_config, to_dict
+from common.config import ConfigError, describe, load_config, redact, to_dict
 from common.placement import PlacementError
 from deploy.models import PINNED, SMOLLM2, ModelError, prepare_pinned
 from deploy.preflight import PreflightError, run_checks
@@ -71,9 +71,11 @@ NOT_ON_RESUME = ("run.resume", "run.resume_tag", "run.overwrite")
 
 def resume_command(args) -> list[str]:
     """The `gigpo train` command line that continues this run from its newest checkpoint: the same program
-    (as typed), config, overrides and --address, then run.resume=true."""
+    (as typed), config, overrides and --address, then run.resume=true. A password in an override's URL is
+    shown as *** (it never appears in a message): the user puts it back, or keeps it in a file
+    (stream.redis_password_file)."""
     prog = sys.argv[0] if os.path.basename(sys.argv[0]) == "gigpo" else "gigpo"
-    overrides = [o for o in args.overrides if o.split("=", 1)[0].strip() not in NOT_ON_RESUME]
+    overrides = [redact(o) for o in args.overrides if o.split("=", 1)[0].strip() not in NOT_ON_RESUME]
     address = ["--address", args.address] if args.address and args.address != os.environ.get("RAY_ADDRESS") else []
     return [prog, "train", args.config, *overrides, "run.resume=true", *address]
 

@@ -224,34 +224,57 @@ def _ray_active() -> bool:
 # evicts gauge observations that were not refreshed), so a learner gauge would vanish between two slow
 # updates and a dashboard would show gaps. Every gauge value set in this process is therefore recorded
 # again every GAUGE_REFRESH_S by one daemon thread: a gauge holds its last value for as long as its
-# process lives, as Prometheus gauges do.
+# process lives in the Ray session that saw it set, as Prometheus gauges do. A process that leaves one
+# session and joins another (a driver that calls ray.init again: a notebook, a test suite) must not go on
+# exporting the old session's values into the new one, so each value remembers its session (the node's id,
+# new with every `ray start`) and is forgotten once the process is in another.
 GAUGE_REFRESH_S = 2.0
-_LIVE_GAUGES: dict[tuple, tuple[MetricSpec, float, dict]] = {}   # (name, tags) -> (spec, last value, tags)
+_LIVE_GAUGES: dict[tuple, tuple[MetricSpec, float, dict, str]] = {}  # (name, tags) -> (spec, value, tags, session)
 _LIVE_GAUGES_LOCK = threading.Lock()
 _refresher: threading.Thread | None = None
 
 
+def _ray_session() -> str:
+    """This process' Ray session, as the id of its node ("" when it cannot tell)."""
+    try:
+        import ray
+        return ray.get_runtime_context().get_node_id() or ""
+    except Exception:  # noqa: BLE001 - outside Ray, or while it shuts down
+        return ""
+
+
 def _remember_gauge(spec: MetricSpec, value: float, tags: dict[str, str]) -> None:
     global _refresher
+    session = _ray_session()
     with _LIVE_GAUGES_LOCK:
-        _LIVE_GAUGES[(spec.name, tuple(sorted(tags.items())))] = (spec, value, tags)
+        _LIVE_GAUGES[(spec.name, tuple(sorted(tags.items())))] = (spec, value, tags, session)
         if _refresher is None:
             _refresher = threading.Thread(target=_refresh_gauges, name="gauge-refresh", daemon=True)
             _refresher.start()
 
 
+def refresh_gauges_once() -> int:
+    """Record every gauge of the current session again and forget those of earlier sessions; returns how
+    many were recorded (the refresher thread's one pass)."""
+    if not _ray_active():
+        return 0
+    session = _ray_session()
+    with _LIVE_GAUGES_LOCK:
+        for key in [k for k, (*_, seen) in _LIVE_GAUGES.items() if seen != session]:
+            del _LIVE_GAUGES[key]
+        live = list(_LIVE_GAUGES.values())
+    for spec, value, tags, _ in live:
+        try:
+            _ray_metric(spec).set(value, tags=tags)
+        except Exception:  # noqa: BLE001 - a refresh must never take the process down
+            pass
+    return len(live)
+
+
 def _refresh_gauges() -> None:
     while True:
         time.sleep(GAUGE_REFRESH_S)
-        if not _ray_active():
-            continue
-        with _LIVE_GAUGES_LOCK:
-            live = list(_LIVE_GAUGES.values())
-        for spec, value, tags in live:
-            try:
-                _ray_metric(spec).set(value, tags=tags)
-            except Exception:  # noqa: BLE001 - a refresh must never take the process down
-                pass
+        refresh_gauges_once()
 
 
 def _ray_metric(spec: MetricSpec):

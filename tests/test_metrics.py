@@ -199,3 +199,56 @@ def test_a_gauge_holds_its_value_between_slow_updates(metrics_ray):
         assert value() == [7]
         time.sleep(1)
     ray.kill(actor)
+
+
+# Run in a fresh interpreter: it starts two Ray sessions one after the other, as a notebook or a test suite
+# does; the module's own Ray (metrics_ray) stays out of it.
+_TWO_SESSIONS = """
+import shutil, sys, tempfile, time
+import ray
+from common.metrics import ActorMetrics, exported_name, metrics_url, ray_init_metrics_options
+from tests.scrape import scrape
+
+def session():
+    temp_dir = tempfile.mkdtemp(prefix="ray-metrics-")
+    ray.init(address="local", num_cpus=1, object_store_memory=100 * 1024**2, include_dashboard=False,
+             _temp_dir=temp_dir, **ray_init_metrics_options())
+    return temp_dir
+
+first = session()
+ActorMetrics("learner", "driver-gauge").set("policy_version", 3)     # set in the driver process itself
+ray.shutdown(); shutil.rmtree(first, ignore_errors=True)
+second = session()
+
+@ray.remote(num_cpus=0)
+class Learner:
+    def set(self):
+        ActorMetrics("learner", "actor-gauge").set("policy_version", 2)
+
+actor = Learner.remote(); ray.get(actor.set.remote())
+url, seen = metrics_url(), set()
+deadline = time.monotonic() + 30
+while time.monotonic() < deadline:
+    seen |= {(s.labels["actor_id"], s.value) for s in scrape(url) if s.name == exported_name("policy_version")}
+    if ("actor-gauge", 2.0) in seen and time.monotonic() > deadline - 20:
+        break      # 10 s and more after the new session began: several of the driver's refresh rounds
+    time.sleep(0.5)
+print(sorted(seen))
+ray.shutdown(); shutil.rmtree(second, ignore_errors=True)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_gauge_of_an_earlier_session_is_not_exported_into_the_next():
+    """A process that set a gauge in one Ray session and then joins another (ray.init again) exports only
+    what it sets in the new one: the refresher that holds gauges forgets the old session's values."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", _TWO_SESSIONS], cwd=repo, capture_output=True, text=True,
+                          timeout=170, env={**os.environ, "PYTHONPATH": str(repo)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[('actor-gauge', 2.0)]", proc.stdout

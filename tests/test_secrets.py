@@ -6,6 +6,8 @@ stream.redis_password_file, in $GIGPO_REDIS_PASSWORD) and what `gigpo status` fi
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -202,10 +204,10 @@ def test_an_unreachable_redis_names_the_node_and_the_address():
 
 # -- a real run ---------------------------------------------------------------------------------------------
 
-# The small run of test_system_e2e.py / test_train_interrupt.py: two updates, no warm start.
-OVERRIDES = ["run.iterations=2", "run.eval_every=0", "rollout.groups_per_actor=2", "rollout.group_size=2",
+# The small run of test_system_e2e.py / test_train_interrupt.py, with more updates than it gets to do.
+OVERRIDES = ["run.iterations=1000", "run.eval_every=0", "rollout.groups_per_actor=2", "rollout.group_size=2",
              "learner.groups_per_batch=2", "env.max_steps=4", "env.num_generated_games=4",
-             "rollout.cpus_per_actor=0.25", "model.warm_start_steps=0"]
+             "rollout.cpus_per_actor=0.25", "model.warm_start_steps=0", "learner.checkpoint_every=1"]
 RUN_S = 840
 
 
@@ -216,27 +218,48 @@ def _descendants(pid: int) -> list[psutil.Process]:
         return []
 
 
+def _learner_process(pid: int) -> psutil.Process | None:
+    for p in _descendants(pid):
+        try:
+            if "LearnerWorker" in " ".join(p.cmdline()):
+                return p
+        except psutil.Error:
+            pass
+    return None
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_a_training_run_writes_the_password_nowhere(tmp_path):
+@pytest.mark.fault
+def test_a_training_run_that_loses_its_learner_writes_the_password_nowhere_and_says_how_to_resume(tmp_path):
+    """One real `gigpo train` (embedded Redis with a generated password), watched from outside: the password
+    is on no command line, in no process's environment, in no output or file of the run. After two
+    updates (each checkpointed) its learner's process is killed (a lost learner node does the same to the
+    driver: Ray reports the actor dead; deploy.system.System.lost_parts tells the two apart by whether the
+    node is still in the cluster, the code path is the same): the run ends with exit status 3 and, on stderr,
+    no traceback but three lines: which rank on which node was lost, the newest complete checkpoint, the
+    command that resumes."""
+    from learner.trainer import checkpoint_tags, is_complete_checkpoint, tag_update
+
     out = tmp_path / "run"
     # The command as a user runs it from the venv, without what the Makefile and env.sh set for the
     # project: the project sets its own environment.
     env = {k: v for k, v in os.environ.items() if k not in project_env(gpu_node=False) and k != PASSWORD_ENV}
-    command = [str(REPO / ".venv/bin/gigpo"), "train", "configs/embedded.yaml", f"run.output_dir={out}",
-               *OVERRIDES]
-    log = tmp_path / "train.log"
+    env.pop("RAY_ADDRESS", None)
+    overrides = [f"run.output_dir={out}", *OVERRIDES]
+    command = [str(REPO / ".venv/bin/gigpo"), "train", "configs/embedded.yaml", *overrides]
+    log, err = tmp_path / "train.log", tmp_path / "stderr.log"
     command_lines: set[str] = set()       # every process's argv seen while the run ran (all of the machine's)
     environments: set[str] = set()        # every NAME=value of the run's processes
     password = None
     status_code = None
-    with open(log, "wb") as log_file:
-        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL)
+    killed = False
+    with open(log, "wb") as log_file, open(err, "wb") as err_file:
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log_file, stderr=err_file,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             deadline = time.monotonic() + RUN_S
             while proc.poll() is None:
-                assert time.monotonic() < deadline, "the run did not end:\n" + log.read_text()[-4000:]
+                assert time.monotonic() < deadline, "the run did not end:\n" + err.read_text()[-4000:]
                 for p in psutil.process_iter(["cmdline"]):
                     if p.info["cmdline"]:
                         command_lines.add("\0".join(p.info["cmdline"]))
@@ -253,21 +276,39 @@ def test_a_training_run_writes_the_password_nowhere(tmp_path):
                     status_code = subprocess.run([str(REPO / ".venv/bin/gigpo"), "status", "--output-dir",
                                                   str(out)], cwd=REPO, env=env, capture_output=True,
                                                  timeout=60).returncode
+                metrics = out / "metrics.jsonl"
+                if not killed and metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+                    learner = _learner_process(proc.pid)
+                    if learner is not None:
+                        learner.kill()
+                        killed = True
                 time.sleep(0.3)
         finally:
             if proc.poll() is None:
-                proc.kill()
+                os.killpg(proc.pid, 9)
                 proc.wait()
-    output = log.read_text()
-    assert proc.returncode == 0, output[-4000:]
-    assert "trained 2 updates" in output, output[-4000:]
+    output, stderr = log.read_text(), err.read_text(errors="replace")
+    assert killed and proc.returncode == 3, stderr[-4000:]
     assert password and status_code == 0
     assert len(command_lines) > 10 and len(environments) > 10      # the watch saw the run's processes
     assert not [c for c in command_lines if password in c], "the password is on a command line"
     assert not [e for e in environments if password in e], "the password is in a process's environment"
-    assert password not in output
+    assert password not in output and password not in stderr
     assert _files_containing(out, password) == []
     ray_logs = (out / "logs" / "ray").resolve()         # this run's Ray session logs (linked by the run)
     assert ray_logs.is_dir() and any(ray_logs.iterdir())
     assert _files_containing(ray_logs.parent, password) == []
     assert not Path(job["redis_password_file"]).exists()     # the embedded Redis removed it when it stopped
+    # The lost learner, in three lines.
+    assert "Traceback" not in stderr and "learner close failed" not in stderr, stderr[-4000:]
+    lines = stderr.rstrip("\n").splitlines()
+    message = lines[[i for i, line in enumerate(lines) if line.startswith("gigpo: the run lost")][0]:]
+    assert len(message) == 3, message
+    assert re.fullmatch(rf"gigpo: the run lost learner rank 0 on node [0-9.]+ \({re.escape(socket.gethostname())}\): "
+                        r"its process died", message[0]), message
+    newest = [tag for tag in checkpoint_tags(out / "checkpoints") if is_complete_checkpoint(tag)][-1]
+    assert tag_update(newest.name) >= 2
+    assert message[1].startswith(f"newest complete checkpoint: {newest} (update {tag_update(newest.name)})"), message
+    assert message[2].startswith("resume with: ")
+    assert shlex.split(message[2].removeprefix("resume with: ")) == [
+        str(REPO / ".venv/bin/gigpo"), "train", "configs/embedded.yaml", *overrides, "run.resume=true"]

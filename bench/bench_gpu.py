@@ -1,0 +1,328 @@
+"""The GPU paths that run without vLLM or Ray: the learner's step with DeepSpeed on CUDA, the log-probs a
+GPU computes against a CPU's, and CUDA IPC and NCCL with torch alone.
+
+On a machine without CUDA it prints one line and exits 0 (`make bench` runs it everywhere). On a GPU
+node, before a first deployment (the model need not be downloaded: it is a random model of the named
+shape, built on the GPU):
+
+    .venv/bin/python bench/bench_gpu.py --shape qwen2.5-1.5b --out gpu.json
+
+Parts (each runs on its own; one that fails prints its error and the others go on):
+- learner: `learner.trainer.PolicyTrainer` (DeepSpeed ZeRO-`--zero-stage`, bf16, NCCL world of one, the
+  reference model on for the KL term as in the paper's configs) trains synthetic ALFWorld-shaped batches
+  with GiGPO advantages; median step time over `--steps` after one warm-up, tokens/s (every token of every
+  row, the log-prob recompute included), peak GPU memory against docs/deploy.md's arithmetic for ZeRO-2
+  on one GPU (2P bf16 weights + 14P master weights, gradients and AdamW moments + 2P reference = 18P bytes,
+  P parameters; activations on top).
+- logprobs: the response log-probs of the same rows by the same weights (SmolLM2-135M's shape, random
+  weights with a wider init so that the distributions are peaked as a trained model's are; the mean
+  log-prob is printed) on the CPU in fp32 (the reference), on the GPU in fp32 (TF32 off) and in bf16:
+  mean and max |delta| per token, share of tokens above 0.1 nat.
+- ipc: one process puts `--ipc-mb` of bf16 weights on the GPU; a second opens them through CUDA IPC
+  (torch.multiprocessing), copies them into its own memory and checks them bit for bit; time to open and
+  copy.
+- nccl: two processes broadcast `--ipc-mb` over NCCL. NCCL refuses two ranks on one GPU, so with one GPU
+  this part reports that refusal (the learner's NCCL world of one has run in the learner part).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+# Model shapes by name (Hugging Face config fields); random weights are enough for speed and memory.
+SHAPES = {
+    "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                         tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1e6),
+    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                       tie_word_embeddings=False, max_position_embeddings=32768, rope_theta=1e6),
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                         tie_word_embeddings=True, max_position_embeddings=8192, rope_theta=1e5),
+    "tiny": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=True,
+                 max_position_embeddings=4096),
+}
+RESULTS: dict = {}
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def build_model(shape: str, folder: str, *, dtype=torch.bfloat16, init_range: float = 0.02,
+                device: str = "cuda", seed: int = 0) -> int:
+    """A random model of `shape` saved into `folder` (safetensors); returns its parameter count."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(SHAPES[shape])
+    config = AutoConfig.for_model(fields.pop("model_type"), initializer_range=init_range, **fields)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(folder)
+    n = sum(p.numel() for p in model.parameters())
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return n
+
+
+def synthetic_batch(vocab: int, groups: int, group_size: int, seed: int, prompt=(600, 1200),
+                    response=(32, 256)):
+    from common.config import LearnerConfig
+    from learner.batching import build_batch
+    from tests.synthetic import synthetic_groups
+
+    cfg = LearnerConfig(groups_per_batch=groups)
+    gs = synthetic_groups(groups, group_size, vocab_size=vocab, seed=seed, max_steps=4,
+                          prompt_tokens=prompt, response_tokens=response)
+    return build_batch(gs, cfg), cfg
+
+
+def part_learner(args) -> None:
+    from common.config import LearnerConfig
+    from learner.batching import build_batch
+    from learner.trainer import PolicyTrainer
+    from tests.synthetic import synthetic_groups
+
+    with tempfile.TemporaryDirectory(prefix="bench-gpu-") as folder:
+        t0 = time.perf_counter()
+        params = build_model(args.shape, folder, device="cuda" if torch.cuda.is_available() else "cpu")
+        say(f"learner: random {args.shape} ({params / 1e9:.3f}B parameters) built and saved in "
+            f"{time.perf_counter() - t0:.1f} s")
+        cfg = LearnerConfig(zero_stage=args.zero_stage, kl_coef=0.01, groups_per_batch=args.groups,
+                            recompute_old_logprobs=True, micro_batch_tokens=args.micro_batch_tokens,
+                            offload=args.offload)
+        t0 = time.perf_counter()
+        trainer = PolicyTrainer(folder, cfg, dtype="auto")
+        say(f"learner: DeepSpeed ZeRO-{cfg.zero_stage} engine on {trainer.device} in "
+            f"{time.perf_counter() - t0:.1f} s")
+    vocab = SHAPES[args.shape]["vocab_size"]
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    steps = []
+    for i in range(args.steps + 1):
+        gs = synthetic_groups(args.groups, args.group_size, vocab_size=vocab, seed=i, max_steps=4,
+                              prompt_tokens=(600, 1200), response_tokens=(32, 256))
+        batch = build_batch(gs, cfg)
+        tokens = int(sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)))
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        metrics = trainer.train_step(batch, update=i)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        say(f"learner: step {i}{' (warm-up)' if i == 0 else ''}: {batch.num_rows} rows, {tokens} tokens, "
+            f"{dt:.2f} s, {tokens / dt:,.0f} tokens/s, loss {metrics.get('train/loss', float('nan')):.4f}")
+        if i:
+            steps.append((dt, tokens, batch.num_rows))
+    median = sorted(steps)[len(steps) // 2]
+    peak = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else float("nan")
+    arithmetic = 18 * params / 1e9
+    RESULTS["learner"] = {
+        "shape": args.shape, "params": params, "zero_stage": cfg.zero_stage, "kl_coef": cfg.kl_coef,
+        "offload": cfg.offload, "micro_batch_tokens": cfg.micro_batch_tokens,
+        "device": str(trainer.device), "step_s_median": median[0], "tokens": median[1], "rows": median[2],
+        "tokens_per_s": median[1] / median[0], "peak_gpu_gb": peak, "arithmetic_18P_gb": arithmetic,
+        "steps": steps}
+    say(f"learner: median step {median[0]:.2f} s on {median[1]} tokens ({median[1] / median[0]:,.0f} tokens/s); "
+        f"peak GPU memory {peak:.1f} GB against 18P = {arithmetic:.1f} GB of weights and optimizer state")
+    trainer.close()
+    del trainer
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _logprobs(model, batch, device, micro_batch_tokens: int = 8192) -> list[np.ndarray]:
+    from learner.batching import collate, plan_micro_batches
+    from learner.trainer import response_logprobs
+
+    out: dict[int, np.ndarray] = {}
+    plan = plan_micro_batches(batch, np.arange(batch.num_rows), micro_batch_tokens)
+    with torch.no_grad():
+        for rows in plan.per_rank[0]:
+            mb = collate(batch, rows)
+            logp, _ = response_logprobs(model, mb, 1.0, device)
+            splits = torch.split(logp.float().cpu(), [len(batch.response_ids[r]) for r in mb.rows])
+            out.update({int(r): s.numpy() for r, s in zip(mb.rows, splits)})
+    return [out[r] for r in range(batch.num_rows)]
+
+
+def part_logprobs(args) -> None:
+    from transformers import AutoModelForCausalLM
+
+    shape = args.logprob_shape
+    with tempfile.TemporaryDirectory(prefix="bench-gpu-lp-") as folder:
+        # A wider init than 0.02 gives peaked next-token distributions, as a trained model has (0.02 gives
+        # near-uniform ones, on which every kernel agrees trivially).
+        build_model(shape, folder, dtype=torch.float32, init_range=args.logprob_init, device="cpu")
+        batch, _ = synthetic_batch(SHAPES[shape]["vocab_size"], 2, 4, seed=7, prompt=(200, 400), response=(32, 96))
+        cpu = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        t0 = time.perf_counter()
+        ref = _logprobs(cpu, batch, "cpu")
+        say(f"logprobs: CPU fp32 over {batch.num_rows} rows in {time.perf_counter() - t0:.1f} s")
+        mean_logp = float(np.concatenate(ref).mean())
+        del cpu
+        got = {}
+        if torch.cuda.is_available():
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+            for name, dtype in (("gpu_fp32", torch.float32), ("gpu_bf16", torch.bfloat16)):
+                gpu = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to("cuda").eval()
+                got[name] = _logprobs(gpu, batch, "cuda")
+                del gpu
+                torch.cuda.empty_cache()
+    RESULTS["logprobs"] = {"shape": shape, "init_range": args.logprob_init, "rows": batch.num_rows,
+                           "tokens": int(sum(len(r) for r in ref)), "mean_logprob_cpu": mean_logp}
+    for name, rows in got.items():
+        d = np.abs(np.concatenate(rows) - np.concatenate(ref))
+        stats = {"mean": float(d.mean()), "max": float(d.max()), "share_above_0.1": float((d > 0.1).mean())}
+        RESULTS["logprobs"][name] = stats
+        say(f"logprobs: {name} vs CPU fp32: mean |delta| {stats['mean']:.2e}, max {stats['max']:.2e}, "
+            f"share > 0.1 nat {stats['share_above_0.1']:.3f} (mean log-prob of sampled tokens {mean_logp:.2f})")
+
+
+def _ipc_child(queue, done) -> None:
+    tensor, checksum = queue.get()           # opened through a CUDA IPC handle
+    t0 = time.perf_counter()
+    mine = tensor.clone()
+    torch.cuda.synchronize()
+    copy_s = time.perf_counter() - t0
+    same = bool(torch.equal(mine, tensor)) and float(mine.float().sum().item()) == checksum
+    done.put({"copy_s": copy_s, "same": same})
+    del tensor
+
+
+def part_ipc(args) -> None:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue, done = ctx.Queue(), ctx.Queue()
+    n = args.ipc_mb * 2 ** 20 // 2
+    weights = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    checksum = float(weights.float().sum().item())
+    child = ctx.Process(target=_ipc_child, args=(queue, done))
+    child.start()
+    t0 = time.perf_counter()
+    queue.put((weights, checksum))
+    result = done.get(timeout=120)
+    total_s = time.perf_counter() - t0
+    child.join(timeout=60)
+    gb = n * 2 / 1e9
+    RESULTS["ipc"] = {"mb": args.ipc_mb, "open_and_copy_s": total_s, "copy_s": result["copy_s"],
+                      "bit_identical": result["same"], "copy_gb_per_s": gb / result["copy_s"]}
+    say(f"ipc: {gb:.2f} GB of bf16 weights opened in a second process through CUDA IPC and copied: "
+        f"{total_s:.2f} s in all (process start included), copy {result['copy_s'] * 1e3:.1f} ms "
+        f"({gb / result['copy_s']:.0f} GB/s), bit-identical: {result['same']}")
+
+
+def _nccl_rank(rank: int, world: int, port: int, mb: int, done) -> None:
+    import torch.distributed as dist
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group("nccl", rank=rank, world_size=world)
+        buf = (torch.arange(mb * 2 ** 20 // 2, device="cuda", dtype=torch.float32) if rank == 0 else
+               torch.zeros(mb * 2 ** 20 // 2, device="cuda", dtype=torch.float32)).to(torch.bfloat16)
+        dist.broadcast(buf, 0)            # warm-up (communicator set-up)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dist.broadcast(buf, 0)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        ok = bool(buf[-1].item() == torch.tensor(mb * 2 ** 20 // 2 - 1, dtype=torch.float32).to(torch.bfloat16).item())
+        done.put({"rank": rank, "s": dt, "ok": ok})
+        dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001 - reported, not raised
+        done.put({"rank": rank, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"})
+
+
+def part_nccl(args) -> None:
+    import torch.multiprocessing as mp
+
+    from common.placement import free_port
+    ctx = mp.get_context("spawn")
+    done = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_nccl_rank, args=(r, 2, port, args.ipc_mb, done)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = []
+    for _ in procs:
+        try:
+            results.append(done.get(timeout=90))
+        except Exception:  # noqa: BLE001
+            results.append({"error": "no answer in 90 s"})
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    RESULTS["nccl"] = {"gpus": torch.cuda.device_count(), "mb": args.ipc_mb, "ranks": results}
+    say(f"nccl: two ranks on {torch.cuda.device_count()} GPU(s): {results}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="qwen2.5-1.5b", choices=sorted(SHAPES), help="learner part's model shape")
+    ap.add_argument("--zero-stage", type=int, default=2)
+    ap.add_argument("--groups", type=int, default=8, help="groups per learner batch")
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=3, help="timed learner steps (after one warm-up)")
+    ap.add_argument("--micro-batch-tokens", type=int, default=16384)
+    ap.add_argument("--offload", action="store_true", help="learner.offload: master weights and AdamW moments "
+                                                          "on the host (the GPU's peak is then activations, "
+                                                          "bf16 weights and gradients, the reference)")
+    ap.add_argument("--logprob-shape", default="smollm2-135m", choices=sorted(SHAPES))
+    ap.add_argument("--logprob-init", type=float, default=0.1, help="init std of the log-prob part's model")
+    ap.add_argument("--ipc-mb", type=int, default=1024, help="MB sent by CUDA IPC and by NCCL")
+    ap.add_argument("--parts", default="learner,logprobs,ipc,nccl")
+    ap.add_argument("--out", help="write the figures as JSON here")
+    ap.add_argument("--cpu", action="store_true", help="run the learner and log-prob parts without CUDA "
+                                                       "(a check of this script, not a measurement)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available() and not args.cpu:
+        print("bench_gpu: no CUDA device here: skipped (run it on a GPU node)")
+        return 0
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        RESULTS["device"] = {"name": props.name, "count": torch.cuda.device_count(), "torch": torch.__version__,
+                             "cuda": torch.version.cuda, "memory_gb": props.total_memory / 1e9}
+        say(f"device: {torch.cuda.device_count()} x {props.name} ({props.total_memory / 1e9:.0f} GB), "
+            f"torch {torch.__version__}, CUDA {torch.version.cuda}")
+    failed = []
+    for part in args.parts.split(","):
+        if not torch.cuda.is_available() and part in ("ipc", "nccl"):
+            continue
+        t0 = time.perf_counter()
+        try:
+            globals()[f"part_{part}"](args)
+        except Exception:  # noqa: BLE001 - one part's failure is a figure too
+            failed.append(part)
+            RESULTS[part] = {"error": traceback.format_exc(limit=6)}
+            say(f"{part}: FAILED\n{RESULTS[part]['error']}")
+        say(f"({part}: {time.perf_counter() - t0:.0f} s)")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(RESULTS, f, indent=1, default=str)
+    if failed:
+        print(f"bench_gpu: {', '.join(failed)} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

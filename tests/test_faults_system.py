@@ -23,7 +23,10 @@ from deploy.system import RunLost, System, lost_run_message
 pytestmark = [pytest.mark.slow, pytest.mark.fault, pytest.mark.timeout(1500)]
 
 OVERRIDES = [
-    "run.iterations=40",      # at most: the faults below end the run once they are all done
+    # The faults below end the run once they are all done (each of their waits has a deadline, and a missed
+    # one ends it too); a fixed number of updates could run out first: the tiny model updates every ~2 s
+    # while a second vLLM engine starts.
+    "run.iterations=100000",
     "run.eval_every=0", "model.warm_start_steps=0",
     "rollout.groups_per_actor=2", "rollout.group_size=2", "learner.groups_per_batch=2",
     "stream.max_stream_groups=4", "env.max_steps=4", "env.num_generated_games=4", "learner.checkpoint_every=0",

@@ -165,8 +165,9 @@ def in_system(updates: int) -> None:
             m = trainer.train_step(build_batch(groups, cfg.learner, invalid_action_penalty=0.1), update=i)
             if i:
                 bench.append(m["perf/tokens_per_s"])
+        # The process group stays for main()'s trainer: DeepSpeed keeps its groups cached, and a second
+        # engine after destroy_process_group fails ("Group ... is not registered").
         trainer.close()
-        teardown_distributed()
         with open(os.path.join(out, "metrics.jsonl")) as f:
             rows = [json.loads(line)["batch/rows"] for line in f]
     finally:

@@ -14,6 +14,9 @@ Parts (each runs on its own; one that fails prints its error and the others go o
   row, the log-prob recompute included), peak GPU memory against docs/deploy.md's arithmetic for ZeRO-2
   on one GPU (2P bf16 weights + 14P master weights, gradients and AdamW moments + 2P reference = 18P bytes,
   P parameters; activations on top).
+- push and resume (after the learner part, same engine): the weight push's learner side, `named_weights()`
+  written as safetensors buckets into /dev/shm (what the shm transfer does before vLLM loads them), and a
+  checkpoint save, one more update and a load, after which the log-probs must equal those at the save.
 - logprobs: the response log-probs of the same rows by the same weights (SmolLM2-135M's shape, random
   weights with a wider init so that the distributions are peaked as a trained model's are; the mean
   log-prob is printed) on the CPU in fp32 (the reference), on the GPU in fp32 (TF32 off) and in bf16:
@@ -104,7 +107,8 @@ def part_learner(args) -> None:
         params = build_model(args.shape, folder, device="cuda" if torch.cuda.is_available() else "cpu")
         say(f"learner: random {args.shape} ({params / 1e9:.3f}B parameters) built and saved in "
             f"{time.perf_counter() - t0:.1f} s")
-        cfg = LearnerConfig(zero_stage=args.zero_stage, kl_coef=0.01, groups_per_batch=args.groups,
+        # lr 1e-4: one update moves even the bf16 copy of the weights (the resume check needs a move).
+        cfg = LearnerConfig(zero_stage=args.zero_stage, kl_coef=0.01, groups_per_batch=args.groups, lr=1e-4,
                             recompute_old_logprobs=True, micro_batch_tokens=args.micro_batch_tokens,
                             offload=args.offload)
         t0 = time.perf_counter()
@@ -142,10 +146,42 @@ def part_learner(args) -> None:
         "steps": steps}
     say(f"learner: median step {median[0]:.2f} s on {median[1]} tokens ({median[1] / median[0]:,.0f} tokens/s); "
         f"peak GPU memory {peak:.1f} GB against 18P = {arithmetic:.1f} GB of weights and optimizer state")
+    part_push_and_resume(trainer, batch)
     trainer.close()
     del trainer
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def part_push_and_resume(trainer, batch) -> None:
+    """The weight push's learner side (`write_buckets` of `named_weights()`, as the shm transfer does,
+    into /dev/shm where there is one) and a checkpoint round trip: after save, one more update, and load,
+    the log-probs of the same rows are bit for bit those at the save."""
+    from common.weight_transfer import write_buckets
+
+    shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    with tempfile.TemporaryDirectory(dir=shm) as folder:
+        t0 = time.perf_counter()
+        files = write_buckets(trainer.named_weights(), folder, 512 * 2 ** 20)
+        push_s = time.perf_counter() - t0
+        nbytes = sum(os.path.getsize(f) for f in files)
+    small = batch
+    with tempfile.TemporaryDirectory(prefix="bench-gpu-ckpt-") as root:
+        t0 = time.perf_counter()
+        trainer.save_checkpoint(root, {"policy_version": trainer.updates})
+        save_s = time.perf_counter() - t0
+        saved = trainer.compute_logprobs(small)
+        trainer.train_step(small, update=trainer.updates)          # move the weights away from the save
+        moved = max(float(np.abs(a - b).max()) for a, b in zip(trainer.compute_logprobs(small), saved))
+        t0 = time.perf_counter()
+        trainer.load_checkpoint(root)
+        load_s = time.perf_counter() - t0
+        same = all(np.array_equal(a, b) for a, b in zip(trainer.compute_logprobs(small), saved))
+    RESULTS["push_and_resume"] = {"push_bytes": nbytes, "push_s": push_s, "save_s": save_s, "load_s": load_s,
+                                  "moved_by_update": moved, "logprobs_identical_after_load": same}
+    say(f"push: {nbytes / 1e9:.2f} GB of weights gathered and written as safetensors buckets in {push_s:.2f} s; "
+        f"checkpoint save {save_s:.1f} s, load {load_s:.1f} s; after an update that moved log-probs by "
+        f"{moved:.3f} nat, the loaded checkpoint gives the saved log-probs bit for bit: {same}")
 
 
 def _logprobs(model, batch, device, micro_batch_tokens: int = 8192) -> list[np.ndarray]:

@@ -84,23 +84,19 @@ def build_model(shape: str, folder: str, *, dtype=torch.bfloat16, init_range: fl
     return n
 
 
-def synthetic_batch(vocab: int, groups: int, group_size: int, seed: int, prompt=(600, 1200),
-                    response=(32, 256)):
-    from common.config import LearnerConfig
+def synthetic_batch(cfg, vocab: int, group_size: int, seed: int, prompt=(600, 1200), response=(32, 256)):
+    """A TrainBatch of cfg.groups_per_batch synthetic ALFWorld-shaped groups (GiGPO advantages by cfg)."""
     from learner.batching import build_batch
     from tests.synthetic import synthetic_groups
 
-    cfg = LearnerConfig(groups_per_batch=groups)
-    gs = synthetic_groups(groups, group_size, vocab_size=vocab, seed=seed, max_steps=4,
+    gs = synthetic_groups(cfg.groups_per_batch, group_size, vocab_size=vocab, seed=seed, max_steps=4,
                           prompt_tokens=prompt, response_tokens=response)
-    return build_batch(gs, cfg), cfg
+    return build_batch(gs, cfg)
 
 
 def part_learner(args) -> None:
     from common.config import LearnerConfig
-    from learner.batching import build_batch
     from learner.trainer import PolicyTrainer
-    from tests.synthetic import synthetic_groups
 
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as folder:
         t0 = time.perf_counter()
@@ -120,10 +116,8 @@ def part_learner(args) -> None:
         torch.cuda.reset_peak_memory_stats()
     steps = []
     for i in range(args.steps + 1):
-        gs = synthetic_groups(args.groups, args.group_size, vocab_size=vocab, seed=i, max_steps=4,
-                              prompt_tokens=(600, 1200), response_tokens=(32, 256))
-        batch = build_batch(gs, cfg)
-        tokens = int(sum(len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)))
+        batch = synthetic_batch(cfg, vocab, args.group_size, seed=i)
+        tokens = int(batch.row_lengths().sum())
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -202,12 +196,15 @@ def _logprobs(model, batch, device, micro_batch_tokens: int = 8192) -> list[np.n
 def part_logprobs(args) -> None:
     from transformers import AutoModelForCausalLM
 
+    from common.config import LearnerConfig
+
     shape = args.logprob_shape
     with tempfile.TemporaryDirectory(prefix="bench-gpu-lp-") as folder:
         # A wider init than 0.02 gives peaked next-token distributions, as a trained model has (0.02 gives
         # near-uniform ones, on which every kernel agrees trivially).
         build_model(shape, folder, dtype=torch.float32, init_range=args.logprob_init, device="cpu")
-        batch, _ = synthetic_batch(SHAPES[shape]["vocab_size"], 2, 4, seed=7, prompt=(200, 400), response=(32, 96))
+        batch = synthetic_batch(LearnerConfig(groups_per_batch=2), SHAPES[shape]["vocab_size"], 4, seed=7,
+                                prompt=(200, 400), response=(32, 96))
         cpu = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         t0 = time.perf_counter()
         ref = _logprobs(cpu, batch, "cpu")

@@ -253,11 +253,10 @@ def _remember_gauge(spec: MetricSpec, value: float, tags: dict[str, str]) -> Non
             _refresher.start()
 
 
-def refresh_gauges_once() -> int:
-    """Record every gauge of the current session again and forget those of earlier sessions; returns how
-    many were recorded (the refresher thread's one pass)."""
+def _refresh_once() -> None:
+    """Record every gauge of the current session again and forget those of earlier sessions."""
     if not _ray_active():
-        return 0
+        return
     session = _ray_session()
     with _LIVE_GAUGES_LOCK:
         for key in [k for k, (*_, seen) in _LIVE_GAUGES.items() if seen != session]:
@@ -268,13 +267,12 @@ def refresh_gauges_once() -> int:
             _ray_metric(spec).set(value, tags=tags)
         except Exception:  # noqa: BLE001 - a refresh must never take the process down
             pass
-    return len(live)
 
 
 def _refresh_gauges() -> None:
     while True:
         time.sleep(GAUGE_REFRESH_S)
-        refresh_gauges_once()
+        _refresh_once()
 
 
 def _ray_metric(spec: MetricSpec):

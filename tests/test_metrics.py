@@ -204,7 +204,7 @@ def test_a_gauge_holds_its_value_between_slow_updates(metrics_ray):
 # Run in a fresh interpreter: it starts two Ray sessions one after the other, as a notebook or a test suite
 # does; the module's own Ray (metrics_ray) stays out of it.
 _TWO_SESSIONS = """
-import shutil, sys, tempfile, time
+import shutil, tempfile, time
 import ray
 from common.metrics import ActorMetrics, exported_name, metrics_url, ray_init_metrics_options
 from tests.scrape import scrape
@@ -229,7 +229,11 @@ actor = Learner.remote(); ray.get(actor.set.remote())
 url, seen = metrics_url(), set()
 deadline = time.monotonic() + 30
 while time.monotonic() < deadline:
-    seen |= {(s.labels["actor_id"], s.value) for s in scrape(url) if s.name == exported_name("policy_version")}
+    try:
+        samples = scrape(url)
+    except OSError:      # the new session's metrics agent is not listening yet
+        samples = []
+    seen |= {(s.labels["actor_id"], s.value) for s in samples if s.name == exported_name("policy_version")}
     if ("actor-gauge", 2.0) in seen and time.monotonic() > deadline - 20:
         break      # 10 s and more after the new session began: several of the driver's refresh rounds
     time.sleep(0.5)

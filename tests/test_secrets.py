@@ -230,6 +230,7 @@ def _learner_process(pid: int) -> psutil.Process | None:
 
 @pytest.mark.slow
 @pytest.mark.fault
+@pytest.mark.timeout(900)
 def test_a_training_run_that_loses_its_learner_writes_the_password_nowhere_and_says_how_to_resume(tmp_path):
     """One real `gigpo train` (embedded Redis with a generated password), watched from outside: the password
     is on no command line, in no process's environment, in no output or file of the run. After two

@@ -573,21 +573,22 @@ def remove_made_weights_dirs() -> None:
 atexit.register(remove_made_weights_dirs)
 
 
-def stop_inference_actors(actors: list, timeout_s: float = 60.0) -> None:
+def stop_inference_actors(actors: list, timeout_s: float = 60.0, say=log.warning) -> None:
     """End inference actors for good: each engine's own shutdown first (it removes the shared memory the
     engine leaves), at most `timeout_s` for all of them, then `ray.kill`. An actor that has not answered by
     then (still starting its engine, or hung) is killed anyway; where its processes run below this one (a
-    local Ray), the /dev/shm files they mapped are removed once they are gone (~400 MB per engine)."""
+    local Ray), the /dev/shm files they mapped are removed once they are gone (~400 MB per engine).
+    say: how a failed or late shutdown is reported."""
     refs = [actor.shutdown.remote() for actor in actors]
     done, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
     for ref in done:
         try:
             ray.get(ref)
         except Exception as exc:  # noqa: BLE001 - a dead actor has no engine left to stop
-            log.warning("inference actor shutdown failed: %s", exc)
+            say("inference actor shutdown failed: %s", exc)
     held: set[str] = set()
     if late:
-        log.warning("%d inference actor(s) did not shut down within %.0f s: killed", len(late), timeout_s)
+        say("%d inference actor(s) did not shut down within %.0f s: killed", len(late), timeout_s)
         held = shm_cleanup.mapped_by(shm_cleanup.descendants(os.getpid()))
     for actor in actors:
         ray.kill(actor)

@@ -39,11 +39,16 @@ log = logging.getLogger("gigpo")
 
 LEARNER_CLOSE_S = 300    # a learner's close may save a checkpoint (of a large model: minutes)
 ROLLOUT_STOP_S = 30      # rollout actors told to stop without draining (they discard what is in flight)
+INFERENCE_STOP_S = 60    # inference actors told to shut down their engines, before they are killed
+LOST_STOP_S = 10         # either, after the run lost a part (lost_parts): their node may be gone with it
 ROLLOUT_TELL_S = 30      # rollout actors told of added or removed inference actors
 RATE_WINDOW = 8      # updates the progress bar's env steps/s is measured over
 WAIT_FOR_DATA_S = 10.0   # the learner's wait for a batch, between which the driver handles commands and status
 EVALS_FILE = "evals.jsonl"     # a training run's evaluations, one line each (System.evaluate)
-LOST_CHECK_S = 15.0      # how long the driver asks the learner's ranks whether they live, after a failure
+LOST_CHECK_S = 15.0      # how long the driver waits for a learner rank's answer whether it lives, after a failure
+LOST_DECIDE_S = 90.0     # ... and how long it asks again one that Ray calls unavailable (a node that stopped
+                         # answering is declared dead by Ray's health checks, 15-60 s by its defaults)
+LOST_ASK_AGAIN_S = 1.0
 EXIT_LOST = 3            # `gigpo train`'s exit status when the run lost a part it needs (RunLost)
 
 
@@ -314,15 +319,19 @@ class System:
 
         self._closing = True
 
+        # After a lost part, actors on a lost node wait for a restart that may never come: a short deadline.
+        stop_s = LOST_STOP_S if self._lost else ROLLOUT_STOP_S
+        inference_stop_s = LOST_STOP_S if self._lost else INFERENCE_STOP_S
+
         def stop_rollouts() -> None:
             self.scale_rollout(0, drain=False)
             # One deadline for all (an actor still waiting for CPUs never answers), then the rest is killed.
             refs = [stop_ref for _, stop_ref in self.retiring.values()]
             if refs:
-                ray.wait(refs, num_returns=len(refs), timeout=ROLLOUT_STOP_S)
+                ray.wait(refs, num_returns=len(refs), timeout=stop_s)
             self.reap_retired(timeout_s=0)
             for actor_id, (actor, _) in list(self.retiring.items()):
-                log.warning("rollout actor %s did not stop within %d s: killed", actor_id, ROLLOUT_STOP_S)
+                self._say_closing("rollout actor %s did not stop within %d s: killed", actor_id, stop_s)
                 ray.kill(actor)
                 del self.retiring[actor_id]
 
@@ -337,20 +346,19 @@ class System:
         steps = [("rollout actors", stop_rollouts), ("learners", self._close_learners),
                  ("inference actors", lambda: stop_inference_actors(
                      self.inference + [a for a, _ in self.inference_starting]
-                     + [entry[0] for entry in self.inference_retiring], timeout_s=60)),
+                     + [entry[0] for entry in self.inference_retiring], timeout_s=inference_stop_s,
+                     say=self._say_closing)),
                  # What killed engines noted in a weights directory of the config's; one made for this run
                  # goes with its notes.
                  ("engine shared memory", lambda: shm_cleanup.remove_noted_in(self.cfg.inference.weights_dir)),
                  ("weights directory", remove_made_weights_dirs),
                  ("tracker", lambda: self.tracker and self.tracker.close()), ("redis", stop_redis)]
-        # After a lost part (lost_parts), failures of the parts that needed it are expected: the log file has them.
-        say = log.info if self._lost else log.warning
         try:
             for name, step in steps:
                 try:
                     step()
                 except Exception as exc:  # noqa: BLE001 - the next parts must still be stopped
-                    say("closing %s failed: %s", name, exc)
+                    self._say_closing("closing %s failed: %s", name, exc)
             # What this run's processes still map (a local Ray's are all below this process), before Ray
             # ends them: what is left of it afterwards, nobody else could remove.
             held = shm_cleanup.mapped_by(shm_cleanup.descendants(os.getpid()))
@@ -364,6 +372,11 @@ class System:
             self.inference, self.learners, self.redis, self.tracker = [], [], None, None
             self.inference_starting, self.inference_retiring = [], []
             self._restore_signals()
+
+    def _say_closing(self, msg: str, *args) -> None:
+        """A part that failed to stop: a warning, but only a line in the log file after a lost part
+        (lost_parts), when the parts that needed it are expected to fail."""
+        (log.info if self._lost else log.warning)(msg, *args)
 
     def _close_learners(self) -> None:
         if self._learner_lost:
@@ -379,7 +392,7 @@ class System:
                 ray.get(ref)
             except Exception as exc:  # noqa: BLE001 - a dead learner has nothing left to save
                 # (After a lost Redis: expected, its checkpoint is written before the acks that fail.)
-                (log.info if self._lost else log.warning)("learner close failed: %s", exc)
+                self._say_closing("learner close failed: %s", exc)
         if late:
             log.warning("%d learner(s) did not close within %d s", len(late), LEARNER_CLOSE_S)
         for worker in self.learners:
@@ -436,29 +449,48 @@ class System:
         if self._lost:
             raise RunLost(self._lost, str(self.out), learner_node) from exc
 
-    def lost_parts(self, timeout_s: float = LOST_CHECK_S) -> list[str]:
+    def lost_parts(self, timeout_s: float = LOST_CHECK_S, decide_s: float = LOST_DECIDE_S) -> list[str]:
         """What the run cannot go on without and has lost, one line each ([]: nothing): a learner rank whose
         actor Ray reports dead (its process died, or its node left the cluster: said which, with the node),
         the embedded Redis (its process ended) or the configured one (it does not answer). A rank that does
-        not answer within timeout_s (busy in a collective with a dead one, or hung) is not counted."""
+        not answer within timeout_s (busy in a collective with a dead one, or hung) is not counted; one that
+        Ray calls unavailable (its node stopped answering and Ray's health checks have not yet declared it
+        dead) is asked again until Ray decides, for up to decide_s."""
         from common.placement import alive_nodes
         lost = []
         if self.learners and ray.is_initialized():
-            pings = [worker.node.remote() for worker in self.learners]
-            ready, _ = ray.wait(pings, num_returns=len(pings), timeout=timeout_s)
             nodes = getattr(self.learners, "nodes", None) or [None] * len(self.learners)
-            alive = {node["node_id"] for node in alive_nodes()}
-            for rank, ping in enumerate(pings):
-                if ping not in ready:
-                    continue
-                try:
-                    ray.get(ping)
-                except ray.exceptions.RayActorError as exc:
-                    gone = nodes[rank] is not None and nodes[rank]["node_id"] not in alive
-                    if gone or isinstance(exc, ray.exceptions.ActorDiedError):
-                        lost.append(f"learner rank {rank} on node {node_label(nodes[rank])}: "
-                                    + ("the node is gone (it left the Ray cluster)" if gone else "its process died"))
-                        self._learner_lost = True
+            start = time.monotonic()
+            pings = {rank: (worker.node.remote(), start) for rank, worker in enumerate(self.learners)}
+
+            def say_lost(rank: int, gone: bool) -> None:
+                lost.append(f"learner rank {rank} on node {node_label(nodes[rank])}: "
+                            + ("the node is gone (it left the Ray cluster)" if gone else "its process died"))
+                self._learner_lost = True
+
+            def node_gone(rank: int, alive: set) -> bool:
+                return nodes[rank] is not None and nodes[rank]["node_id"] not in alive
+
+            while pings:
+                refs = [ping for ping, _ in pings.values()]
+                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=LOST_ASK_AGAIN_S)
+                alive, now = {node["node_id"] for node in alive_nodes()}, time.monotonic()
+                for rank, (ping, asked) in list(pings.items()):
+                    if ping not in ready:
+                        if now - asked >= timeout_s or now - start >= decide_s:
+                            del pings[rank]     # no answer: busy, or on a node Ray has not yet declared dead
+                            if node_gone(rank, alive):
+                                say_lost(rank, gone=True)
+                        continue
+                    del pings[rank]
+                    try:
+                        ray.get(ping)
+                    except ray.exceptions.RayActorError as exc:
+                        if node_gone(rank, alive) or isinstance(exc, ray.exceptions.ActorDiedError):
+                            say_lost(rank, gone=node_gone(rank, alive))
+                        elif now - start < decide_s:        # unavailable: Ray has not decided yet
+                            time.sleep(LOST_ASK_AGAIN_S)
+                            pings[rank] = (self.learners[rank].node.remote(), time.monotonic())
         if self.redis is not None:
             if not self.redis.running:
                 lost.append(f"its embedded Redis (the trajectory stream and the control channel; redis-server pid "
@@ -508,7 +540,7 @@ class System:
                 self._rollout_totals[actor_id] = ray.get(stop_ref)
                 ray.get(actor.close.remote(), timeout=60)
             except Exception as exc:
-                log.warning("rollout actor %s did not stop cleanly: %s", actor_id, exc)
+                self._say_closing("rollout actor %s did not stop cleanly: %s", actor_id, exc)
             ray.kill(actor)
 
     # -- inference actors: `gigpo scale --inference` ---------------------------------------------------
@@ -607,7 +639,7 @@ class System:
                 if not idle:
                     log.warning("a removed inference actor still held requests after inference.generate_timeout_s: "
                                 "stopped; the rollout actors retry them on the others")
-                stop_inference_actors([actor], timeout_s=60)
+                stop_inference_actors([actor], timeout_s=INFERENCE_STOP_S)
                 self.inference_retiring.remove(entry)
 
     def rollout_stats(self) -> dict:

@@ -6,7 +6,8 @@ worker with its own /dev/shm and /tmp), and training runs placed across them.
 - the learner on the head, inference and rollout actors on the worker, weights pushed by the `collective`
   transfer (gloo), the embedded Redis: `gigpo train` run on the head;
 - docs/deploy.md's layout: a head with no CPUs runs only the driver, every role on the worker, submitted
-  with the `ray job submit` command exactly as docs/deploy.md writes it.
+  with the `ray job submit` command exactly as docs/deploy.md writes it; then the worker, the learner's
+  node, is lost and the job ends as docs/deploy.md says.
 
 `pytest -m multinode` runs these alone. They need root (namespaces); elsewhere they skip, saying why.
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from deploy.system import EXIT_LOST
 from tests.multinode import (REPO, VENV_BIN, head_start_argv, namespaces_unavailable, two_node_cluster,
                              worker_binds, worker_private_argv, worker_sees_head_path, worker_shared_paths,
                              worker_start_argv)
@@ -307,25 +309,69 @@ def test_learner_on_head_rollout_and_inference_on_worker_which_is_lost_and_comes
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_documented_layout_submitted_with_ray_job_submit(namespaces, tmp_path):
+@pytest.mark.fault
+def test_documented_layout_submitted_with_ray_job_submit_ends_in_three_lines_when_its_node_is_lost(
+        namespaces, tmp_path):
     """The head offers no CPUs and runs only the job's driver; learner, inference and rollout all run on the
     worker, where the learner finds its rendezvous on its own node. Submitted with docs/deploy.md's
     `ray job submit` command as written (from the checkout, the doc's run.output_dir replaced by this
-    test's): the job's environment is what the head's Ray gives it, nothing from env.sh or make."""
+    test's, run.iterations raised so that the run is still going when its node goes): the job's environment
+    is what the head's Ray gives it, nothing from env.sh or make.
+
+    After the second update the worker, and with it learner rank 0, is lost (every process SIGKILLed, its
+    /tmp gone: a reclaimed spot node). The job ends as docs/deploy.md ("When the learner's node is lost")
+    says: `gigpo train`'s exit status 3 and three lines, no traceback: the rank and the node it was on, that
+    no checkpoint is on the driver's node (the learner wrote its own on the lost node: the doc's layout has
+    no shared filesystem), and the command that resumes."""
     submit = doc_layout("all-on-worker", head_cpus=0, worker_cpus=4)
+    assert "run.iterations=2" in submit
+    submit = ["run.iterations=1000" if arg == "run.iterations=2" else arg for arg in submit]
     run_dir, worker_logs = tmp_path / "run", tmp_path / "worker-run-logs"
+    metrics_path = run_dir / "metrics.jsonl"
     t0 = time.monotonic()
     with two_node_cluster(head_cpus=0, worker_cpus=4, keep_logs=tmp_path / "logs") as cluster:
         t_up = time.monotonic() - t0
-        done = cluster.run_on_head(in_run_dir(submit, run_dir), timeout_s=720)
-        t_run = time.monotonic() - t0 - t_up
-        if cluster.worker_can_see(run_dir / "logs"):
-            cluster.copy_worker_dir(str(run_dir / "logs"), worker_logs)
-    print(f"two nodes up in {t_up:.0f} s, the job took {t_run:.0f} s, all {time.monotonic() - t0:.0f} s")
-    assert done.returncode == 0, _show(done.stdout, done.stderr)
-    assert "succeeded" in done.stdout, _show(done.stdout, done.stderr)
-    assert [m["step"] for m in _run_metrics(run_dir)] == [1, 2]
+        job = cluster.popen_on_head(in_run_dir(submit, run_dir), stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 480
+        while not (metrics_path.is_file() and len(metrics_path.read_text().splitlines()) >= 2):
+            assert job.poll() is None, job.stdout.read()[-6000:]
+            assert time.monotonic() < deadline, "two updates not done in 480 s"
+            time.sleep(0.5)
+        # What the worker's actors wrote, before the node (and its /tmp) goes.
+        worker_saw_run_dir = cluster.worker_can_see(run_dir / "logs")
+        cluster.copy_worker_dir(str(run_dir / "logs"), worker_logs)
+        cluster.lose_worker()
+        t_lost = time.monotonic()
+        try:
+            out, _ = job.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            job.kill()
+            out, _ = job.communicate()
+            raise AssertionError(f"the job did not end within 300 s of its node's loss:\n{out[-6000:]}")
+        t_end = time.monotonic() - t_lost
+    print(f"two nodes up in {t_up:.0f} s, the job ended {t_end:.0f} s after its node was lost, "
+          f"all {time.monotonic() - t0:.0f} s")
+    assert job.returncode != 0 and "failed" in out, out[-6000:]
+    assert worker_saw_run_dir
     # Every actor writes its log file on the node it runs on: all three roles ran on the worker, none on
     # the head, whose copy of the run holds the driver's log only.
     assert {"learner-0.log", "inference-0.log", "rollout-0.log"} <= {p.name for p in worker_logs.glob("*.log")}
     assert {p.name for p in (run_dir / "logs").glob("*.log")} == {"driver.log"}
+    assert [m["step"] for m in _run_metrics(run_dir)][:2] == [1, 2]
+    # The lost node, in three lines, no traceback and no warning of the parts that needed it (`ray job
+    # submit` shows the job's output, says it failed with gigpo's exit status, then repeats its last lines).
+    assert "Traceback" not in out and "WARNING" not in out, out[-6000:]
+    assert f"failed with exit code {EXIT_LOST}" in out, out[-3000:]
+    lines = out.splitlines()
+    first = [i for i, line in enumerate(lines) if line.startswith("gigpo: the run lost")]
+    assert first, out[-6000:]
+    message = lines[first[0]:first[0] + 3]
+    assert re.fullmatch(rf"gigpo: the run lost learner rank 0 on node {re.escape(WORKER_IP)} \(.+\): "
+                        r"the node is gone \(it left the Ray cluster\)", message[0]), message
+    node = message[0].split(" on node ", 1)[1].split(": ", 1)[0]       # "10.250.0.2 (hostname)"
+    assert message[1] == (f"no complete checkpoint in {run_dir / 'checkpoints'} on this node (learner rank 0 "
+                          f"wrote its checkpoints on its own node, {node}: there, unless a filesystem both nodes "
+                          "mount holds run.output_dir): a resumed run starts from update 0"), message
+    gigpo_train = in_run_dir(submit, run_dir)[submit.index("--") + 1:]
+    assert shlex.split(message[2].removeprefix("resume with: ")) == [*gigpo_train, "run.resume=true"], message

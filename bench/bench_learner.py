@@ -21,7 +21,8 @@ Figures:
   initial model), its per-update tokens/s (`perf/tokens_per_s`: every token of every row, the log-prob
   recompute included) against this bench's own figure for the same groups, captured off the Redis stream as
   the rollout actors publish them and trained again here, in the same order and batch size, with the
-  threads the learner runs (common.cpu_placement.compute_threads). Target (issue 31): ratio >= 0.9.
+  threads the learner runs (common.cpu_placement.compute_threads), and again with one thread (how much of
+  one core's worth the learner gets beside the run's rollout side). Target (issue 31): ratio >= 0.9.
 
 Runs in < ~3 minutes on a 2-core machine (+ ~4 minutes for the system part).
 """
@@ -138,7 +139,7 @@ def in_system(updates: int) -> None:
     import shutil
 
     from common.config import load_config
-    from common.cpu_placement import compute_threads, use_compute_threads
+    from common.cpu_placement import compute_threads
     from common.stream import stream_key
     from deploy.system import System
 
@@ -156,29 +157,48 @@ def in_system(updates: int) -> None:
                 tap.close()
             model_path = system.model_path
         in_run = [m["perf/tokens_per_s"] for m in history[1:]]       # the first update warms up
-        use_compute_threads(compute_threads(cfg.run.learner_cpus))
-        trainer = PolicyTrainer(model_path, cfg.learner, dtype=cfg.model.dtype, seed=cfg.run.seed,
-                                temperature=cfg.rollout.temperature)
-        bench, size = [], cfg.learner.groups_per_batch
+        size = cfg.learner.groups_per_batch
         batches = [tap.groups[i:i + size] for i in range(0, len(tap.groups) - size + 1, size)][:len(history)]
-        for i, groups in enumerate(batches):
-            m = trainer.train_step(build_batch(groups, cfg.learner, invalid_action_penalty=0.1), update=i)
-            if i:
-                bench.append(m["perf/tokens_per_s"])
-        # The process group stays for main()'s trainer: DeepSpeed keeps its groups cached, and a second
-        # engine after destroy_process_group fails ("Group ... is not registered").
-        trainer.close()
+        threads = compute_threads(cfg.run.learner_cpus)
+        alone = {n: train_alone(model_path, cfg, batches, n) for n in sorted({threads, 1}, reverse=True)}
         with open(os.path.join(out, "metrics.jsonl")) as f:
             rows = [json.loads(line)["batch/rows"] for line in f]
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    ratio = float(np.median(in_run)) / float(np.median(bench))
-    print(f"learner in a real run (configs/embedded.yaml, async, {torch.get_num_threads()} torch threads, "
-          f"{len(in_run)} updates after a warm-up, ~{np.mean(rows):.0f} rows each): "
-          f"{np.median(in_run):.0f} tokens/s (per update: {' '.join(f'{v:.0f}' for v in in_run)})")
-    print(f"this bench on the same groups:    {np.median(bench):.0f} tokens/s (per update: "
-          f"{' '.join(f'{v:.0f}' for v in bench)})")
-    print(f"in the run / on the bench         {ratio:.2f}  (target >= 0.9)")
+
+    def per_update(values: list[float]) -> str:
+        return " ".join(f"{v:.0f}" for v in values)
+
+    print(f"learner in a real run (configs/embedded.yaml, async, {threads} torch threads, {len(in_run)} updates "
+          f"after a warm-up, ~{np.mean(rows):.0f} rows each): {np.median(in_run):.0f} tokens/s "
+          f"(per update: {per_update(in_run)})")
+    for n, rates in alone.items():
+        print(f"this bench on the same groups, alone, {n} thread(s): {np.median(rates):.0f} tokens/s "
+              f"(per update: {per_update(rates)})")
+    print(f"in the run / on the bench ({threads} threads)   {np.median(in_run) / np.median(alone[threads]):.2f}  "
+          f"(target >= 0.9)")
+    if threads > 1:
+        # The run's rollout side (vLLM, env workers) keeps the other cores busy while the learner trains:
+        # against one thread alone this says how much of one core's worth the learner gets.
+        print(f"in the run / on the bench (1 thread)    {np.median(in_run) / np.median(alone[1]):.2f}")
+
+
+def train_alone(model_path: str, cfg, batches: list, threads: int) -> list[float]:
+    """Tokens/s of a fresh learner (the run's config and initial model) training `batches` in order with
+    `threads` torch threads, nothing else running; the first update warms up and is left out."""
+    from common.cpu_placement import use_compute_threads
+    use_compute_threads(threads)
+    trainer = PolicyTrainer(model_path, cfg.learner, dtype=cfg.model.dtype, seed=cfg.run.seed,
+                            temperature=cfg.rollout.temperature)
+    rates = []
+    for i, groups in enumerate(batches):
+        m = trainer.train_step(build_batch(groups, cfg.learner, invalid_action_penalty=0.1), update=i)
+        if i:
+            rates.append(m["perf/tokens_per_s"])
+    # The process group stays for the next trainer: DeepSpeed keeps its groups cached, and a second
+    # engine after destroy_process_group fails ("Group ... is not registered").
+    trainer.close()
+    return rates
 
 
 def main() -> None:

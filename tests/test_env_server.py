@@ -54,6 +54,7 @@ def test_env_errors_are_per_instance_and_nothing_raises(pool):
     assert pool.step_batch([(0, "flap wings")])[0].report.observation == "Nothing happens."
 
 
+@pytest.mark.fault
 def test_killed_worker_is_restarted_and_reported(pool):
     task = pool.task_ids("train")[1]
     pool.reset_batch([(i, task, 0) for i in range(4)])
@@ -71,6 +72,7 @@ def test_killed_worker_is_restarted_and_reported(pool):
     assert all(r.error is None for r in pool.step_batch([(i, "look") for i in range(4)]))
 
 
+@pytest.mark.fault
 def test_hung_worker_times_out_and_is_restarted(pool):
     task = pool.task_ids("train")[1]
     pool.reset_batch([(i, task, 0) for i in range(4)])

@@ -307,6 +307,7 @@ def test_two_learner_processes_agree_with_one(tiny_model_path, one_process_stage
     _assert_same_update(one, two, one["row_sums"], terms=one["rows"])
 
 
+@pytest.mark.fault
 def test_killed_learner_resumes_without_duplicate_or_gap(tiny_model_path, tmp_path, redis_url):
     from common.stream import TrajectoryStream
     from learner.loop import Learner

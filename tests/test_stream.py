@@ -149,6 +149,7 @@ def test_groups_in_flight_are_not_handed_out_twice(source):
     assert stream.depth() == 0
 
 
+@pytest.mark.fault
 def test_malformed_entries_go_to_dead_letter_and_consumer_keeps_going(redis_server, cfg):
     stream = TrajectoryStream(redis_server.url, cfg)
     r = connect(redis_server.url)
@@ -271,6 +272,7 @@ def test_concurrent_producers_never_overshoot_the_bound(redis_server, cfg):
     assert depths[0] == 3 and max(depths) <= 3
 
 
+@pytest.mark.fault
 def test_a_producer_that_dies_after_reserving_frees_its_slot(redis_server, cfg, monkeypatch):
     import common.stream as stream_module
     monkeypatch.setattr(stream_module, "_RESERVATION_TTL_S", 0.5)
@@ -323,6 +325,7 @@ time.sleep(120)   # "training": killed with SIGKILL before it acks
 """
 
 
+@pytest.mark.fault
 def test_consumer_killed_before_ack_groups_trained_exactly_once(redis_server, cfg):
     producer = TrajectoryStream(redis_server.url, cfg, consumer_name="producer")
     for i in range(6):

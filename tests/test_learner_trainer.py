@@ -55,25 +55,39 @@ def _run_ranks(args: list[str], port: int, world: int = 2, timeout_s: float = 30
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
 
 
-def _reference_loss(model_path: str, batch, s: LearnerConfig) -> tuple[float, float]:
-    """Token-mean loss (PPO dual clip + k3 KL to the same initial weights + entropy bonus) with plain
-    transformers, one row at a time."""
+def _reference_loss(model_path: str, batch, s: LearnerConfig, weights: dict | None = None) -> tuple[float, float]:
+    """Token-mean loss (PPO dual clip + k3 KL to the initial weights + entropy bonus) with plain
+    transformers, one row at a time, in float64 from the logits on. weights: the policy's (by name), where
+    it has moved away from the initial weights (the reference); else the initial ones."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    model = reference
+    if weights is not None:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        missing, _ = model.load_state_dict(weights, strict=False)
+        assert set(missing) <= {"lm_head.weight"}, missing         # tied to the embedding, named once
+
+    def logits_of(net, p, r):
+        ids = torch.tensor(np.concatenate([p, r]), dtype=torch.long)[None]
+        return net(input_ids=ids).logits[0, len(p) - 1:len(p) + len(r) - 1].double()
+
+    def logprobs(logits, r):
+        return logits[torch.arange(len(r)), torch.tensor(r, dtype=torch.long)] - torch.logsumexp(logits, -1)
+
     total, ent_total, count = 0.0, 0.0, 0
     with torch.no_grad():
         for p, r, old, a in zip(batch.prompt_ids, batch.response_ids, batch.old_logprobs, batch.advantages):
-            ids = torch.tensor(np.concatenate([p, r]), dtype=torch.long)[None]
-            logits = model(input_ids=ids).logits[0, len(p) - 1:len(p) + len(r) - 1].double()
+            logits = logits_of(model, p, r)
             logz = torch.logsumexp(logits, -1)
-            lp = logits[torch.arange(len(r)), torch.tensor(r, dtype=torch.long)] - logz
+            lp = logprobs(logits, r)
             ent = logz - (torch.softmax(logits, -1) * logits).sum(-1)
             ratio = torch.exp(lp - torch.tensor(old, dtype=torch.float64))
             pg = torch.maximum(-a * ratio, -a * ratio.clamp(1 - s.clip_ratio, 1 + s.clip_ratio))
             if a < 0:
                 pg = torch.minimum(pg, torch.full_like(pg, -s.dual_clip * a))
-            kl = torch.zeros_like(lp)          # policy == reference before the first update: k3 = 0
+            log_ratio = logprobs(logits_of(reference, p, r), r) - lp     # k3, clamped as the paper's code
+            kl = torch.clamp(torch.exp(log_ratio) - log_ratio - 1.0, -10.0, 10.0)
             total += float((pg + s.kl_coef * kl - s.entropy_coef * ent).sum())
             ent_total += float(ent.sum())
             count += len(r)
@@ -99,6 +113,26 @@ def test_loss_on_fixed_batch_equals_plain_torch(tiny_model_path, fixed_batch):
     assert m["train/entropy"] == pytest.approx(entropy, rel=1e-5)
     assert 0 < m["train/clip_frac"] < 1           # random behaviour log-probs: the clip is active
     assert m["train/response_tokens"] == fixed_batch.response_lengths().sum()
+
+
+def test_the_kl_term_weighs_into_the_loss_as_in_plain_torch(tiny_model_path, fixed_batch):
+    """learner.kl_coef > 0 once the policy has moved from the reference (one update at a large learning
+    rate): the second update's loss is plain torch's PPO loss + kl_coef x the k3 KL to the initial model.
+    The KL term is ~1e3 times the tolerance (float32 learner against a float64 reference from the same
+    float32 logits: ~1e-6 relative), so a wrong weight or a missing term fails."""
+    cfg = LearnerConfig(zero_stage=2, mini_batch_rows=1024, micro_batch_tokens=300, lr=1e-2, kl_coef=0.5)
+    trainer = PolicyTrainer(tiny_model_path, cfg, dtype="float32")
+    try:
+        trainer.train_step(fixed_batch, update=0)
+        weights = {name: t.detach().clone() for name, t in trainer.named_weights()}
+        m = trainer.train_step(fixed_batch, update=1)
+    finally:
+        trainer.close()
+    loss, _ = _reference_loss(tiny_model_path, fixed_batch, cfg, weights=weights)
+    without_kl, _ = _reference_loss(tiny_model_path, fixed_batch, LearnerConfig(**{**cfg.__dict__, "kl_coef": 0.0}),
+                                    weights=weights)
+    assert m["train/kl"] > 0 and abs(loss - without_kl) > 1e3 * 1e-5 * abs(loss), (m["train/kl"], loss, without_kl)
+    assert m["train/loss"] == pytest.approx(loss, rel=1e-5, abs=1e-6)
 
 
 def test_update_moves_logprobs_with_the_sign_of_the_advantage(tiny_model_path):

@@ -4,7 +4,6 @@ the Prometheus endpoint of the local Ray: every declared metric is served, by th
 it, with values that follow from what the run did (one system start serves both checks)."""
 import hashlib
 import json
-import math
 import os
 import time
 from pathlib import Path
@@ -70,7 +69,7 @@ def test_two_iterations_of_the_full_system(tmp_path, monkeypatch):
         assert not system.retiring
         stats = system.rollout_stats()
         assert len(system.rollouts) == 1 and stats.get("groups_discarded", 0) == 0
-        check_metrics_endpoint(system)     # (the evaluation above fed the driver's eval success rate)
+        check_metrics_endpoint(system, history)     # (the evaluation above fed the driver's eval success rate)
     run = tmp_path / "run"
     # Each actor has its own log file (vLLM's, DeepSpeed's and the env engines' output go there).
     for name in ("inference-0", "learner-0", "rollout-0", "rollout-1", "eval"):
@@ -144,8 +143,9 @@ def _scrape_ours(url: str) -> dict[str, list]:
     return out
 
 
-def check_metrics_endpoint(system) -> None:
-    """Every declared metric is scraped from the node's metrics agent, from the kind that owns it."""
+def check_metrics_endpoint(system, history: list[dict]) -> None:
+    """Every declared metric is scraped from the node's metrics agent, from the kind that owns it; the
+    learner's gauges hold the last update's figures and its drop counters the stream's counts."""
     url = metrics_url()
     want = {spec.exported_name + ("_count" if spec.type == "histogram" else "") for spec in METRICS.values()}
     deadline = time.monotonic() + 30        # workers report every second (ray_init_metrics_options)
@@ -175,9 +175,21 @@ def check_metrics_endpoint(system) -> None:
     assert sum(series("episodes")) >= 8                            # 4 groups x 2 trajectories at least
     for phase in ("wait_data", "train", "push_weights"):
         assert sum(series("learner_seconds", phase=phase)) > 0, phase
-    for reason in ("stale", "duplicate", "dead_letter", "dynamic_sampling"):
-        assert min(series("groups_dropped", reason=reason)) >= 0   # exported from the start, 0 or more
-    assert min(series("env_errors")) >= 0 and min(series("env_restarts")) >= 0
+    # The learner sets each of its gauges from the update's metrics (MetricSpec.update_key), and counts the
+    # stream's drops from the stream's own running totals: the scrape shows exactly the last update's
+    # figures (Prometheus' text carries float64, as Ray's pipeline does: no rounding to allow for).
+    last = history[-1]
+    for spec in METRICS.values():
+        for labels, key in spec.update_keys:
+            if key == "eval/success":       # the driver's, from the evaluation above
+                continue
+            if spec.type == "gauge" and "learner" in spec.recorded_by:
+                assert series(spec.name, kind="learner", **labels) == [last[key]], (spec.name, labels, key)
+            elif spec.name == "groups_dropped" and key.startswith("stream/"):
+                assert series(spec.name, **labels) == [last[key]], (spec.name, labels, key)
+    assert min(series("groups_dropped", reason="dynamic_sampling")) >= 0   # exported from the start
+    # Nothing broke: no env instance failed or was restarted (exported from the start, as zeros).
+    assert set(series("env_errors")) == {0.0} and set(series("env_restarts")) == {0.0}
     assert min(series("rollout_weight_wait_seconds")) >= 0
     assert sum(series("generate_seconds", "_count")) > 0
     assert min(series("inference_queue_depth")) >= 0
@@ -188,8 +200,4 @@ def check_metrics_endpoint(system) -> None:
     assert series("stream_depth")[0] >= 0 and series("stream_lag_seconds")[0] >= 0
     for split in ("train", "eval"):
         assert all(0 <= v <= 1 for v in series("success_rate", split=split)), split
-    for name in ("anchor_singleton_share", "anchor_large_share", "step_adv_nonzero_share"):
-        assert 0 <= series(name)[0] <= 1, name
-    assert series("anchor_mean_size")[0] >= 1
-    assert math.isfinite(series("learner_loss")[0])
-    assert series("learner_kl")[0] >= 0 and series("learner_entropy")[0] >= 0
+    assert 0 < series("learner_kl")[0] and 0 < series("learner_entropy")[0]   # learner.kl_coef > 0, sampled

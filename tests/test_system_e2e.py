@@ -200,4 +200,4 @@ def check_metrics_endpoint(system, history: list[dict]) -> None:
     assert series("stream_depth")[0] >= 0 and series("stream_lag_seconds")[0] >= 0
     for split in ("train", "eval"):
         assert all(0 <= v <= 1 for v in series("success_rate", split=split)), split
-    assert 0 < series("learner_kl")[0] and 0 < series("learner_entropy")[0]   # learner.kl_coef > 0, sampled
+    assert series("learner_entropy")[0] > 0       # sampled at temperature 1 from a softmax: never 0

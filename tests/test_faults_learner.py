@@ -7,6 +7,7 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from common.tiny_model import build_tiny_model
@@ -208,24 +209,30 @@ def test_run_id_is_new_for_a_fresh_run_and_kept_on_resume(tmp_path):
 
 
 @pytest.mark.fault
-def test_a_poison_group_is_dead_lettered_and_the_rest_of_its_batch_trains(model_path, tmp_path, redis_url):
-    """A group with token ids past the vocabulary (it would crash the forward pass, and after every restart
-    again) is dead-lettered with its reason on read; the good groups read with it are trained."""
+def test_poison_groups_are_dead_lettered_and_the_rest_of_their_batch_trains(model_path, tmp_path, redis_url):
+    """Groups the learner cannot train on, each published as a producer with a bug would (the stream's
+    publish checks the layout, not the values): token ids past the vocabulary (they would crash the forward
+    pass, and after every restart again), a NaN log-prob, a positive log-prob. Each is dead-lettered with
+    its reason on read and counted; the good groups read between them are trained, and nothing is left."""
     import uuid
 
     from common.stream import TrajectoryStream
     cfg = learner_worker.learner_experiment(f"test:{uuid.uuid4().hex[:8]}")     # 2 groups per batch
     learner = Learner(cfg, model_path, redis_url, checkpoint_dir="")
-    groups = synthetic_groups(3, 2, vocab_size=200, seed=5, max_steps=2)
-    poison = groups[0]      # read first, with a good one: the batch is completed by the third
-    poison.rows["response_ids"][0] = learner.trainer.vocab_size + 4000
+    groups = synthetic_groups(5, 2, vocab_size=200, seed=5, max_steps=2)
+    vocab, nan, positive, good = groups[0], groups[2], groups[3], [groups[1], groups[4]]
+    vocab.rows["response_ids"][0] = learner.trainer.vocab_size + 4000
+    nan.rows["response_logprobs"][1] = np.nan
+    positive.rows["response_logprobs"][0] = 0.5
     producer = TrajectoryStream(redis_url, cfg.stream, consumer_name="producer")
-    for g in groups:
+    for g in groups:            # a poison group first, read with a good one; the batch ends with the last
         producer.publish(g)
     metrics = learner.step(timeout_s=30)
-    assert metrics is not None and set(learner.last_group_ids) == {g.group_id for g in groups[1:]}
-    [dead] = learner.stream.dead_letters()
-    assert dead[b"orig.g"].decode() == poison.group_id
-    assert b"outside the vocabulary" in dead[b"reason"]
-    assert learner.stream.depth() == 0 and learner.stats["bad_groups"] == 1
+    assert metrics is not None and set(learner.last_group_ids) == {g.group_id for g in good}
+    reasons = {dead[b"orig.g"].decode(): dead[b"reason"].decode() for dead in learner.stream.dead_letters()}
+    assert set(reasons) == {vocab.group_id, nan.group_id, positive.group_id}, reasons
+    assert "outside the vocabulary" in reasons[vocab.group_id]
+    assert "response_logprobs: NaN" in reasons[nan.group_id]
+    assert "log-probs must be <= 0" in reasons[positive.group_id]
+    assert learner.stream.depth() == 0 and learner.stats["bad_groups"] == 3
     learner.close()

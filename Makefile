@@ -114,7 +114,11 @@ else
 endif
 
 # --durations: the slowest tests, for keeping the suite's wall time in check.
+# The suite's one outside tool, Debian's prometheus (the dashboard's query check), installed where apt works;
+# elsewhere that test skips, saying why.
 test: $(STAMP)
+	@command -v prometheus >/dev/null || $(MAKE) --no-print-directory prometheus >/dev/null 2>&1 \
+		|| echo "make test: could not install Debian's prometheus (apt-get, as root or with sudo): the dashboard's query check will skip"
 	$(PY) -m pytest --durations=15 $(PYTEST_ARGS)
 
 test-fast: $(STAMP)

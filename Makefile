@@ -119,6 +119,8 @@ endif
 test: $(STAMP)
 	@command -v prometheus >/dev/null || $(MAKE) --no-print-directory prometheus >/dev/null 2>&1 \
 		|| echo "make test: could not install Debian's prometheus (apt-get, as root or with sudo): the dashboard's query check will skip"
+	@command -v chromium >/dev/null || $(MAKE) --no-print-directory chromium >/dev/null 2>&1 \
+		|| echo "make test: could not install Debian's chromium (apt-get, as root or with sudo): the viewer's browser checks will skip"
 	$(PY) -m pytest --durations=15 $(PYTEST_ARGS)
 
 test-fast: $(STAMP)

@@ -124,6 +124,33 @@ def _weights_digest(worker) -> str:
     return digest.hexdigest()
 
 
+def engine_args(model_path: str, model_cfg: dict, infer_cfg: dict, *, seed: int, gpu: bool, dummy: bool = False,
+                transfer_backend: str | None = None):
+    """vLLM's AsyncEngineArgs for the model and inference sections of the config (dicts)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    dtype = model_cfg["dtype"]
+    if dtype == "auto":
+        dtype = "bfloat16" if gpu else "float32"
+    extra = {}
+    if transfer_backend:
+        extra["weight_transfer_config"] = {"backend": transfer_backend}
+    if dummy:
+        extra["load_format"] = "dummy"
+    if model_cfg["head_dtype"] == "float32" and dtype != "float32":
+        extra["hf_overrides"] = {"head_dtype": "float32"}      # the lm_head's product in fp32, as the learner's
+    if not gpu:
+        extra["enforce_eager"] = True      # torch.compile on CPU costs minutes of start-up for little
+    return AsyncEngineArgs(
+        model=model_path, dtype=dtype, seed=seed,
+        max_model_len=int(model_cfg["max_prompt_tokens"]) + int(model_cfg["max_response_tokens"]),
+        gpu_memory_utilization=float(infer_cfg["gpu_memory_utilization"]),
+        max_num_seqs=int(infer_cfg["max_num_seqs"]), enable_prefix_caching=True, disable_log_stats=True,
+        # Log-probs of the distribution sampled from (temperature applied), not the raw model's.
+        logprobs_mode="processed_logprobs", **extra,
+    )
+
+
 class InferenceEngine:
     """The actor's body (kept as a plain class so that it can also run in-process)."""
 
@@ -141,34 +168,17 @@ class InferenceEngine:
             # vLLM binds its CPU worker's threads itself; keep them on these CPUs (its "auto" would reserve
             # one of them for the scheduler, and a 1-CPU share would leave none).
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpus)
-        from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         self.model = ModelSource(path=model) if isinstance(model, str) else model
         self.model_path, dummy = _loadable(self.model)
         self.gpu = _on_gpu()
-        dtype = model_cfg.get("dtype", "auto")
-        if dtype == "auto":
-            dtype = "bfloat16" if self.gpu else "float32"
-        self.max_response_tokens = int(model_cfg.get("max_response_tokens", 512))
-        self.max_model_len = int(model_cfg.get("max_prompt_tokens", 2048)) + self.max_response_tokens
-        self.transfer_backend = _transfer_backend(self.gpu, infer_cfg.get("weight_transfer", "auto"))
-        self.transfer_timeout_s = float(infer_cfg.get("transfer_timeout_s", 600.0))
-        extra = {}
-        if self.transfer_backend:
-            extra["weight_transfer_config"] = {"backend": self.transfer_backend}
-        if dummy:
-            extra["load_format"] = "dummy"
-        if not self.gpu:
-            extra["enforce_eager"] = True      # torch.compile on CPU costs minutes of start-up for little
-        args = AsyncEngineArgs(
-            model=self.model_path, dtype=dtype, seed=seed, max_model_len=self.max_model_len,
-            gpu_memory_utilization=float(infer_cfg.get("gpu_memory_utilization", 0.9)),
-            max_num_seqs=int(infer_cfg.get("max_num_seqs", 256)),
-            enable_prefix_caching=True, disable_log_stats=True,
-            # Log-probs of the distribution sampled from (temperature applied), not the raw model's.
-            logprobs_mode="processed_logprobs", **extra,
-        )
+        self.max_response_tokens = int(model_cfg["max_response_tokens"])
+        self.max_model_len = int(model_cfg["max_prompt_tokens"]) + self.max_response_tokens
+        self.transfer_backend = _transfer_backend(self.gpu, infer_cfg["weight_transfer"])
+        self.transfer_timeout_s = float(infer_cfg["transfer_timeout_s"])
+        args = engine_args(self.model_path, model_cfg, infer_cfg, seed=seed, gpu=self.gpu, dummy=dummy,
+                           transfer_backend=self.transfer_backend)
         shm_before = shm_cleanup.entries()        # (for the note below)
         self.engine = AsyncLLM.from_engine_args(args)
         self.seed = seed
@@ -192,7 +202,7 @@ class InferenceEngine:
                        "update_wait_s": 0.0, "update_load_s": 0.0}
         self.metrics = ActorMetrics("inference", f"{_run_tag()}-{seed}")
         self.metrics.set("inference_queue_depth", 0)
-        self._weights_dir = infer_cfg.get("weights_dir") or weight_transfer.default_weights_dir(_run_tag())
+        self._weights_dir = infer_cfg["weights_dir"] or weight_transfer.default_weights_dir(_run_tag())
         self._pending_manifest = weight_transfer.read_manifest(self._weights_dir)
         # Disk weights are version 0, the learner's initial policy, unless this is a restart: then they are
         # older than what the learner pushed since (the manifest, if any, brings the newest back).
@@ -602,7 +612,7 @@ def with_weights_dir(cfg: dict) -> dict:
     `remove_made_weights_dirs`. Actors created from the copy, now or later (`gigpo scale --inference`),
     share the directory, so a restarted or added actor finds the manifest of the newest shm push."""
     cfg = dict(cfg, inference=dict(cfg["inference"]))
-    if not cfg["inference"].get("weights_dir"):
+    if not cfg["inference"]["weights_dir"]:
         cfg["inference"]["weights_dir"] = weight_transfer.default_weights_dir(f"{_run_tag()}-{uuid.uuid4().hex[:8]}")
         # The driver that made the directory removes it (it lives in RAM under /dev/shm): System.close,
         # else at exit. The actors only need it while the driver, and so the run, lives.
@@ -625,9 +635,9 @@ def create_inference_actors(cfg: dict, model: ModelSource | str, num_actors: int
     return [
         InferenceActor.options(
             num_cpus=infer["cpus_per_actor"], num_gpus=infer["gpus_per_actor"],
-            resources=infer.get("resources") or None,
+            resources=infer["resources"] or None,
             max_restarts=max_restarts, max_task_retries=max_restarts, max_concurrency=100_000,
-        ).remote(model, dict(cfg["model"]), infer, seed * 1000 + i, cfg["run"].get("rollout_cpus", ""),
-                 int(cfg["run"].get("rollout_nice", 0)), log_dir, f"inference-{i}", wait_for_weights)
+        ).remote(model, dict(cfg["model"]), infer, seed * 1000 + i, cfg["run"]["rollout_cpus"],
+                 int(cfg["run"]["rollout_nice"]), log_dir, f"inference-{i}", wait_for_weights)
         for i in range(first, first + n)
     ]

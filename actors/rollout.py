@@ -568,7 +568,7 @@ def create_rollout_actor(cfg: dict, actor_id: str, inference_actors: list, strea
     ro = cfg["rollout"]
     # max_restarts=-1: an actor lost with its process or node comes back whenever Ray can place it again
     # (deploy.system restarts its loop); its run() is not retried by Ray, so the driver sees the loss.
-    return RolloutActor.options(num_cpus=ro["cpus_per_actor"], resources=ro.get("resources") or None, name=None,
+    return RolloutActor.options(num_cpus=ro["cpus_per_actor"], resources=ro["resources"] or None, name=None,
                                 max_concurrency=1000, max_restarts=-1, max_task_retries=0).remote(
-        cfg, actor_id, inference_actors, stream_url, cfg["run"].get("rollout_cpus", ""),
-        int(cfg["run"].get("rollout_nice", 0)), log_dir, model)
+        cfg, actor_id, inference_actors, stream_url, cfg["run"]["rollout_cpus"],
+        int(cfg["run"]["rollout_nice"]), log_dir, model)

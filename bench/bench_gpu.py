@@ -10,17 +10,18 @@ shape, built on the GPU):
 Parts (each runs on its own; one that fails prints its error and the others go on):
 - learner: `learner.trainer.PolicyTrainer` (DeepSpeed ZeRO-`--zero-stage`, bf16, NCCL world of one, the
   reference model on for the KL term as in the paper's configs) trains synthetic ALFWorld-shaped batches
-  with GiGPO advantages; median step time over `--steps` after one warm-up, tokens/s (every token of every
-  row, the log-prob recompute included), peak GPU memory against docs/deploy.md's arithmetic for ZeRO-2
-  on one GPU (2P bf16 weights + 14P master weights, gradients and AdamW moments + 2P reference = 18P bytes,
-  P parameters; activations on top).
+  with GiGPO advantages (`--head-dtype float32`: the final projection in fp32); median step time over
+  `--steps` after one warm-up, tokens/s (every token of every row, the log-prob recompute included), peak
+  GPU memory against docs/deploy.md's arithmetic for ZeRO-2 on one GPU (2P bf16 weights + 14P master
+  weights, gradients and AdamW moments + 2P reference = 18P bytes, P parameters; activations on top).
 - push and resume (after the learner part, same engine): the weight push's learner side, `named_weights()`
   written as safetensors buckets into /dev/shm (what the shm transfer does before vLLM loads them), and a
   checkpoint save, one more update and a load, after which the log-probs must equal those at the save.
 - logprobs: the response log-probs of the same rows by the same weights (SmolLM2-135M's shape, random
   weights with a wider init so that the distributions are peaked as a trained model's are; the mean
-  log-prob is printed) on the CPU in fp32 (the reference), on the GPU in fp32 (TF32 off) and in bf16:
-  mean and max |delta| per token, share of tokens above 0.1 nat.
+  log-prob is printed) on the CPU in fp32 (the reference), on the GPU in fp32 (TF32 off), in bf16, and in
+  bf16 with the final projection in fp32 (model.head_dtype=float32): mean and max |delta| per token, share of
+  tokens above 0.1 nat.
 - ipc: one process puts `--ipc-mb` of bf16 weights on the GPU; a second opens them through CUDA IPC
   (torch.multiprocessing), copies them into its own memory and checks them bit for bit; time to open and
   copy.
@@ -108,7 +109,7 @@ def part_learner(args) -> None:
                             recompute_old_logprobs=True, micro_batch_tokens=args.micro_batch_tokens,
                             offload=args.offload)
         t0 = time.perf_counter()
-        trainer = PolicyTrainer(folder, cfg, dtype="auto")
+        trainer = PolicyTrainer(folder, cfg, dtype="auto", head_dtype=args.head_dtype)
         say(f"learner: DeepSpeed ZeRO-{cfg.zero_stage} engine on {trainer.device} in "
             f"{time.perf_counter() - t0:.1f} s")
     vocab = SHAPES[args.shape]["vocab_size"]
@@ -134,6 +135,7 @@ def part_learner(args) -> None:
     arithmetic = 18 * params / 1e9
     RESULTS["learner"] = {
         "shape": args.shape, "params": params, "zero_stage": cfg.zero_stage, "kl_coef": cfg.kl_coef,
+        "head_dtype": args.head_dtype,
         "offload": cfg.offload, "micro_batch_tokens": cfg.micro_batch_tokens,
         "device": str(trainer.device), "step_s_median": median[0], "tokens": median[1], "rows": median[2],
         "tokens_per_s": median[1] / median[0], "peak_gpu_gb": peak, "arithmetic_18P_gb": arithmetic,
@@ -197,6 +199,7 @@ def part_logprobs(args) -> None:
     from transformers import AutoModelForCausalLM
 
     from common.config import LearnerConfig
+    from learner.trainer import project_head_in_float32
 
     shape = args.logprob_shape
     with tempfile.TemporaryDirectory(prefix="bench-gpu-lp-") as folder:
@@ -215,8 +218,11 @@ def part_logprobs(args) -> None:
         if torch.cuda.is_available():
             torch.backends.cuda.matmul.allow_tf32 = False
             torch.backends.cudnn.allow_tf32 = False
-            for name, dtype in (("gpu_fp32", torch.float32), ("gpu_bf16", torch.bfloat16)):
+            for name, dtype, head in (("gpu_fp32", torch.float32, "model"), ("gpu_bf16", torch.bfloat16, "model"),
+                                      ("gpu_bf16_fp32_head", torch.bfloat16, "float32")):
                 gpu = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to("cuda").eval()
+                if head == "float32":
+                    project_head_in_float32(gpu)
                 got[name] = _logprobs(gpu, batch, "cuda")
                 del gpu
                 torch.cuda.empty_cache()
@@ -316,10 +322,14 @@ def main() -> int:
     ap.add_argument("--groups", type=int, default=8, help="groups per learner batch")
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--steps", type=int, default=3, help="timed learner steps (after one warm-up)")
-    ap.add_argument("--micro-batch-tokens", type=int, default=16384)
+    ap.add_argument("--micro-batch-tokens", type=int, default=8192,
+                    help="learner.micro_batch_tokens (8,192: the paper configs' value; the config's default "
+                         "16,384 runs out of an 80 GB GPU at Qwen2.5-1.5B's shape with the reference on)")
     ap.add_argument("--offload", action="store_true", help="learner.offload: master weights and AdamW moments "
                                                           "on the host (the GPU's peak is then activations, "
                                                           "bf16 weights and gradients, the reference)")
+    ap.add_argument("--head-dtype", default="model", choices=("model", "float32"),
+                    help="learner part's model.head_dtype (float32: the lm_head's product in fp32)")
     ap.add_argument("--logprob-shape", default="smollm2-135m", choices=sorted(SHAPES))
     ap.add_argument("--logprob-init", type=float, default=0.1, help="init std of the log-prob part's model")
     ap.add_argument("--ipc-mb", type=int, default=1024, help="MB sent by CUDA IPC and by NCCL")

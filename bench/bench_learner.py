@@ -188,7 +188,8 @@ def train_alone(model_path: str, cfg, batches: list, threads: int) -> list[float
     `threads` torch threads, nothing else running; the first update warms up and is left out."""
     from common.cpu_placement import use_compute_threads
     use_compute_threads(threads)
-    trainer = PolicyTrainer(model_path, cfg.learner, dtype=cfg.model.dtype, seed=cfg.run.seed,
+    trainer = PolicyTrainer(model_path, cfg.learner, dtype=cfg.model.dtype, head_dtype=cfg.model.head_dtype,
+                            seed=cfg.run.seed,
                             temperature=cfg.rollout.temperature)
     rates = []
     for i, groups in enumerate(batches):

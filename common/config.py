@@ -48,6 +48,10 @@ class ModelConfig:
     max_response_tokens: int = F(512, "longest response per step", AT_LEAST_1)
     dtype: Literal["auto", "bfloat16", "float32"] = F(
         "auto", 'weights dtype: "auto" (bf16 on GPU, fp32 on CPU), "bfloat16", "float32"')
+    head_dtype: Literal["model", "float32"] = F(
+        "model", 'dtype of the final projection (lm_head) in the learner and in vLLM: "model" (the weights\' '
+                 'dtype) or "float32" (bf16 hidden state and weight cast up before the product; narrows the '
+                 'bf16 gap between vLLM\'s and the learner\'s log-probs; no effect on fp32 weights)')
     ship_max_mb: float = F(2048.0, "a local model of at most this size travels through Ray to nodes that "
                                    "cannot see its path (no shared filesystem needed); 0 never ships it")
     warm_start_steps: int = F(0, "supervised warm start before RL: optimizer steps of fine-tuning on the "
@@ -217,6 +221,10 @@ class RunConfig:
     iterations: int = F(150, "learner updates to run", AT_LEAST_0)
     eval_every: int = F(5, "updates between evaluations; 0 disables them", AT_LEAST_0)
     eval_episodes: int = F(0, "episodes per evaluation; 0: the whole eval split", AT_LEAST_0)
+    record_groups: int = F(2, "training groups of each update written step by step, with every step's GiGPO and "
+                              "GRPO advantages, to <output_dir>/groups.jsonl for `gigpo view` (learner rank 0, no "
+                              "extra forward pass; observations cut at learner.group_record.MAX_TEXT_CHARS "
+                              "characters); 0: no record", AT_LEAST_0)
     sync: bool = F(False, "synchronous mode: rollout then train in lockstep (the reference's schedule)")
     ray_address: str = F("", 'Ray cluster address; "" starts a local Ray (RAY_ADDRESS also works)')
     resume: bool = F(False, "resume from the latest checkpoint in output_dir")
@@ -467,13 +475,13 @@ def _read_config_file(path: Path, seen: tuple = ()) -> tuple[dict, Locations]:
     return tree, locations
 
 
-def redact(text: str) -> str:
+def redact_credentials(text: str) -> str:
     """`text` with the credentials of any URL in it (`scheme://user:password@`) replaced by ***."""
     return re.sub(r"://[^/@\s]*@", "://***@", text)
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any, text: str) -> None:
-    text = redact(text)
+    text = redact_credentials(text)
     keys = dotted.split(".")
     if not all(keys):
         raise ConfigError(f"override {text!r} must look like section.field=value")
@@ -488,14 +496,14 @@ def _set_dotted(tree: dict, dotted: str, value: Any, text: str) -> None:
 def parse_override(text: str) -> tuple[str, Any]:
     """`section.field=value`; the value is read as YAML (numbers, true/false, lists, quoted strings)."""
     if "=" not in text:
-        raise ConfigError(f"override {redact(text)!r} must look like section.field=value")
+        raise ConfigError(f"override {redact_credentials(text)!r} must look like section.field=value")
     key, raw = text.split("=", 1)
     try:
         return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
         problem = getattr(exc, "problem", None) or "syntax error"
-        raise ConfigError(f"override {redact(text)!r}: the value is not valid YAML ({problem}); quote a string value, "
-                          f"e.g. {key.strip()}='\"...\"'") from None
+        raise ConfigError(f"override {redact_credentials(text)!r}: the value is not valid YAML ({problem}); quote a "
+                          f"string value, e.g. {key.strip()}='\"...\"'") from None
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -530,7 +538,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         key, value = parse_override(item)
         _set_dotted(tree, key, value, item)
         locations = {k: v for k, v in locations.items() if not k.startswith(key + ".")}
-        locations[key] = f"override {redact(item)!r}"
+        locations[key] = f"override {redact_credentials(item)!r}"
     try:
         cfg = _build(ExperimentConfig, tree)
         validate(cfg)

@@ -156,7 +156,7 @@ def resolve_password(cfg: StreamConfig, environ: Mapping[str, str] | None = None
 
 # -- where this process runs, for error messages -------------------------------------------------------------
 
-def this_node() -> str:
+def node_for_messages() -> str:
     """'<Ray node IP> (<hostname>)' of this process, or the hostname outside Ray."""
     host = socket.gethostname()
     ray = sys.modules.get("ray")      # never import Ray just to name the node
@@ -406,7 +406,7 @@ class _RedisSayingWhere(redis.Redis):
         try:
             return super().execute_command(*args, **options)
         except (ConnectionError, TimeoutError) as exc:
-            message = f"{exc} (Redis at {self.where}, tried from node {this_node()})"
+            message = f"{exc} (Redis at {self.where}, tried from node {node_for_messages()})"
             try:
                 annotated = type(exc)(message)
             except Exception:  # noqa: BLE001 - an exception class with another signature: keep the original

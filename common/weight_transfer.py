@@ -681,7 +681,6 @@ def create_weight_transfer(cfg, inference_actors: list) -> WeightTransfer:
     weight_bucket_mb, transfer_timeout_s, weights_dir. Call it on learner rank 0, after the inference
     actors are created (it asks them where they run; they answer once their engines are up)."""
     infer = cfg["inference"] if isinstance(cfg, dict) else vars(cfg.inference)
-    return WeightTransfer(inference_actors, mode=infer.get("weight_transfer", "auto"),
-                          bucket_mb=float(infer.get("weight_bucket_mb", 512)),
-                          timeout_s=float(infer.get("transfer_timeout_s", 600.0)),
-                          shared_weights_dir=bool(infer.get("weights_dir")))
+    return WeightTransfer(inference_actors, mode=infer["weight_transfer"],
+                          bucket_mb=float(infer["weight_bucket_mb"]), timeout_s=float(infer["transfer_timeout_s"]),
+                          shared_weights_dir=bool(infer["weights_dir"]))

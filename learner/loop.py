@@ -38,6 +38,7 @@ from common.config import ExperimentConfig
 from common.metrics import METRICS, ActorMetrics
 from common.records import EpisodeGroup
 from learner.batching import build_batch, check_group
+from learner.group_record import GroupRecorder
 from learner.trainer import (PUSHED_VERSION, PolicyTrainer, checkpoint_dir_of, prepare_checkpoint_dir,
                              setup_distributed)
 
@@ -96,7 +97,8 @@ class Learner:
         if self.checkpoint_dir and not read_only:     # before the (slow) engine start: a clear error at once
             prepare_checkpoint_dir(self.checkpoint_dir, resume=resume, overwrite=cfg.run.overwrite,
                                    rank=setup_distributed()[0])
-        self.trainer = PolicyTrainer(model_path, cfg.learner, dtype=cfg.model.dtype, seed=cfg.run.seed,
+        self.trainer = PolicyTrainer(model_path, cfg.learner, dtype=cfg.model.dtype,
+                                     head_dtype=cfg.model.head_dtype, seed=cfg.run.seed,
                                      temperature=cfg.rollout.temperature)
         self.rank, self.world_size = self.trainer.rank, self.trainer.world_size
         self.read_block_ms = read_block_ms
@@ -137,6 +139,8 @@ class Learner:
             self.repush_if_needed()
         if self.metrics is not None:
             self.metrics.set("policy_version", self.policy_version)
+        # groups.jsonl, for `gigpo view`: started anew by a new run, appended to by a resumed one
+        self.recorder = GroupRecorder(cfg, resume=resume) if self.rank == 0 and not read_only else None
 
     # ------------------------------------------------------------------------------------------------
 
@@ -259,6 +263,8 @@ class Learner:
             batch, groups, received = self._build_batch(groups, received)     # advantages (bad groups out)
         lags = [self.policy_lag(g.policy_versions[0]) for g in groups if g.policy_versions[0] >= 0]
         train = self._train(batch, groups)
+        if self.recorder is not None:       # (time/recompute_s: the trainer put its own old log-probs in the batch)
+            self.recorder.record(groups, batch, self.updates, recomputed="time/recompute_s" in train)
         with _timed(times, "time/push_weights_s"):
             # Nothing trained (every group skipped): the actors' weights stand.
             push_info = self.publish_weights() if batch.num_rows else {}

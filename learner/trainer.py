@@ -190,9 +190,10 @@ def _ds_config(cfg: LearnerConfig, bf16: bool) -> dict:
 class PolicyTrainer:
     """DeepSpeed engine + frozen reference + the PPO train step. One per learner process."""
 
-    def __init__(self, model_path: str, cfg: LearnerConfig, *, dtype: str = "auto", seed: int = 0,
-                 pad_id: int | None = None, temperature: float = 1.0):
-        """temperature: the sampling temperature of the rollouts (rollout.temperature). Every log-prob
+    def __init__(self, model_path: str, cfg: LearnerConfig, *, dtype: str = "auto", head_dtype: str = "model",
+                 seed: int = 0, pad_id: int | None = None, temperature: float = 1.0):
+        """dtype, head_dtype: model.dtype and model.head_dtype (`project_head_in_float32`).
+        temperature: the sampling temperature of the rollouts (rollout.temperature). Every log-prob
         the learner computes is of softmax(logits / temperature), the distribution the tokens were drawn
         from, which is also what the inference actors report (vLLM's processed log-probs): both sides of
         the PPO ratio are then the same function of the weights. The KL to the reference and the entropy
@@ -232,6 +233,10 @@ class PolicyTrainer:
             self.ref_model = AutoModelForCausalLM.from_pretrained(
                 model_path, dtype=torch.bfloat16 if bf16 else torch.float32).to(self.device).eval()
             self.ref_model.requires_grad_(False)
+        if head_dtype == "float32" and bf16:
+            for m in (model, self.ref_model):
+                if m is not None:
+                    project_head_in_float32(m)
         train_only_last_layers(model, cfg.trainable_layers)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                                       weight_decay=cfg.weight_decay)
@@ -499,6 +504,21 @@ def train_only_last_layers(model, n: int) -> int:
         for module in [*layers[-n:], norm]:
             module.requires_grad_(True)
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def project_head_in_float32(model) -> None:
+    """Make `model`'s final projection (lm_head) compute its logits in float32: the (bf16) hidden state and
+    weight are cast up before the product, so the logits carry no bf16 rounding (model.head_dtype; vLLM does
+    the same with hf_overrides head_dtype=float32). The weight stays bf16 and still gets its gradient through
+    the cast. The forward is replaced on the instance, so hooks on the module (ZeRO-3 gathers its weight
+    in one) still run around it. Costs a float32 copy of the head's weight per call (vocabulary x hidden)."""
+    head = model.get_output_embeddings()
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        bias = None if head.bias is None else head.bias.float()
+        return torch.nn.functional.linear(hidden.float(), head.weight.float(), bias)
+
+    head.forward = forward
 
 
 def response_logprobs(model, mb: MicroBatch, temperature: float = 1.0, device="cpu", with_entropy: bool = False

@@ -178,6 +178,7 @@ def learner_experiment(stream_key: str) -> ExperimentConfig:
                                 micro_batch_tokens=1024, lr=1e-4)
     cfg.stream = StreamConfig(stream=stream_key)
     cfg.model.dtype = "float32"
+    cfg.run.record_groups = 0      # no run directory here: groups.jsonl would land in ./runs/default
     return cfg
 
 

@@ -555,8 +555,9 @@ def _train_observed(record_path: str, argv: list[str]) -> int:
     when the run closes, into `record_path` (JSON): the actors exist only while the driver runs, so this
     is the one place to ask them. Nothing is changed in the run: System.close first records, then closes.
     Recorded: each inference actor's served policy version, node and weight-transfer state; each learner's
-    state and node; each rollout actor's stats and node; the Redis host the actors were given; what
-    `gigpo status` printed for the run at that moment (the run's status record, with the actors' nodes)."""
+    state and node; each rollout actor's stats and node; the Redis host the actors were given; the stream's
+    counts (`stream_counts`); what `gigpo status` printed for the run at that moment (the run's status
+    record, with the actors' nodes)."""
     import io
     from contextlib import redirect_stdout
     from urllib.parse import urlsplit
@@ -564,6 +565,7 @@ def _train_observed(record_path: str, argv: list[str]) -> int:
     import ray
 
     from deploy import cli, system
+    from tests.accounting import stream_counts
 
     def ask(actor, method: str):
         try:
@@ -584,6 +586,7 @@ def _train_observed(record_path: str, argv: list[str]) -> int:
             "learners": [{"state": ask(w, "state"), "node": ask(w, "node")} for w in run.learners],
             "rollouts": {name: {"stats": ask(a, "stats"), "node": ask(a, "node")} for name, a in run.rollouts.items()},
             "redis_host": urlsplit(run.redis_url).hostname if run.redis_url else None,
+            "stream": stream_counts(run.redis_url, run.cfg.stream) if run.redis_url else None,
             "driver_ip": ray.util.get_node_ip_address(),
             "gigpo_status": status.getvalue(),
         }

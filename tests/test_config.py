@@ -173,3 +173,28 @@ def test_errors_never_show_a_redis_password():
     with pytest.raises(ConfigError) as err:
         load_config(None, ["stream.redis_url=http://user:hunter2@host:6379/0"])
     assert "hunter2" not in str(err.value) and "override 'stream.redis_url=http://***@host:6379/0'" in str(err.value)
+
+
+def test_no_plane_restates_a_config_default():
+    """A default lives in common/config.py only: the planes read their section of the config (a dict, across
+    Ray) by key, never with `.get(name, default)`, which would keep serving the old default after config.py's
+    changes. Flags `.get(` on a section (`cfg["inference"].get(`) or on a name bound to one
+    (`infer = cfg["inference"]`, or a parameter named like `infer_cfg`)."""
+    import dataclasses
+
+    sections = "|".join(f.name for f in dataclasses.fields(ExperimentConfig))
+    direct = re.compile(rf'\[["\']({sections})["\']\]\.get\(')
+    alias = re.compile(rf'\b(\w+)\s*=\s*[\w.]+\[["\']({sections})["\']\]')
+    found = []
+    for folder in ("actors", "learner", "common", "env_servers", "deploy"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            if path == REPO / "common" / "config.py":
+                continue
+            text = path.read_text()
+            names = {m.group(1) for line in text.splitlines() if (m := alias.search(line.strip()))}
+            names |= set(re.findall(r"\b(\w+_cfg)\s*:", text))
+            on_alias = re.compile(rf"\b({'|'.join(map(re.escape, names))})\.get\(") if names else None
+            for number, line in enumerate(text.splitlines(), 1):
+                if direct.search(line) or (on_alias and on_alias.search(line)):
+                    found.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
+    assert not found, "\n".join(found)

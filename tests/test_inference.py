@@ -185,3 +185,17 @@ def test_restarted_actor_resumes_with_the_newest_weights(setup):
         assert not [f for f in engine_shm if os.path.exists(f)], "the killed engine's shared memory is still there"
     finally:
         _serve_initial_weights(actor, path)
+
+
+def test_head_dtype_float32_asks_vllm_for_a_float32_lm_head(tiny_model_path):
+    """model.head_dtype=float32 reaches vLLM as its head_dtype override on bf16 weights, as vLLM's own model
+    config reads it (no engine started); "model" leaves the head in the weights' dtype."""
+    from actors.inference import engine_args
+
+    cfg = to_dict(ExperimentConfig())
+    cfg["model"].update(dtype="bfloat16", head_dtype="float32")
+    config = engine_args(tiny_model_path, cfg["model"], cfg["inference"], seed=0, gpu=False).create_model_config()
+    assert (config.dtype, config.head_dtype) == (torch.bfloat16, torch.float32)
+    cfg["model"]["head_dtype"] = "model"
+    config = engine_args(tiny_model_path, cfg["model"], cfg["inference"], seed=0, gpu=False).create_model_config()
+    assert (config.dtype, config.head_dtype) == (torch.bfloat16, torch.bfloat16)

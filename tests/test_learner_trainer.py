@@ -466,3 +466,33 @@ def test_the_learner_keeps_the_newest_checkpoints(tiny_model_path, tmp_path):
     finally:
         learner.close()
     assert [p.name for p in tmp_path.glob("update_*")] == ["update_0000002"]
+
+
+def test_head_dtype_float32_gives_float32_logits_of_the_bf16_hidden_state_and_trains_the_head(tiny_model_path):
+    """model.head_dtype=float32 on bf16 weights: the logits are the float32 product of the bf16 final hidden
+    state and the bf16 head weight, both cast up (what vLLM's head_dtype override computes), not bf16-rounded
+    logits; the bf16 weight still gets its gradient; and the trainer sets it on its model and reference."""
+    from transformers import AutoModelForCausalLM
+
+    from learner.trainer import project_head_in_float32
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16)
+    ids = torch.arange(1, 33).unsqueeze(0)
+    plain = model(input_ids=ids).logits
+    hidden = model.model(input_ids=ids).last_hidden_state
+    project_head_in_float32(model)
+    logits = model(input_ids=ids).logits
+    weight = model.get_output_embeddings().weight
+    assert plain.dtype == torch.bfloat16 and logits.dtype == torch.float32
+    assert torch.equal(logits, torch.nn.functional.linear(hidden.float(), weight.float()))
+    assert not torch.equal(logits, plain.float())          # bf16's rounding of the logits is gone
+    logits.logsumexp(-1).sum().backward()
+    assert weight.grad is not None and weight.grad.dtype == torch.bfloat16 and weight.grad.abs().sum() > 0
+
+    trainer = PolicyTrainer(tiny_model_path, LearnerConfig(kl_coef=0.01), dtype="bfloat16", head_dtype="float32")
+    try:
+        probe = torch.zeros(1, hidden.shape[-1], dtype=torch.bfloat16)
+        for m in (trainer.engine.module, trainer.ref_model):
+            assert m.get_output_embeddings()(probe).dtype == torch.float32
+    finally:
+        trainer.close()

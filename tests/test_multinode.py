@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from deploy.system import EXIT_LOST
+from tests.accounting import assert_no_group_lost
 from tests.multinode import (REPO, VENV_BIN, head_start_argv, namespaces_unavailable, two_node_cluster,
                              worker_binds, worker_private_argv, worker_sees_head_path, worker_shared_paths,
                              worker_start_argv)
@@ -305,7 +306,12 @@ def test_learner_on_head_rollout_and_inference_on_worker_which_is_lost_and_comes
     # (5 updates x learner.groups_per_batch 2); groups in flight on the lost node were never published.
     (final,) = [p for p in (run_dir / "checkpoints").glob("update_*/learner_state.json")
                 if json.loads(p.read_text())["updates"] == iterations]
-    assert len(json.loads(final.read_text())["trained_group_ids"]) == iterations * 2
+    trained = len(json.loads(final.read_text())["trained_group_ids"])
+    assert trained == iterations * 2
+    # ... and none lost: every group published into the stream (Redis's count of XADD calls, less the copies
+    # written to the dead-letter stream) was trained, counted as dropped (stale, duplicate, dead-lettered) or
+    # is still in the stream when the run closes (one snapshot, taken in a transaction).
+    assert_no_group_lost(record["stream"], metrics[-1], trained)
     # `gigpo status` names the node of each actor.
     status = record["gigpo_status"]
     assert re.search(rf"^\s*{re.escape(WORKER_IP)} .*rollout-0", status, re.M), status

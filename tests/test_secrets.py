@@ -22,7 +22,7 @@ import redis
 from common.config import ConfigError, StreamConfig, load_config, to_dict
 from common.process_env import project_env
 from common.redis_server import (PASSWORD_ENV, EmbeddedRedis, connect, password_file_for, redact, redis_for,
-                                 resolve_password, this_node)
+                                 resolve_password, node_for_messages)
 from deploy import cli
 from deploy.control import JOB_FILE, job_redis_url, read_job_file, write_job_file
 
@@ -199,7 +199,7 @@ def test_an_unreachable_redis_names_the_node_and_the_address():
     with pytest.raises(redis.exceptions.ConnectionError) as error:
         client.ping()
     message = str(error.value)
-    assert f"redis://:***@127.0.0.1:{port}/0" in message and this_node() in message and SECRET not in message
+    assert f"redis://:***@127.0.0.1:{port}/0" in message and node_for_messages() in message and SECRET not in message
 
 
 # -- a real run ---------------------------------------------------------------------------------------------

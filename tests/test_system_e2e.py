@@ -5,6 +5,7 @@ it, with values that follow from what the run did (one system start serves both 
 import hashlib
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -86,6 +87,36 @@ def test_two_iterations_of_the_full_system(tmp_path, monkeypatch):
     assert [json.loads(line)["step"] for line in lines] == [1, 2]
     assert any(p.name.startswith("events") for p in (run / "tensorboard").iterdir())
     check_eval_of_an_older_checkpoint(run, tmp_path, monkeypatch)
+    check_view(run, cfg, tmp_path)
+
+
+def check_view(run: Path, cfg, tmp_path) -> None:
+    """groups.jsonl holds run.record_groups of each update's groups with the credit the learner gave every
+    step (the trained advantage is GiGPO's episode part plus omega times its step part; an anchor group is
+    the steps taken from one observation), and `gigpo view` makes one page of them, with the evaluations;
+    in headless Chromium where there is one (`make test` installs it), its DOM shows the same."""
+    from deploy import cli
+    from tests.test_viewer import Page, check_page, dump_dom
+
+    lines = [json.loads(line) for line in (run / "groups.jsonl").read_text().splitlines()]
+    assert [line["update"] for line in lines] == [1, 2]
+    for line in lines:
+        assert 1 <= len(line["groups"]) <= cfg.run.record_groups and line["algorithm"] == "gigpo"
+        for group in line["groups"]:
+            anchor_of_obs = {}
+            for row in group["rows"]:
+                assert anchor_of_obs.setdefault(row["obs"], row["anchor_group"]) == row["anchor_group"]
+                if row["adv"] is not None:     # float32 parts, float64 sum: equal to float32 precision
+                    assert row["adv"] == pytest.approx(row["episode_adv"] + line["omega"] * row["step_adv"],
+                                                       rel=1e-5, abs=1e-6)
+            assert len(set(anchor_of_obs.values())) == len(anchor_of_obs)
+    assert cli.main(["view", str(run)]) == 0
+    check_page(Page((run / "view.html").read_text()), lines)
+    if shutil.which("chromium"):
+        page = Page(dump_dom(shutil.which("chromium"), (run / "view.html").resolve().as_uri(), tmp_path / "chromium"))
+        check_page(page, lines)
+        evals = (run / "evals.jsonl").read_text().splitlines() if (run / "evals.jsonl").is_file() else []
+        assert len(page.find("eval")) == len(evals)
 
 
 def check_cpu_placement(system) -> None:

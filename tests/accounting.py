@@ -1,0 +1,30 @@
+"""Exact accounting of a run's groups: every group published into the stream was trained, counted as
+dropped, or is still in the stream. Shared by the tests that lose parts of a running system."""
+from __future__ import annotations
+
+
+def stream_counts(redis_url: str, stream_cfg) -> dict:
+    """In one transaction (rollout actors may still publish meanwhile): Redis's count of XADD calls since it
+    started, and the lengths of the run's stream and of its dead-letter stream."""
+    from common.redis_server import connect
+    from common.stream import stream_key
+
+    key = stream_key(stream_cfg)
+    pipe = connect(redis_url).pipeline(transaction=True)
+    pipe.info("commandstats")
+    pipe.xlen(key)
+    pipe.xlen(f"{key}:dead")
+    info, length, dead = pipe.execute()
+    xadd = info.get("cmdstat_xadd", {})
+    return {"xadd_calls": int(xadd.get("calls", 0)), "xadd_failed": int(xadd.get("failed_calls", 0)),
+            "length": int(length), "dead_length": int(dead)}
+
+
+def assert_no_group_lost(counts: dict, last_update: dict, trained: int) -> None:
+    """Published into the stream (the XADD calls less the copies written to the dead-letter stream) =
+    trained + dropped as stale, as duplicates or dead-lettered (the learner's stream counters, as of the
+    last update's metrics) + what the stream still holds. `counts`: `stream_counts` taken after the last
+    update; `trained`: the distinct groups the learner trained on."""
+    published = counts["xadd_calls"] - counts["xadd_failed"] - counts["dead_length"]
+    drops = {k: int(last_update[f"stream/{k}"]) for k in ("dropped_stale", "duplicates_skipped", "dead_lettered")}
+    assert published == trained + sum(drops.values()) + counts["length"], (counts, drops, trained)

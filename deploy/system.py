@@ -992,7 +992,8 @@ def format_summary(summary: dict) -> str:
             b, a = summary["before"]["score"], summary["after"]["score"]
             lines.append(f"score   before {100 * b:.1f}    ->  after {100 * a:.1f}    ({100 * (a - b):+.1f} points)")
         lines.append(format_eval("after training", {summary.get("eval_split", "eval"): summary["after"]}))
-    lines.append(f"outputs: {summary['outputs']} (tensorboard --logdir {summary['outputs']}/tensorboard)")
+    lines.append(f"outputs: {summary['outputs']} (tensorboard --logdir {summary['outputs']}/tensorboard; "
+                 f"each step's credit: gigpo view {summary['outputs']})")
     lines.append("=" * 72)
     return "\n".join(lines)
 

@@ -89,9 +89,12 @@ class LearnerWorker:
         return self.learner.publish_weights()
 
     def state(self) -> dict:
+        """Counters of this learner process; on rank 0 also its stream reader's (acked, dropped, ...) as they
+        are now (metrics.jsonl has them as of the last update, before a closing checkpoint's acks)."""
         lr = self.learner
         return {"updates": lr.updates, "policy_version": lr.policy_version,
-                "trained_groups": len(lr.trained_group_ids), **lr.stats}
+                "trained_groups": len(lr.trained_group_ids), **lr.stats,
+                "stream": dict(getattr(lr.stream, "stats", {}))}
 
     def set_inference_actors(self, inference_actors: list) -> dict:
         """The inference actors changed (`gigpo scale --inference`): see `Learner.set_inference_actors`.

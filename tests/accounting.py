@@ -20,11 +20,15 @@ def stream_counts(redis_url: str, stream_cfg) -> dict:
             "length": int(length), "dead_length": int(dead)}
 
 
-def assert_no_group_lost(counts: dict, last_update: dict, trained: int) -> None:
+def assert_no_group_lost(counts: dict, stream_stats: dict, trained: int) -> None:
     """Published into the stream (the XADD calls less the copies written to the dead-letter stream) =
-    trained + dropped as stale, as duplicates or dead-lettered (the learner's stream counters, as of the
-    last update's metrics) + what the stream still holds. `counts`: `stream_counts` taken after the last
-    update; `trained`: the distinct groups the learner trained on."""
+    acked after training + dropped as stale, as duplicates or dead-lettered + what the stream still holds;
+    and the groups trained but not acked yet (learner.ack_on_checkpoint waits for a checkpoint) are among
+    those it holds. `counts`: `stream_counts`; `stream_stats`: the learner's stream counters (its
+    LearnerWorker.state()["stream"]), both taken after the last update; `trained`: the distinct groups the
+    learner trained on."""
     published = counts["xadd_calls"] - counts["xadd_failed"] - counts["dead_length"]
-    drops = {k: int(last_update[f"stream/{k}"]) for k in ("dropped_stale", "duplicates_skipped", "dead_lettered")}
-    assert published == trained + sum(drops.values()) + counts["length"], (counts, drops, trained)
+    acked = int(stream_stats["acked"])
+    drops = {k: int(stream_stats[k]) for k in ("dropped_stale", "duplicates_skipped", "dead_lettered")}
+    assert published == acked + sum(drops.values()) + counts["length"], (counts, acked, drops)
+    assert acked <= trained <= acked + counts["length"], (counts, acked, trained)

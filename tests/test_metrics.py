@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import math
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +18,8 @@ from common.metrics import (ACTOR_KINDS, METRICS, ActorMetrics, exported_name, m
 from deploy import synthetic_metrics
 from deploy.synthetic_metrics import HISTOGRAM_VALUE_S, label_sets
 from tests.scrape import parse_prometheus_text, scrape
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def expected_after(ticks: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -73,17 +78,24 @@ def test_bad_calls_are_clear_errors_even_outside_ray():
 
 
 def test_outside_ray_recording_is_a_noop():
-    import ray
-    assert not ray.is_initialized()
-    m = ActorMetrics("rollout", 3)
-    m.inc("env_steps", 5)
-    m.inc("env_steps", 0)                  # zero steps in a tick is fine
-    m.observe("generate_seconds", 0.1)
-    learner = ActorMetrics("learner", 0)
-    learner.zero("groups_dropped", reason="stale")
-    learner.set("stream_depth", 2)
-    learner.inc("learner_seconds", 0.5, phase="train")
-    assert not ray.is_initialized()       # recording never starts Ray
+    """In a fresh interpreter (this one may hold another test's Ray): recording without Ray does nothing
+    and never starts Ray."""
+    script = """
+import ray
+from common.metrics import ActorMetrics
+m = ActorMetrics("rollout", 3)
+m.inc("env_steps", 5)
+m.inc("env_steps", 0)                  # zero steps in a tick is fine
+m.observe("generate_seconds", 0.1)
+learner = ActorMetrics("learner", 0)
+learner.zero("groups_dropped", reason="stale")
+learner.set("stream_depth", 2)
+learner.inc("learner_seconds", 0.5, phase="train")
+assert not ray.is_initialized()       # recording never starts Ray
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
 def test_parse_prometheus_text_unescapes_labels():

@@ -174,11 +174,11 @@ class InferenceEngine:
         self.model_path, dummy = _loadable(self.model)
         self.gpu = _on_gpu()
         self.max_response_tokens = int(model_cfg["max_response_tokens"])
-        self.max_model_len = int(model_cfg["max_prompt_tokens"]) + self.max_response_tokens
         self.transfer_backend = _transfer_backend(self.gpu, infer_cfg["weight_transfer"])
         self.transfer_timeout_s = float(infer_cfg["transfer_timeout_s"])
         args = engine_args(self.model_path, model_cfg, infer_cfg, seed=seed, gpu=self.gpu, dummy=dummy,
                            transfer_backend=self.transfer_backend)
+        self.max_model_len = args.max_model_len
         shm_before = shm_cleanup.entries()        # (for the note below)
         self.engine = AsyncLLM.from_engine_args(args)
         self.seed = seed

@@ -10,7 +10,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.rollout import RolloutActor
-from common.config import ExperimentConfig, to_dict
+from common.config import ExperimentConfig
 from common.model_files import ModelSource
 from common.placement import actor_need, pinned_node
 from common.records import EpisodeGroup
@@ -82,7 +82,7 @@ def evaluate_tasks(cfg: ExperimentConfig, inference_actors: list, log_dir: str =
     actor = RolloutActor.options(
         num_cpus=0, max_concurrency=1000,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
-    ).remote(to_dict(ev), "eval", inference_actors, None, log_dir=log_dir, model=model)
+    ).remote(ev, "eval", inference_actors, None, log_dir=log_dir, model=model)
     try:
         task_ids = ray.get(actor.__ray_call__.remote(lambda self: list(self.task_ids)))
         if cfg.run.eval_episodes:

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import dataclasses
 import itertools
 import logging
 import os
@@ -58,6 +59,7 @@ import uuid
 import ray
 
 from common import shm_cleanup, weight_transfer
+from common.config import ExperimentConfig, InferenceConfig, ModelConfig
 from common.cpu_placement import place_this_process
 from common.log_files import send_output_to
 from common.metrics import ActorMetrics
@@ -124,12 +126,12 @@ def _weights_digest(worker) -> str:
     return digest.hexdigest()
 
 
-def engine_args(model_path: str, model_cfg: dict, infer_cfg: dict, *, seed: int, gpu: bool, dummy: bool = False,
-                transfer_backend: str | None = None):
-    """vLLM's AsyncEngineArgs for the model and inference sections of the config (dicts)."""
+def engine_args(model_path: str, model_cfg: ModelConfig, infer_cfg: InferenceConfig, *, seed: int, gpu: bool,
+                dummy: bool = False, transfer_backend: str | None = None):
+    """vLLM's AsyncEngineArgs for the model and inference sections of the config."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    dtype = model_cfg["dtype"]
+    dtype = model_cfg.dtype
     if dtype == "auto":
         dtype = "bfloat16" if gpu else "float32"
     extra = {}
@@ -137,15 +139,15 @@ def engine_args(model_path: str, model_cfg: dict, infer_cfg: dict, *, seed: int,
         extra["weight_transfer_config"] = {"backend": transfer_backend}
     if dummy:
         extra["load_format"] = "dummy"
-    if model_cfg["head_dtype"] == "float32" and dtype != "float32":
+    if model_cfg.head_dtype == "float32" and dtype != "float32":
         extra["hf_overrides"] = {"head_dtype": "float32"}      # the lm_head's product in fp32, as the learner's
     if not gpu:
         extra["enforce_eager"] = True      # torch.compile on CPU costs minutes of start-up for little
     return AsyncEngineArgs(
         model=model_path, dtype=dtype, seed=seed,
-        max_model_len=int(model_cfg["max_prompt_tokens"]) + int(model_cfg["max_response_tokens"]),
-        gpu_memory_utilization=float(infer_cfg["gpu_memory_utilization"]),
-        max_num_seqs=int(infer_cfg["max_num_seqs"]), enable_prefix_caching=True, disable_log_stats=True,
+        max_model_len=model_cfg.max_prompt_tokens + model_cfg.max_response_tokens,
+        gpu_memory_utilization=infer_cfg.gpu_memory_utilization,
+        max_num_seqs=infer_cfg.max_num_seqs, enable_prefix_caching=True, disable_log_stats=True,
         # Log-probs of the distribution sampled from (temperature applied), not the raw model's.
         logprobs_mode="processed_logprobs", **extra,
     )
@@ -154,8 +156,9 @@ def engine_args(model_path: str, model_cfg: dict, infer_cfg: dict, *, seed: int,
 class InferenceEngine:
     """The actor's body (kept as a plain class so that it can also run in-process)."""
 
-    def __init__(self, model: ModelSource | str, model_cfg: dict, infer_cfg: dict, seed: int = 0, cpus: str = "",
-                 nice: int = 0, log_dir: str = "", name: str = "inference", wait_for_weights: bool = False):
+    def __init__(self, model: ModelSource | str, model_cfg: ModelConfig, infer_cfg: InferenceConfig, seed: int = 0,
+                 cpus: str = "", nice: int = 0, log_dir: str = "", name: str = "inference",
+                 wait_for_weights: bool = False):
         """wait_for_weights: serve nothing from the model's files; wait for the learner's weights (the newest
         shm manifest, or a push). For an actor added to a running job (`gigpo scale --inference`), whose
         files hold the initial policy, not the learner's current one."""
@@ -173,9 +176,9 @@ class InferenceEngine:
         self.model = ModelSource(path=model) if isinstance(model, str) else model
         self.model_path, dummy = _loadable(self.model)
         self.gpu = _on_gpu()
-        self.max_response_tokens = int(model_cfg["max_response_tokens"])
-        self.transfer_backend = _transfer_backend(self.gpu, infer_cfg["weight_transfer"])
-        self.transfer_timeout_s = float(infer_cfg["transfer_timeout_s"])
+        self.max_response_tokens = model_cfg.max_response_tokens
+        self.transfer_backend = _transfer_backend(self.gpu, infer_cfg.weight_transfer)
+        self.transfer_timeout_s = infer_cfg.transfer_timeout_s
         args = engine_args(self.model_path, model_cfg, infer_cfg, seed=seed, gpu=self.gpu, dummy=dummy,
                            transfer_backend=self.transfer_backend)
         self.max_model_len = args.max_model_len
@@ -202,7 +205,7 @@ class InferenceEngine:
                        "update_wait_s": 0.0, "update_load_s": 0.0}
         self.metrics = ActorMetrics("inference", f"{_run_tag()}-{seed}")
         self.metrics.set("inference_queue_depth", 0)
-        self._weights_dir = infer_cfg["weights_dir"] or weight_transfer.default_weights_dir(_run_tag())
+        self._weights_dir = infer_cfg.weights_dir or weight_transfer.default_weights_dir(_run_tag())
         self._pending_manifest = weight_transfer.read_manifest(self._weights_dir)
         # Disk weights are version 0, the learner's initial policy, unless this is a restart: then they are
         # older than what the learner pushed since (the manifest, if any, brings the newest back).
@@ -606,38 +609,36 @@ def stop_inference_actors(actors: list, timeout_s: float = 60.0, say=log.warning
     shm_cleanup.remove_unused(held, wait_s=30)
 
 
-def with_weights_dir(cfg: dict) -> dict:
-    """A copy of `cfg` (an ExperimentConfig as a dict) whose inference.weights_dir is set: the configured
-    one, else a new directory for this run (under /dev/shm), made here and removed by
-    `remove_made_weights_dirs`. Actors created from the copy, now or later (`gigpo scale --inference`),
-    share the directory, so a restarted or added actor finds the manifest of the newest shm push."""
-    cfg = dict(cfg, inference=dict(cfg["inference"]))
-    if not cfg["inference"]["weights_dir"]:
-        cfg["inference"]["weights_dir"] = weight_transfer.default_weights_dir(f"{_run_tag()}-{uuid.uuid4().hex[:8]}")
+def with_weights_dir(cfg: ExperimentConfig) -> ExperimentConfig:
+    """A copy of `cfg` whose inference.weights_dir is set: the configured one, else a new directory for this
+    run (under /dev/shm), made here and removed by `remove_made_weights_dirs`. Actors created from the copy,
+    now or later (`gigpo scale --inference`), share the directory, so a restarted or added actor finds the
+    manifest of the newest shm push."""
+    weights_dir = cfg.inference.weights_dir
+    if not weights_dir:
+        weights_dir = weight_transfer.default_weights_dir(f"{_run_tag()}-{uuid.uuid4().hex[:8]}")
         # The driver that made the directory removes it (it lives in RAM under /dev/shm): System.close,
         # else at exit. The actors only need it while the driver, and so the run, lives.
-        _MADE_WEIGHTS_DIRS.append(cfg["inference"]["weights_dir"])
-    return cfg
+        _MADE_WEIGHTS_DIRS.append(weights_dir)
+    return dataclasses.replace(cfg, inference=dataclasses.replace(cfg.inference, weights_dir=weights_dir))
 
 
-def create_inference_actors(cfg: dict, model: ModelSource | str, num_actors: int | None = None,
+def create_inference_actors(cfg: ExperimentConfig, model: ModelSource | str, num_actors: int | None = None,
                             max_restarts: int = 3, log_dir: str = "", first: int = 0,
                             wait_for_weights: bool = False) -> list:
-    """Start the inference actors of an experiment (cfg: ExperimentConfig as a dict; model: where the policy
-    comes from, a ModelSource, or a path every node sees); each needs inference.resources on its node;
-    log_dir: actor i's output goes to <log_dir>/inference-<i>.log. first: the index of the first one (actors
-    added to a running job continue the numbering); wait_for_weights: see `InferenceEngine`. Without
-    inference.weights_dir a directory is made for them (`with_weights_dir`)."""
+    """Start the inference actors of an experiment (model: where the policy comes from, a ModelSource, or a
+    path every node sees); each needs inference.resources on its node; log_dir: actor i's output goes to
+    <log_dir>/inference-<i>.log. first: the index of the first one (actors added to a running job continue
+    the numbering); wait_for_weights: see `InferenceEngine`. Without inference.weights_dir a directory is
+    made for them (`with_weights_dir`)."""
     cfg = with_weights_dir(cfg)
-    infer = cfg["inference"]
-    n = infer["num_actors"] if num_actors is None else num_actors
-    seed = int(cfg["run"]["seed"])
+    infer, run = cfg.inference, cfg.run
+    n = infer.num_actors if num_actors is None else num_actors
     return [
         InferenceActor.options(
-            num_cpus=infer["cpus_per_actor"], num_gpus=infer["gpus_per_actor"],
-            resources=infer["resources"] or None,
+            num_cpus=infer.cpus_per_actor, num_gpus=infer.gpus_per_actor, resources=infer.resources or None,
             max_restarts=max_restarts, max_task_retries=max_restarts, max_concurrency=100_000,
-        ).remote(model, dict(cfg["model"]), infer, seed * 1000 + i, cfg["run"]["rollout_cpus"],
-                 int(cfg["run"]["rollout_nice"]), log_dir, f"inference-{i}", wait_for_weights)
+        ).remote(model, cfg.model, infer, run.seed * 1000 + i, run.rollout_cpus, run.rollout_nice, log_dir,
+                 f"inference-{i}", wait_for_weights)
         for i in range(first, first + n)
     ]

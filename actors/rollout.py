@@ -1,7 +1,7 @@
 """The rollout actor: plays episode groups against its env instances and publishes them to the stream; and
 the agent's text: each step's prompt, and the action in each response.
 
-    actor = create_rollout_actor(to_dict(cfg), "rollout-0", inference_actors, stream_url, model=model)
+    actor = create_rollout_actor(cfg, "rollout-0", inference_actors, stream_url, model=model)
     done = actor.run.remote()            # runs until stop(); returns stats()
     ray.get(actor.stop.remote(drain=True))
 
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import ray
 
-from common.config import ExperimentConfig, from_dict
+from common.config import ExperimentConfig, RolloutConfig
 from common.cpu_placement import place_this_process
 from common.log_files import send_output_to
 from common.metrics import ActorMetrics
@@ -213,8 +213,8 @@ class _EnvClient:
 class Rollout:
     """The actor's body (a plain class so that tests and benches can also drive it in-process)."""
 
-    def __init__(self, cfg: dict, actor_id: str, inference_actors: list, trajectories: str | TrajectorySink | None,
-                 cpus: str = "", nice: int = 0, log_dir: str = "",
+    def __init__(self, cfg: ExperimentConfig, actor_id: str, inference_actors: list,
+                 trajectories: str | TrajectorySink | None, cpus: str = "", nice: int = 0, log_dir: str = "",
                  model: ModelSource | None = None):
         """trajectories: where finished groups go (common.transport.TrajectorySink): a Redis URL (the run's
         stream) or the sink itself; None: an in-memory one (`self.stream`, for tests and benches).
@@ -223,15 +223,11 @@ class Rollout:
         apply_project_env()     # vLLM's, DeepSpeed's, ... variables first
         send_output_to(log_dir, actor_id)    # <log_dir>/<actor_id>.log, before env workers inherit the fds
         place_this_process(cpus, nice)    # run.rollout_cpus / rollout_nice, before env workers are forked
-        self.cfg: ExperimentConfig = from_dict(cfg) if isinstance(cfg, dict) else cfg
+        self.cfg = cfg
         self.actor_id = actor_id
         self.inference_actors = list(inference_actors)
         if not self.inference_actors:
             raise ValueError("a rollout actor needs at least one inference actor")
-        r = self.cfg.rollout
-        if r.group_size < 1 or r.groups_per_actor < 1:
-            raise ValueError(f"rollout.group_size ({r.group_size}) and rollout.groups_per_actor "
-                             f"({r.groups_per_actor}) must be >= 1")
         from transformers import AutoTokenizer
         if model is None:
             if self.cfg.model.path == "tiny":
@@ -241,7 +237,7 @@ class Rollout:
         self.model_path = model.local_path(weights=False)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
 
-        self.num_instances = r.groups_per_actor * r.group_size
+        self.num_instances = self.cfg.rollout.groups_per_actor * self.cfg.rollout.group_size
         from env_servers.server import EnvPool
         self._env_pool = EnvPool(self.cfg.env, self.num_instances, seed=self.cfg.run.seed, metrics_id=actor_id)
         self.task_ids = self._env_pool.task_ids(self.cfg.env.train_split)
@@ -543,12 +539,17 @@ class Rollout:
             self.timers["gen_wait_s"] += time.perf_counter() - t0
 
 
-def step_reward(rollout_cfg, report) -> float:
-    """The reward of the step that led to `report` (an EnvReport): `rollout.reward` "success" gives
-    success_reward on the winning step, "score" gives success_reward x the native score on the last step."""
-    if rollout_cfg.reward == "score":
-        return rollout_cfg.success_reward * float(report.score) if report.done else 0.0
-    return rollout_cfg.success_reward if report.won else 0.0
+# What a step earns by rollout.reward, one entry per choice the config declares: "success" gives
+# success_reward on the winning step, "score" gives success_reward x the env's native score on the last step.
+STEP_REWARDS = {
+    "success": lambda rollout_cfg, report: rollout_cfg.success_reward if report.won else 0.0,
+    "score": lambda rollout_cfg, report: rollout_cfg.success_reward * float(report.score) if report.done else 0.0,
+}
+
+
+def step_reward(rollout_cfg: RolloutConfig, report) -> float:
+    """The reward of the step that led to `report` (an EnvReport), by rollout.reward (STEP_REWARDS)."""
+    return STEP_REWARDS[rollout_cfg.reward](rollout_cfg, report)
 
 
 def _stable_seed(*parts) -> int:
@@ -560,15 +561,13 @@ def _stable_seed(*parts) -> int:
 RolloutActor = ray.remote(Rollout)
 
 
-def create_rollout_actor(cfg: dict, actor_id: str, inference_actors: list, stream_url: str | None,
+def create_rollout_actor(cfg: ExperimentConfig, actor_id: str, inference_actors: list, stream_url: str | None,
                          log_dir: str = "", model: ModelSource | None = None):
     """A rollout actor with the CPU share and the custom resources (`rollout.resources`: which nodes it may
     run on) the config asks for, hosting its env instances (in worker processes); log_dir:
     its output goes to <log_dir>/<actor_id>.log; model: see `Rollout`."""
-    ro = cfg["rollout"]
     # max_restarts=-1: an actor lost with its process or node comes back whenever Ray can place it again
-    # (deploy.system restarts its loop); its run() is not retried by Ray, so the driver sees the loss.
-    return RolloutActor.options(num_cpus=ro["cpus_per_actor"], resources=ro["resources"] or None, name=None,
-                                max_concurrency=1000, max_restarts=-1, max_task_retries=0).remote(
-        cfg, actor_id, inference_actors, stream_url, cfg["run"]["rollout_cpus"],
-        int(cfg["run"]["rollout_nice"]), log_dir, model)
+    # (deploy.rollout_pool restarts its loop); its run() is not retried by Ray, so the driver sees the loss.
+    return RolloutActor.options(num_cpus=cfg.rollout.cpus_per_actor, resources=cfg.rollout.resources or None,
+                                name=None, max_concurrency=1000, max_restarts=-1, max_task_retries=0).remote(
+        cfg, actor_id, inference_actors, stream_url, cfg.run.rollout_cpus, cfg.run.rollout_nice, log_dir, model)

@@ -14,6 +14,8 @@ Parts (each runs on its own; one that fails prints its error and the others go o
   `--steps` after one warm-up, tokens/s (every token of every row, the log-prob recompute included), peak
   GPU memory against docs/deploy.md's arithmetic for ZeRO-2 on one GPU (2P bf16 weights + 14P master
   weights, gradients and AdamW moments + 2P reference = 18P bytes, P parameters; activations on top).
+  `--threads N` sets the process's compute threads as the learner actor does (with `--offload` the
+  optimizer step runs on the host's CPUs: how much Ray's OMP_NUM_THREADS=1 would cost a GPU node).
 - push and resume (after the learner part, same engine): the weight push's learner side, `named_weights()`
   written as safetensors buckets into /dev/shm (what the shm transfer does before vLLM loads them), and a
   checkpoint save, one more update and a load, after which the log-probs must equal those at the save.
@@ -87,8 +89,8 @@ def build_model(shape: str, folder: str, *, dtype=torch.bfloat16, init_range: fl
 
 def synthetic_batch(cfg, vocab: int, group_size: int, seed: int, prompt=(600, 1200), response=(32, 256)):
     """A TrainBatch of cfg.groups_per_batch synthetic ALFWorld-shaped groups (GiGPO advantages by cfg)."""
+    from bench.synthetic import synthetic_groups
     from learner.batching import build_batch
-    from tests.synthetic import synthetic_groups
 
     gs = synthetic_groups(cfg.groups_per_batch, group_size, vocab_size=vocab, seed=seed, max_steps=4,
                           prompt_tokens=prompt, response_tokens=response)
@@ -135,7 +137,7 @@ def part_learner(args) -> None:
     arithmetic = 18 * params / 1e9
     RESULTS["learner"] = {
         "shape": args.shape, "params": params, "zero_stage": cfg.zero_stage, "kl_coef": cfg.kl_coef,
-        "head_dtype": args.head_dtype,
+        "head_dtype": args.head_dtype, "torch_threads": torch.get_num_threads(),
         "offload": cfg.offload, "micro_batch_tokens": cfg.micro_batch_tokens,
         "device": str(trainer.device), "step_s_median": median[0], "tokens": median[1], "rows": median[2],
         "tokens_per_s": median[1] / median[0], "peak_gpu_gb": peak, "arithmetic_18P_gb": arithmetic,
@@ -328,6 +330,9 @@ def main() -> int:
     ap.add_argument("--offload", action="store_true", help="learner.offload: master weights and AdamW moments "
                                                           "on the host (the GPU's peak is then activations, "
                                                           "bf16 weights and gradients, the reference)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="the process's compute threads, set as the learner actor sets them (0: leave torch's "
+                         "own choice, which follows OMP_NUM_THREADS: a Ray actor's num_cpus, 1 for the learner)")
     ap.add_argument("--head-dtype", default="model", choices=("model", "float32"),
                     help="learner part's model.head_dtype (float32: the lm_head's product in fp32)")
     ap.add_argument("--logprob-shape", default="smollm2-135m", choices=sorted(SHAPES))
@@ -338,6 +343,9 @@ def main() -> int:
     ap.add_argument("--cpu", action="store_true", help="run the learner and log-prob parts without CUDA "
                                                        "(a check of this script, not a measurement)")
     args = ap.parse_args()
+    if args.threads:
+        from common.cpu_placement import use_compute_threads
+        use_compute_threads(args.threads)
     if not torch.cuda.is_available() and not args.cpu:
         print("bench_gpu: no CUDA device here: skipped (run it on a GPU node)")
         return 0

@@ -42,10 +42,10 @@ import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
+from bench.synthetic import synthetic_groups  # noqa: E402
 from common.config import LearnerConfig  # noqa: E402
 from common.tiny_model import build_tiny_model  # noqa: E402
 from learner.batching import build_batch  # noqa: E402
-from tests.synthetic import synthetic_groups  # noqa: E402
 from learner.trainer import PolicyTrainer, teardown_distributed  # noqa: E402
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")

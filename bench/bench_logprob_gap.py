@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import tempfile
 import time
@@ -63,7 +62,7 @@ def gap_of(trainer, groups, cfg) -> dict:
 def measure(name: str, model_path: str, args, out_dir: str) -> list[dict]:
     from actors.inference import create_inference_actors, stop_inference_actors
     from actors.rollout import Rollout
-    from common.config import load_config, to_dict
+    from common.config import load_config
     from common.model_files import ModelSource
     from learner.loop import Learner
 
@@ -79,8 +78,8 @@ def measure(name: str, model_path: str, args, out_dir: str) -> list[dict]:
         f"learner.entropy_coef={args.entropy_coef}", "learner.checkpoint_every=0",
     ])
     model = ModelSource(model_path)
-    inference = create_inference_actors(to_dict(cfg), model, num_actors=1)
-    rollout = Rollout(to_dict(cfg), f"rollout-{name}", inference, None, model=model)
+    inference = create_inference_actors(cfg, model, num_actors=1)
+    rollout = Rollout(cfg, f"rollout-{name}", inference, None, model=model)
     learner = None
     rows = []
     try:

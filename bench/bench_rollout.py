@@ -40,7 +40,7 @@ def main() -> None:
 
     from actors.inference import create_inference_actors, stop_inference_actors
     from actors.rollout import create_rollout_actor
-    from common.config import ExperimentConfig, to_dict
+    from common.config import EnvConfig, ExperimentConfig, InferenceConfig, ModelConfig, RolloutConfig
     from common.tiny_model import build_tiny_model
     from common.weight_transfer import ShmTransfer as WeightPublisher
 
@@ -48,11 +48,11 @@ def main() -> None:
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = build_tiny_model(os.path.join(repo, ".cache", "test-tiny-policy"))
     ray.init(address="local", num_cpus=2, object_store_memory=100 * 1024**2, include_dashboard=False)
-    cfg = to_dict(ExperimentConfig())
-    cfg["model"].update(path=path, max_prompt_tokens=1024, max_response_tokens=args.response_tokens)
-    cfg["inference"].update(gpu_memory_utilization=0.05, max_num_seqs=256, cpus_per_actor=1.0)
-    cfg["env"].update(max_steps=20, num_generated_games=16, instances_per_process=8)
-    cfg["rollout"].update(cpus_per_actor=0.5)
+    cfg = ExperimentConfig(
+        model=ModelConfig(path=path, max_prompt_tokens=1024, max_response_tokens=args.response_tokens),
+        inference=InferenceConfig(gpu_memory_utilization=0.05, max_num_seqs=256, cpus_per_actor=1.0),
+        env=EnvConfig(max_steps=20, num_generated_games=16, instances_per_process=8),
+        rollout=RolloutConfig(cpus_per_actor=0.5))
     inference = create_inference_actors(cfg, path, num_actors=1)
     ray.get(inference[0].policy_version.remote(), timeout=300)
     print(f"engine ready in {time.perf_counter() - t_start:.0f} s")
@@ -60,7 +60,7 @@ def main() -> None:
     rows = []
     for n in [int(x) for x in args.instances.split(",")]:
         groups, size = _layout(n)
-        cfg["rollout"].update(groups_per_actor=groups, group_size=size)
+        cfg.rollout.groups_per_actor, cfg.rollout.group_size = groups, size
         actor = create_rollout_actor(cfg, f"bench-{n}", inference, None)
         run = actor.run.remote()
         # Warm-up: until every instance has been reset and stepped (64 instances start 8 env worker

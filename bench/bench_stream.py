@@ -147,7 +147,7 @@ def run_stream(url: str, groups: list[EpisodeGroup], key: str, batch: int) -> tu
 def _consume_stream(stream: TrajectoryStream, n: int, batch: int) -> int:
     done = 0
     while done < n:
-        got = stream.read(max_groups=min(batch, n - done), block_ms=1000, policy_version=0, trained_ids=set())
+        got = stream.read(max_groups=min(batch, n - done), block_ms=1000)
         stream.ack(got)
         done += len(got)
     return done

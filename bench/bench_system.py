@@ -34,12 +34,12 @@ def measure(sync: bool, updates: int, overrides: list[str], out_dir: str) -> dic
         # One warm-up update (engine compilation, first env resets), then the measured ones.
         cfg.run.iterations = 1
         system.train()
-        before = system.rollout_stats()
+        before = system.rollouts.stats()
         t0 = time.perf_counter()
         cfg.run.iterations = updates + 1
         history = system.train()
         wall = time.perf_counter() - t0
-        after = system.rollout_stats()
+        after = system.rollouts.stats()
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("env_steps", "publish_wait_s", "weight_wait_s")}
     slots = cfg.rollout.num_actors * cfg.rollout.groups_per_actor
     lags = [m.get("lag/policy_versions_mean", 0.0) for m in history]

@@ -91,7 +91,7 @@ def _row(label: str, infos: list[dict], base: float | None) -> tuple[str, float]
             best)
 
 
-def bench_model(name: str, path: str, args, cfg: dict) -> list[str]:
+def bench_model(name: str, path: str, args, cfg) -> list[str]:
     import ray
 
     from actors.inference import create_inference_actors, stop_inference_actors
@@ -167,7 +167,7 @@ def main() -> None:
     apply_project_env()
     import ray
 
-    from common.config import ExperimentConfig, to_dict
+    from common.config import ExperimentConfig, InferenceConfig, ModelConfig
     from common.tiny_model import build_tiny_model
 
     t_start = time.perf_counter()
@@ -182,11 +182,10 @@ def main() -> None:
                  log_to_driver=False)
     weights_dir = tempfile.mkdtemp(prefix="gigpo-bench-weights-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK)
                                    else None)
-    cfg = to_dict(ExperimentConfig())
-    cfg["model"].update(max_prompt_tokens=128, max_response_tokens=16)
-    cfg["inference"].update(gpu_memory_utilization=0.05, max_num_seqs=8, cpus_per_actor=1.0,
-                            weight_bucket_mb=args.bucket_mb, transfer_timeout_s=600.0,
-                            resources={args.inference_resource: 0.01} if args.inference_resource else {})
+    inference = InferenceConfig(gpu_memory_utilization=0.05, max_num_seqs=8, cpus_per_actor=1.0,
+                                weight_bucket_mb=args.bucket_mb, transfer_timeout_s=600.0,
+                                resources={args.inference_resource: 0.01} if args.inference_resource else {})
+    cfg = ExperimentConfig(model=ModelConfig(max_prompt_tokens=128, max_response_tokens=16), inference=inference)
     lines = []
     staged = ""
     try:
@@ -199,7 +198,7 @@ def main() -> None:
                   flush=True)
         for name in names:
             if not args.ray_address:     # one node: the driver's /dev/shm (a directory per model)
-                cfg["inference"]["weights_dir"] = os.path.join(weights_dir, name)
+                cfg.inference.weights_dir = os.path.join(weights_dir, name)
             lines += bench_model(name, paths[name], args, cfg)
     finally:
         ray.shutdown()

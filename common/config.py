@@ -255,6 +255,12 @@ class ExperimentConfig:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
 
 
+def choices(section: type, name: str) -> tuple:
+    """The values a Literal field allows, as declared above: choices(LearnerConfig, "algorithm") is ("gigpo",
+    "grpo", "rloo"). Code that keeps something per choice (learner.gigpo's registries) is checked against it."""
+    return typing.get_args(typing.get_type_hints(section)[name])
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Loading
 # ----------------------------------------------------------------------------------------------------------
@@ -337,8 +343,7 @@ def _build(cls: type, data: dict, where: str = "") -> Any:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Validation: each field's rule (F(..., rule)) and the rules across fields, checked once at load (and again
-# where actors rebuild the config)
+# Validation: each field's rule (F(..., rule)) and the rules across fields, checked once at load
 # ----------------------------------------------------------------------------------------------------------
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -346,7 +351,7 @@ REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 def validate(cfg: ExperimentConfig) -> None:
     """Check ranges and the rules that tie fields together; raises ConfigError naming the field(s) and
-    saying what to set. Called by `load_config` and `from_dict`, so a bad config stops before anything runs.
+    saying what to set. Called by `load_config`, so a bad config stops before anything runs.
     Facts outside the config (files, servers) are checked by deploy/preflight.py."""
     for section in dataclasses.fields(cfg):
         for f in dataclasses.fields(getattr(cfg, section.name)):
@@ -549,13 +554,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
-
-
-def from_dict(tree: dict) -> ExperimentConfig:
-    """The inverse of `to_dict` (actors receive their config as a plain dict), with the same checks."""
-    cfg = _build(ExperimentConfig, tree)
-    validate(cfg)
-    return cfg
 
 
 def describe(cls: type = ExperimentConfig, prefix: str = "") -> list[tuple[str, Any, str]]:

@@ -1,7 +1,7 @@
 """The environment variables the project needs in its own processes, set by the project itself.
 
 `apply_project_env()` runs where the project starts or becomes a process: at the start of the `gigpo`
-command and of `deploy.system.start_ray` (the driver, and through it a local Ray's processes), and as the
+command and of `deploy.run_control.start_ray` (the driver, and through it a local Ray's processes), and as the
 first line of every actor constructor (inference, rollout, learner), before vLLM or DeepSpeed
 is imported. So `.venv/bin/gigpo`, `ray job submit`, the container and KubeRay need no `make` or env.sh.
 Each variable is set with setdefault: a value the user (or a job's runtime env) gave wins.

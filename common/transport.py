@@ -12,15 +12,28 @@
 run's `stream` config) or an object with the interface; the learner takes a `WeightPublisher` or builds the
 configured one over its inference actors. The in-memory implementations only work inside one process: the
 system's own parts are separate Ray processes and always use the real ones.
+
+A trajectory source delivers groups and takes them back (ack, dead-letter); which groups to train on (stale
+ones, duplicates) is the learner's read policy (`learner.read_policy`), the same for every source.
 """
 from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from typing import Callable, Iterable, Protocol
+from dataclasses import dataclass
+from typing import Iterable, Protocol
 
 from common.records import EpisodeGroup
-from common.stream import Received
+
+
+@dataclass
+class Received:
+    """One group handed to the learner; pass it back to `ack()` or `dead_letter()`. `redelivered`: handed
+    out before and never acked (a learner stopped while holding it), so a learner has judged it once."""
+
+    entry_id: str
+    group: EpisodeGroup
+    redelivered: bool = False
 
 
 class TrajectorySink(Protocol):
@@ -32,16 +45,16 @@ class TrajectorySink(Protocol):
 
 
 class TrajectorySource(Protocol):
-    stats: dict[str, int]      # counters since start: read, acked, dropped_stale, duplicates_skipped, ...
+    # counters since start, among them how the learner's groups ended (see ack): acked, dropped_stale,
+    # duplicates_skipped, dead_lettered
+    stats: dict[str, int]
 
-    def read(self, max_groups: int, block_ms: int, policy_version: int,
-             trained_ids: set[str] | frozenset[str] = frozenset(), policy_lag: Callable[[int], int] | None = None,
-             newest_version: int | None = None) -> list[Received]:
-        """Up to max_groups groups not yet trained on (`trained_ids`) and at most stream.max_policy_lag
-        versions old (`policy_lag(v)`, default policy_version - v), waiting up to block_ms for the first."""
+    def read(self, max_groups: int, block_ms: int = 0) -> list[Received]:
+        """Up to max_groups complete groups that no live reader holds, waiting up to block_ms for the first."""
 
-    def ack(self, received: list[Received]) -> None:
-        """Commit: the groups an update used (and its checkpoint, where one covers them) are done."""
+    def ack(self, received: list[Received], counted_as: str = "acked") -> None:
+        """Done with these groups: the update that used them is committed (counted as "acked"), or the
+        learner dropped them untrained (counted as its reason: "dropped_stale", "duplicates_skipped")."""
 
     def dead_letter(self, received: list[Received], reason: str) -> None:
         """Set aside groups that cannot be trained on, with the reason; never handed out again."""
@@ -64,12 +77,11 @@ class WeightPublisher(Protocol):
 
 
 class InMemoryTrajectories:
-    """Both ends of the trajectory boundary in one process, with the stream's read rules (a group already
-    trained on or in flight is skipped, a stale one dropped; both counted); no bound, nothing persisted,
+    """Both ends of the trajectory boundary in one process: each group is handed out once, until acked or
+    dead-lettered (nothing is redelivered: no reader can die apart from it); no bound, nothing persisted,
     no blocking (`block_ms` is ignored: nothing else could publish while it waits)."""
 
-    def __init__(self, max_policy_lag: int = 4):
-        self.max_policy_lag = max_policy_lag
+    def __init__(self):
         self._entries: OrderedDict[str, EpisodeGroup] = OrderedDict()    # published, not acked
         self._inflight: set[str] = set()
         self._ids = itertools.count(1)
@@ -83,34 +95,17 @@ class InMemoryTrajectories:
         self.stats["published"] += 1
         return entry_id
 
-    def read(self, max_groups: int, block_ms: int = 0, policy_version: int = 0,
-             trained_ids: set[str] | frozenset[str] = frozenset(), policy_lag: Callable[[int], int] | None = None,
-             newest_version: int | None = None) -> list[Received]:
-        lag_of = policy_lag or (lambda version: policy_version - version)
-        taken = {self._entries[e].group_id for e in self._inflight}
-        out: list[Received] = []
-        for entry_id, group in list(self._entries.items()):
-            if len(out) >= max_groups:
-                break
-            if entry_id in self._inflight:
-                continue
-            if group.group_id in trained_ids or group.group_id in taken:    # trained, or a copy in flight
-                self.stats["duplicates_skipped"] += 1
-                del self._entries[entry_id]
-            elif group.policy_versions[0] >= 0 and lag_of(group.policy_versions[0]) > self.max_policy_lag:
-                self.stats["dropped_stale"] += 1
-                del self._entries[entry_id]
-            else:
-                self._inflight.add(entry_id)
-                taken.add(group.group_id)
-                out.append(Received(entry_id, group))
+    def read(self, max_groups: int, block_ms: int = 0) -> list[Received]:
+        unread = ((e, g) for e, g in self._entries.items() if e not in self._inflight)
+        out = [Received(e, g) for e, g in itertools.islice(unread, max(max_groups, 0))]
+        self._inflight.update(r.entry_id for r in out)
         self.stats["read"] += len(out)
         return out
 
-    def ack(self, received: list[Received]) -> None:
+    def ack(self, received: list[Received], counted_as: str = "acked") -> None:
         for r in received:
             self._inflight.discard(r.entry_id)
-            self.stats["acked"] += self._entries.pop(r.entry_id, None) is not None
+            self.stats[counted_as] += self._entries.pop(r.entry_id, None) is not None
 
     def dead_letter(self, received: list[Received], reason: str) -> None:
         for r in received:

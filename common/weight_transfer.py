@@ -52,12 +52,13 @@ import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
+from common.config import ExperimentConfig, InferenceConfig, choices
 from common.placement import free_port, node_label
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
-MODES = ("auto", "shm", "collective", "ipc")
+MODES = choices(InferenceConfig, "weight_transfer")      # the ways above
 
 
 # -- shm: the bucket format ----------------------------------------------------------------------------------
@@ -578,8 +579,9 @@ class WeightTransfer:
     """The learner's end of the learner -> inference boundary (see the module docstring): `push`,
     `needs_push`, `close`. `mode` is the way in use ("shm", "collective" or "ipc"), `reason` why."""
 
-    def __init__(self, inference_actors: list, mode: str = "auto", bucket_mb: float = 512,
-                 timeout_s: float = 600.0, shared_weights_dir: bool = False):
+    def __init__(self, inference_actors: list, mode: str = InferenceConfig.weight_transfer,
+                 bucket_mb: float = InferenceConfig.weight_bucket_mb,
+                 timeout_s: float = InferenceConfig.transfer_timeout_s, shared_weights_dir: bool = False):
         if mode not in MODES:
             raise ValueError(f"inference.weight_transfer must be one of {MODES}, got {mode!r}")
         if not inference_actors:
@@ -676,11 +678,10 @@ class WeightTransfer:
             self.transport.close()
 
 
-def create_weight_transfer(cfg, inference_actors: list) -> WeightTransfer:
-    """The learner's weight transfer for `cfg` (an ExperimentConfig or its dict): inference.weight_transfer,
-    weight_bucket_mb, transfer_timeout_s, weights_dir. Call it on learner rank 0, after the inference
-    actors are created (it asks them where they run; they answer once their engines are up)."""
-    infer = cfg["inference"] if isinstance(cfg, dict) else vars(cfg.inference)
-    return WeightTransfer(inference_actors, mode=infer["weight_transfer"],
-                          bucket_mb=float(infer["weight_bucket_mb"]), timeout_s=float(infer["transfer_timeout_s"]),
-                          shared_weights_dir=bool(infer["weights_dir"]))
+def create_weight_transfer(cfg: ExperimentConfig, inference_actors: list) -> WeightTransfer:
+    """The learner's weight transfer for `cfg`: inference.weight_transfer, weight_bucket_mb,
+    transfer_timeout_s, weights_dir. Call it on learner rank 0, after the inference actors are created (it
+    asks them where they run; they answer once their engines are up)."""
+    infer = cfg.inference
+    return WeightTransfer(inference_actors, mode=infer.weight_transfer, bucket_mb=infer.weight_bucket_mb,
+                          timeout_s=infer.transfer_timeout_s, shared_weights_dir=bool(infer.weights_dir))

@@ -15,7 +15,7 @@ A mistake in what was asked (a bad config value, a missing model or game data, a
 password) is one line on stderr, `gigpo: <what is wrong>; <how to fix>`, exit status 2, found before
 anything starts or is written; `--debug` shows the traceback instead. A training run that loses a part it
 cannot go on without (a learner rank or its node, its Redis) ends with a few lines saying what was lost,
-the newest checkpoint and the command that resumes, exit status 3 (deploy.system.RunLost).
+the newest checkpoint and the command that resumes, exit status 3 (deploy.run_control.RunLost).
 """
 from __future__ import annotations
 
@@ -54,7 +54,9 @@ def _load(args) -> "object":
 def cmd_train(args) -> int:
     cfg = _load(args)
     run_checks(cfg)
-    from deploy.system import EXIT_LOST, RunLost, lost_run_message, train   # (imports Ray: once the checks passed)
+    # (imports Ray, torch and the actors: once the checks passed)
+    from deploy.run_control import EXIT_LOST, RunLost, lost_run_message
+    from deploy.system import train
     try:
         summary = train(cfg)
     except RunLost as exc:      # a learner rank, its node or the Redis is gone: what, where from, how to go on
@@ -264,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except KeyboardInterrupt:     # Ctrl-C: the run has been closed (deploy.system); no traceback
+    except KeyboardInterrupt:     # Ctrl-C: the run has been closed (System.close); no traceback
         print("gigpo: interrupted", file=sys.stderr)
         return 130
     except USER_ERRORS as exc:

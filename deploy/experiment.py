@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ALGORITHMS = ("gigpo", "grpo")
+COMPARED = ("gigpo", "grpo")        # the two learner.algorithm choices this experiment compares
 RUN_INFO = "experiment_run.json"     # in each run directory: how the run ended and its wall time
 
 
@@ -203,8 +203,8 @@ def summarize(evals: dict[str, dict[int, dict]], protocol: Protocol) -> dict:
         row["change"] = {k: paired({s: t["after"] for s, t in done.items()},
                                    {s: t["before"] for s, t in done.items()}, k) for k in MEASURE_KEYS}
         out["algorithms"][algo] = row
-    if all(a in tables for a in ALGORITHMS):
-        after = {a: {s: t["after"] for s, t in tables[a].items() if "after" in t} for a in ALGORITHMS}
+    if all(a in tables for a in COMPARED):
+        after = {a: {s: t["after"] for s, t in tables[a].items() if "after" in t} for a in COMPARED}
         out["paired"] = {k: paired(after["gigpo"], after["grpo"], k) for k in MEASURE_KEYS}
     return out
 
@@ -380,11 +380,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report:
         warm = build_warm_model(args.config, protocol, work, args.overrides)
         print(f"[experiment] warm model {warm} ({(time.perf_counter() - t0) / 60:.1f} min)", flush=True)
-    evals: dict[str, dict[int, dict]] = {a: {} for a in ALGORITHMS}
-    curves: dict[str, dict[int, list]] = {a: {} for a in ALGORITHMS}
+    evals: dict[str, dict[int, dict]] = {a: {} for a in COMPARED}
+    curves: dict[str, dict[int, list]] = {a: {} for a in COMPARED}
     runs: dict[str, dict] = {}
     for seed in range(protocol.seeds):                 # seed-major: a cut-short experiment still compares
-        for algo in ALGORITHMS:
+        for algo in COMPARED:
             run_dir = work / f"{algo}-s{seed}"
             if args.report:
                 if not (run_dir / RUN_INFO).exists():

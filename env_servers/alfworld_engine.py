@@ -27,7 +27,9 @@ import json
 import threading
 from typing import Any, Mapping
 
-ENGINES = ("fast", "upstream")
+from common.config import EnvConfig, choices
+
+ENGINES = choices(EnvConfig, "engine")
 
 _INSTALL_HINT = ("the ALFWorld engine is not installed (needs alfworld==0.4.2, textworld[pddl]==1.7.0 with "
                  "fast_downward): run `make install`")

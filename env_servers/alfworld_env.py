@@ -23,6 +23,7 @@ import os
 from collections import OrderedDict
 from pathlib import Path
 
+from common.config import EnvConfig, choices
 from env_servers.alfworld_engine import ENGINES, make_engine, require_engine
 from env_servers.alfworld_gen import GeneratorOptions, game_seed, generate_game
 from env_servers.base import EnvReport
@@ -82,8 +83,8 @@ class ALFWorldEnv:
     def __init__(self, data_dir: str | None = None, source: str = "data", engine: str = "fast",
                  generator: dict | GeneratorOptions | None = None, num_generated_games: int = 64,
                  num_eval_games: int | None = None, seed: int = 0):
-        if source not in ("data", "generated"):
-            raise ValueError(f"ALFWorld source {source!r}: choose 'data' or 'generated'")
+        if source not in choices(EnvConfig, "source"):
+            raise ValueError(f"ALFWorld source {source!r}: choose one of {choices(EnvConfig, 'source')}")
         if engine not in ENGINES:
             raise ValueError(f"ALFWorld engine {engine!r}: choose one of {ENGINES}")
         require_engine()

@@ -1,10 +1,10 @@
 """Which TextEnv an EnvConfig names. Engines are imported lazily: a WebShop run never imports TextWorld."""
 from __future__ import annotations
 
-from common.config import EnvConfig
+from common.config import EnvConfig, choices
 from env_servers.base import TextEnv
 
-ENV_NAMES = ("alfworld", "webshop")
+ENV_NAMES = choices(EnvConfig, "name")
 
 
 def make_env(env_cfg: EnvConfig, seed: int = 0) -> TextEnv:

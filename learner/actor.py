@@ -20,7 +20,7 @@ import time
 
 import ray
 
-from common.config import ExperimentConfig, from_dict, to_dict
+from common.config import ExperimentConfig
 from common.cpu_placement import compute_threads, place_this_process, use_compute_threads
 from common.log_files import send_output_to
 from common.placement import (LEARNER_CPUS_PER_PROCESS, PLACEMENT_TIMEOUT_S, PlacementError, actor_need, format_need,
@@ -38,10 +38,10 @@ STEP_TIMEOUT_S = 3600.0          # one update on every rank beyond its wait for 
 class LearnerWorker:
     """One learner process: joins the process group, then builds `learner.loop.Learner` (see the module)."""
 
-    def __init__(self, cfg: dict, rank: int, world_size: int, log_dir: str = ""):
+    def __init__(self, cfg: ExperimentConfig, rank: int, world_size: int, log_dir: str = ""):
         apply_project_env()     # vLLM's, DeepSpeed's, ... variables first
         send_output_to(log_dir, f"learner-{rank}")     # DeepSpeed's and torch's output too
-        self.cfg: ExperimentConfig = from_dict(cfg)
+        self.cfg = cfg
         self.rank, self.world_size = rank, world_size
         self.learner = None
 
@@ -163,7 +163,7 @@ def create_learner_workers(cfg: ExperimentConfig, model, stream_url: str | None,
     gpus = cfg.learner.gpus_per_process
     actor_cls = ray.remote(LearnerWorker)
     workers = [actor_cls.options(num_cpus=LEARNER_CPUS_PER_PROCESS, num_gpus=gpus,
-                                 resources=cfg.learner.resources or None, name=None).remote(to_dict(cfg), rank, n, log_dir)
+                                 resources=cfg.learner.resources or None, name=None).remote(cfg, rank, n, log_dir)
                for rank in range(n)]
     try:
         need = actor_need(LEARNER_CPUS_PER_PROCESS, gpus, cfg.learner.resources)

@@ -21,9 +21,7 @@ import torch
 
 from common.config import LearnerConfig
 from common.records import EpisodeGroup, Termination, check_values
-from learner.gigpo import (anchor_group_summary, gigpo_parts, grpo_advantages, rloo_advantages)
-
-ALGORITHMS = ("gigpo", "grpo", "rloo")
+from learner.gigpo import ADVANTAGE_ESTIMATORS, AdvantageRows, estimate_grpo
 
 
 @dataclass
@@ -110,7 +108,8 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> float:
 
 def build_batch(groups: list[EpisodeGroup], cfg: LearnerConfig, *, invalid_action_penalty: float = 0.1
                 ) -> TrainBatch:
-    """Flatten groups into rows and compute the advantage of every row with cfg.algorithm.
+    """Flatten groups into rows and compute the advantage of every row with cfg.algorithm's estimator
+    (learner.gigpo.ADVANTAGE_ESTIMATORS): check, drop env errors, dynamic sampling, flatten, advantages, metrics.
 
     Rows with an empty response carry no token to train on and are left out after the advantages are
     computed (they still count in the group statistics: they are steps the agent took). With
@@ -132,118 +131,137 @@ def build_batch(groups: list[EpisodeGroup], cfg: LearnerConfig, *, invalid_actio
     rollouts all succeeded (GRPO has no signal there, GiGPO's step advantage can), and the mean length of
     the successful trajectories (NaN when none succeeded; shorter is what GiGPO's step signal rewards).
     """
-    if cfg.algorithm not in ALGORITHMS:
-        raise ValueError(f"learner.algorithm must be one of {ALGORITHMS}, got {cfg.algorithm!r}")
+    estimate = _estimator(groups, cfg)
+    usable, env_error_groups = _without_env_errors(groups)
+    kept, skipped = _dynamic_sampling(usable, cfg)
+    rows = advantage_rows([(g, r) for g, r, _ in kept], invalid_action_penalty)
+    advantages, metrics = estimate(rows, cfg)
+    grpo, _ = estimate_grpo(rows, cfg)            # the baseline of the diagnostics
+    batch, trained = _train_batch(groups, kept, rows, advantages, skipped, env_error_groups)
+    metrics.update(_batch_metrics(groups, usable, kept, rows, batch, len(rows.steps) - len(trained),
+                                  np.asarray(grpo, dtype=np.float64)[trained]))
+    batch.metrics = metrics
+    return batch
+
+
+def _estimator(groups: list[EpisodeGroup], cfg: LearnerConfig):
+    """The advantage estimator of cfg.algorithm, once the groups are checked: distinct ids, rows that can
+    be trained on (`check_group`)."""
+    estimate = ADVANTAGE_ESTIMATORS.get(cfg.algorithm)
+    if estimate is None:
+        raise ValueError(f"learner.algorithm must be one of {tuple(ADVANTAGE_ESTIMATORS)}, got {cfg.algorithm!r}")
     seen: set[str] = set()
     for g in groups:
         if g.group_id in seen:
             raise ValueError(f"group {g.group_id} appears twice in one batch")
         seen.add(g.group_id)
         check_group(g)
+    return estimate
 
-    # Environment errors out first: everything below sees only trajectories with a known outcome.
-    # (group, which of its trajectories are usable: bool [N], those trajectories)
-    usable: list[tuple[EpisodeGroup, np.ndarray, list]] = []
-    env_error_trajs = 0
-    env_error_groups: list[str] = []
+
+def known_outcomes(group: EpisodeGroup) -> np.ndarray:
+    """bool per trajectory: not ended by an environment error (whose outcome is unknown)."""
+    return np.array([t.termination != Termination.ENV_ERROR for t in group.trajectories], dtype=bool)
+
+
+def usable_rows(group: EpisodeGroup) -> np.ndarray:
+    """The rows of the group's trajectories with a known outcome: those build_batch computes advantages over."""
+    return np.flatnonzero(known_outcomes(group)[group.row_trajectory()])
+
+
+def _without_env_errors(groups: list[EpisodeGroup]) -> tuple[list[tuple[EpisodeGroup, np.ndarray, list]], list[str]]:
+    """(group, `usable_rows`, its trajectories with a known outcome) of every group but those left with
+    fewer than MIN_TRAJECTORIES such trajectories, whose ids come second."""
+    usable, dropped = [], []
     for g in groups:
-        good = np.array([t.termination != Termination.ENV_ERROR for t in g.trajectories], dtype=bool)
-        env_error_trajs += int((~good).sum())
+        good = known_outcomes(g)
         if not good.all() and good.sum() < MIN_TRAJECTORIES:
-            env_error_groups.append(g.group_id)
-            continue
-        usable.append((g, good, [t for t, ok in zip(g.trajectories, good) if ok]))
+            dropped.append(g.group_id)
+        else:
+            usable.append((g, usable_rows(g), [t for t, ok in zip(g.trajectories, good) if ok]))
+    return usable, dropped
 
+
+def _dynamic_sampling(usable: list, cfg: LearnerConfig) -> tuple[list, list[str]]:
+    """(the usable groups to train on, the ids of those cfg.dynamic_sampling skips)."""
     kept, skipped = [], []
-    for g, good, trajs in usable:
-        returns = g.returns()[good]
+    for g, rows, trajs in usable:
+        returns = np.array([t.episode_return for t in trajs], dtype=np.float64)
         if cfg.dynamic_sampling and len(returns) and np.all(returns == returns[0]):
             skipped.append(g.group_id)
         else:
-            kept.append((g, good, trajs))
+            kept.append((g, rows, trajs))
+    return kept, skipped
 
-    # The kept rows, flattened group after group: one entry per row in every list below.
-    gid, tid, steps, rewards, anchors, valid = [], [], [], [], [], []
-    prompts, responses, logps = [], [], []
-    episode_returns, successes, lengths = [], [], []
-    for g, good, trajs in kept:
-        episode_returns += [t.episode_return for t in trajs]
-        successes += [float(t.success) for t in trajs]
-        lengths += [t.num_steps for t in trajs]
-        traj_of_row = g.row_trajectory()
-        rows = np.flatnonzero(good[traj_of_row])
-        ids = [g.trajectories[k].traj_id for k in traj_of_row[rows].tolist()]
+
+def advantage_rows(chosen: list[tuple[EpisodeGroup, np.ndarray]], invalid_action_penalty: float
+                   ) -> AdvantageRows:
+    """The given rows of each group, flattened group after group, for the advantage estimators."""
+    gid, tid, anchors, steps, rewards, valid = [], [], [], [], [], []
+    for g, rows in chosen:
         gid += [g.group_id] * len(rows)
-        tid += ids
+        tid += [g.trajectories[k].traj_id for k in g.row_trajectory()[rows].tolist()]
+        texts = g.rows.text("anchor")
+        anchors += [texts[i] for i in rows.tolist()]
         steps.append(g.rows["step"][rows])
         rewards.append(g.rows["reward"][rows])
         valid.append(g.rows["valid"][rows])
-        for name, out in (("anchor", anchors), ("prompt_ids", prompts), ("response_ids", responses),
-                          ("response_logprobs", logps)):
-            values = g.rows.text(name) if name == "anchor" else g.rows.per_row(name)
-            out += [values[i] for i in rows.tolist()]
-    steps_arr = np.concatenate(steps).astype(np.int64) if steps else np.zeros(0, np.int64)
-    rewards_arr = np.concatenate(rewards).astype(np.float64) if rewards else np.zeros(0)
-    pens = np.where(np.concatenate(valid), 0.0, invalid_action_penalty) if valid else np.zeros(0)
-    metrics: dict[str, float] = {}
-    # GRPO's advantages of the same rows: the baseline the diagnostics compare with (and GRPO's own).
-    grpo = grpo_advantages(gid, tid, steps_arr, rewards_arr, normalize_std=cfg.normalize_std,
-                           episode_stats=cfg.episode_stats, penalties=pens)
-    if cfg.algorithm == "gigpo":
-        parts = gigpo_parts(gid, tid, steps_arr, rewards_arr, anchors, gamma=cfg.gamma,
-                            normalize_std=cfg.normalize_std, episode_stats=cfg.episode_stats,
-                            similarity=cfg.similarity or None, penalties=pens)
-        adv = parts.episode + cfg.omega * parts.step
-        metrics.update({f"anchor/{k}": v for k, v in anchor_group_summary(parts).items()})
-        if len(adv):
-            metrics["adv/episode_abs_mean"] = float(np.abs(parts.episode).mean())
-            metrics["adv/step_abs_mean"] = float(np.abs(parts.step).mean())
-    elif cfg.algorithm == "grpo":
-        adv = grpo
-    else:
-        adv = rloo_advantages(gid, tid, steps_arr, rewards_arr, penalties=pens)
+    flat = lambda parts, dtype: np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)  # noqa: E731
+    return AdvantageRows(group_ids=gid, traj_ids=tid, steps=flat(steps, np.int64), rewards=flat(rewards, np.float64),
+                         anchors=anchors, penalties=np.where(flat(valid, bool), 0.0, invalid_action_penalty))
 
-    keep = np.array([len(r) > 0 for r in responses], dtype=bool)
-    idx = np.flatnonzero(keep)
-    batch = TrainBatch(
-        prompt_ids=[prompts[i] for i in idx], response_ids=[responses[i] for i in idx],
-        old_logprobs=[logps[i] for i in idx], advantages=np.asarray(adv, dtype=np.float64)[idx],
-        row_group=[gid[i] for i in idx], group_ids=[g.group_id for g in groups], skipped_group_ids=skipped,
-        env_error_group_ids=env_error_groups,
-        token_masks=[~forced_token_mask(logps[i]) for i in idx],
-    )
-    a = batch.advantages
-    base = np.asarray(grpo, dtype=np.float64)[idx]
-    forced = sum(int((~m).sum()) for m in batch.token_masks)
-    success_lengths = [t.num_steps for _, _, trajs in usable for t in trajs if t.success]
-    metrics.update({
+
+def _train_batch(groups: list[EpisodeGroup], kept: list, rows: AdvantageRows, advantages: np.ndarray,
+                 skipped: list[str], env_error_groups: list[str]) -> tuple[TrainBatch, np.ndarray]:
+    """The TrainBatch of the kept rows that have a response, and which of `rows` those are."""
+    tokens = {"prompt_ids": [], "response_ids": [], "response_logprobs": []}
+    for g, r, _ in kept:
+        for name, out in tokens.items():
+            values = g.rows.per_row(name)
+            out += [values[i] for i in r.tolist()]
+    prompts, responses, logps = tokens.values()
+    trained = np.flatnonzero([len(r) > 0 for r in responses])
+    return TrainBatch(
+        prompt_ids=[prompts[i] for i in trained], response_ids=[responses[i] for i in trained],
+        old_logprobs=[logps[i] for i in trained], advantages=np.asarray(advantages, dtype=np.float64)[trained],
+        row_group=[rows.group_ids[i] for i in trained], group_ids=[g.group_id for g in groups],
+        skipped_group_ids=skipped, env_error_group_ids=env_error_groups,
+        token_masks=[~forced_token_mask(logps[i]) for i in trained]), trained
+
+
+def _batch_metrics(groups: list[EpisodeGroup], usable: list, kept: list, rows: AdvantageRows,
+                   batch: TrainBatch, empty_responses: int, baseline: np.ndarray) -> dict[str, float]:
+    """The batch/*, adv/* and diag/* metrics (see `build_batch`); `baseline`: GRPO's advantages of the
+    trained rows."""
+    trajs = [t for _, _, ts in kept for t in ts]
+    success_lengths = [t.num_steps for _, _, ts in usable for t in ts if t.success]
+    a, pens = batch.advantages, rows.penalties
+    mean_or_0 = lambda values: float(np.mean(values)) if len(values) else 0.0  # noqa: E731
+    return {
         "batch/groups": float(len(groups)),
-        "batch/groups_skipped_equal_returns": float(len(skipped)),
-        "batch/groups_dropped_env_error": float(len(env_error_groups)),
-        "batch/trajectories_env_error": float(env_error_trajs),
+        "batch/groups_skipped_equal_returns": float(len(batch.skipped_group_ids)),
+        "batch/groups_dropped_env_error": float(len(batch.env_error_group_ids)),
+        "batch/trajectories_env_error": float(sum(int((~known_outcomes(g)).sum()) for g in groups)),
         "batch/rows": float(batch.num_rows),
-        "batch/rows_empty_response": float((~keep).sum()),
-        "batch/invalid_action_share": float(np.mean(pens > 0)) if len(pens) else 0.0,
+        "batch/rows_empty_response": float(empty_responses),
+        "batch/invalid_action_share": mean_or_0(pens > 0),
         "batch/response_tokens": float(batch.response_lengths().sum()),
-        "batch/forced_tokens": float(forced),
-        "batch/episode_return_mean": float(np.mean(episode_returns)) if episode_returns else 0.0,
-        "batch/success_rate": float(np.mean(successes)) if successes else 0.0,
-        "batch/episode_steps_mean": float(np.mean(lengths)) if lengths else 0.0,
-        "adv/mean": float(a.mean()) if len(a) else 0.0,
+        "batch/forced_tokens": float(sum(int((~m).sum()) for m in batch.token_masks)),
+        "batch/episode_return_mean": mean_or_0([t.episode_return for t in trajs]),
+        "batch/success_rate": mean_or_0([float(t.success) for t in trajs]),
+        "batch/episode_steps_mean": mean_or_0([t.num_steps for t in trajs]),
+        "adv/mean": mean_or_0(a),
         "adv/std": float(a.std()) if len(a) else 0.0,
         "adv/min": float(a.min()) if len(a) else 0.0,
         "adv/max": float(a.max()) if len(a) else 0.0,
-        "adv/zero_share": float(np.mean(a == 0.0)) if len(a) else 0.0,
-        "diag/adv_cosine_vs_grpo": _cosine(a, base),
-        "diag/adv_sign_differs_share": float(np.mean(np.sign(a) != np.sign(base))) if len(a) else 0.0,
-        "diag/groups_all_success_share": (float(np.mean([all(t.success for t in trajs)
-                                                         for _, _, trajs in usable])) if usable else 0.0),
+        "adv/zero_share": mean_or_0(a == 0.0),
+        "diag/adv_cosine_vs_grpo": _cosine(a, baseline),
+        "diag/adv_sign_differs_share": mean_or_0(np.sign(a) != np.sign(baseline)),
+        "diag/groups_all_success_share": mean_or_0([all(t.success for t in ts) for _, _, ts in usable]),
         "diag/success_episode_length_mean": float(np.mean(success_lengths)) if success_lengths else float("nan"),
         "diag/successful_trajectories": float(len(success_lengths)),
         "diag/successful_trajectory_steps": float(sum(success_lengths)),
-    })
-    batch.metrics = metrics
-    return batch
+    }
 
 
 def mini_batches(num_rows: int, mini_batch_rows: int, seed: int) -> list[np.ndarray]:

@@ -1,5 +1,6 @@
 """The algorithm, in one file: group-based advantages for multi-step agents (GiGPO, and GRPO and RLOO as
-baselines) and the policy loss they are trained with.
+baselines) and the policy loss they are trained with. The config's names map to their functions in two
+registries: ADVANTAGE_ESTIMATORS (learner.algorithm) and CORRECTIONS (learner.logprob_correction).
 
 Advantages: pure NumPy, array in, array out: one value per training row (one environment step), rows in any
 order. Equation numbers are those of the GiGPO paper (Feng et al., arXiv 2505.10978):
@@ -68,7 +69,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-EPISODE_STATS = ("rows", "trajectories")
+from common.config import LearnerConfig
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -192,11 +193,12 @@ def group_stats(codes: np.ndarray, values: np.ndarray, num_groups: int) -> Group
 
 
 def normalize_in_groups(codes: np.ndarray, values: np.ndarray, *, normalize_std: bool, eps: float,
-                        singleton: str) -> np.ndarray:
+                        singleton: str, members: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """(value - group mean) / F per row. `singleton` says what a one-member group gets: "zero" (A^S = 0) or
-    "mean0_std1" (the reference's episode convention: mean 0, std 1)."""
+    "mean0_std1" (the reference's episode convention: mean 0, std 1). `members`: (group code, value) of
+    what the statistics are taken over, when not the rows themselves (an episode group's trajectories)."""
     num_groups = int(codes.max()) + 1 if len(codes) else 0
-    st = group_stats(codes, values, num_groups)
+    st = group_stats(*(members or (codes, values)), num_groups)
     mean, std = st.mean.copy(), st.std.copy()
     single = st.size == 1
     if singleton == "mean0_std1":
@@ -286,7 +288,9 @@ class _Rows:
     penalties: np.ndarray
 
 
-def _check_rows(group_ids, traj_ids, steps, rewards, penalties, episode_stats, extra=()) -> _Rows:
+def _check_rows(group_ids, traj_ids, steps, rewards, penalties, extra=()) -> _Rows:
+    """The rows, coded, once their lengths and values are checked. (The settings' ranges, gamma, omega,
+    similarity, episode_stats, are the rules of the learner.* fields, checked when the config loads.)"""
     n = len(group_ids)
     named = [("traj_ids", traj_ids), ("steps", steps), ("rewards", rewards)] + list(extra)
     if penalties is not None:
@@ -294,8 +298,6 @@ def _check_rows(group_ids, traj_ids, steps, rewards, penalties, episode_stats, e
     for name, arr in named:
         if len(arr) != n:
             raise ValueError(f"length mismatch: group_ids has {n} rows but {name} has {len(arr)}")
-    if episode_stats not in EPISODE_STATS:
-        raise ValueError(f"episode_stats must be one of {EPISODE_STATS}, got {episode_stats!r}")
     rewards = np.asarray(rewards, dtype=np.float64).reshape(-1)
     pen = np.zeros(n) if penalties is None else np.asarray(penalties, dtype=np.float64).reshape(-1)
     for name, arr in (("rewards", rewards), ("penalties", pen)):
@@ -325,26 +327,19 @@ def _episode_scores(rows: _Rows) -> np.ndarray:
     return traj_return[rows.traj] - rows.penalties
 
 
+def _trajectory_scores(rows: _Rows, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(episode group, mean score of its rows) of each trajectory."""
+    traj_group = np.zeros(int(rows.traj.max()) + 1, dtype=np.int64)
+    traj_group[rows.traj] = rows.group
+    return traj_group, np.bincount(rows.traj, weights=scores) / np.bincount(rows.traj)
+
+
 def _episode_advantages(rows: _Rows, *, normalize_std: bool, episode_stats: str, eps: float) -> np.ndarray:
     """A^E (Eq. 3), statistics over the rows or the trajectories of each episode group."""
     scores = _episode_scores(rows)
-    if episode_stats == "rows":
-        return normalize_in_groups(rows.group, scores, normalize_std=normalize_std, eps=eps,
-                                   singleton="mean0_std1")
-    num_traj = int(rows.traj.max()) + 1
-    traj_score = np.bincount(rows.traj, weights=scores) / np.bincount(rows.traj)
-    traj_group = np.zeros(num_traj, dtype=np.int64)
-    traj_group[rows.traj] = rows.group
-    st = group_stats(traj_group, traj_score, int(rows.group.max()) + 1)
-    mean, std = st.mean.copy(), st.std.copy()
-    single = st.size == 1
-    mean[single], std[single] = 0.0, 1.0
-    out = scores - mean[rows.group]
-    if normalize_std:
-        out = out / (std[rows.group] + eps)
-    # Trajectory scores all equal: the group carries no episode-level signal (and std is 0).
-    out[(st.all_equal & ~single)[rows.group]] = 0.0
-    return out
+    members = None if episode_stats == "rows" else _trajectory_scores(rows, scores)
+    return normalize_in_groups(rows.group, scores, normalize_std=normalize_std, eps=eps, singleton="mean0_std1",
+                               members=members)
 
 
 @dataclass(frozen=True)
@@ -361,12 +356,7 @@ def gigpo_parts(group_ids, traj_ids, steps, rewards, anchors, *, gamma: float = 
                 normalize_std: bool = True, episode_stats: str = "rows", similarity: float | None = None,
                 eps: float = 1e-6, penalties=None) -> GiGPOParts:
     """Episode and step advantages of GiGPO, separately. See `gigpo_advantages`."""
-    rows = _check_rows(group_ids, traj_ids, steps, rewards, penalties, episode_stats,
-                       extra=[("anchors", anchors)])
-    if not (0.0 <= gamma <= 1.0):
-        raise ValueError(f"gamma must be in [0, 1], got {gamma!r}")
-    if similarity is not None and not (0.0 < similarity < 1.0):
-        raise ValueError(f"similarity must be a ratio in (0, 1) or None, got {similarity!r}")
+    rows = _check_rows(group_ids, traj_ids, steps, rewards, penalties, extra=[("anchors", anchors)])
     _check_positive("eps", eps)
     if len(rows.rewards) == 0:
         empty = np.zeros(0)
@@ -404,7 +394,6 @@ def gigpo_advantages(group_ids, traj_ids, steps, rewards, anchors, *, gamma: flo
     Returns:
         float64 array, one advantage per row, in the input order.
     """
-    _check_positive("omega", omega)
     parts = gigpo_parts(group_ids, traj_ids, steps, rewards, anchors, gamma=gamma,
                         normalize_std=normalize_std, episode_stats=episode_stats, similarity=similarity,
                         eps=eps, penalties=penalties)
@@ -414,7 +403,7 @@ def gigpo_advantages(group_ids, traj_ids, steps, rewards, anchors, *, gamma: flo
 def grpo_advantages(group_ids, traj_ids, steps, rewards, *, normalize_std: bool = True,
                     episode_stats: str = "rows", eps: float = 1e-6, penalties=None) -> np.ndarray:
     """GRPO: the episode advantage A^E alone (Eq. 3); equals GiGPO with omega = 0."""
-    rows = _check_rows(group_ids, traj_ids, steps, rewards, penalties, episode_stats)
+    rows = _check_rows(group_ids, traj_ids, steps, rewards, penalties)
     _check_positive("eps", eps)
     if len(rows.rewards) == 0:
         return np.zeros(0)
@@ -428,7 +417,7 @@ def rloo_advantages(group_ids, traj_ids, steps, rewards, *, episode_stats: str =
     Members are the trajectories ("trajectories": each row gets R(tau) - penalty minus the mean of the
     other trajectories' scores) or the rows ("rows"). A group of one member gets its score (baseline 0).
     """
-    rows = _check_rows(group_ids, traj_ids, steps, rewards, penalties, episode_stats)
+    rows = _check_rows(group_ids, traj_ids, steps, rewards, penalties)
     if len(rows.rewards) == 0:
         return np.zeros(0)
     scores = _episode_scores(rows)
@@ -436,9 +425,7 @@ def rloo_advantages(group_ids, traj_ids, steps, rewards, *, episode_stats: str =
     if episode_stats == "rows":
         member_group, member_score = rows.group, scores
     else:
-        member_score = np.bincount(rows.traj, weights=scores) / np.bincount(rows.traj)
-        member_group = np.zeros(len(member_score), dtype=np.int64)
-        member_group[rows.traj] = rows.group
+        member_group, member_score = _trajectory_scores(rows, scores)
     st = group_stats(member_group, member_score, num_groups)
     n = st.size[rows.group].astype(np.float64)
     total = (st.mean * st.size)[rows.group]
@@ -479,25 +466,67 @@ def anchor_group_summary(parts: GiGPOParts) -> dict[str, float]:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# The estimators by learner.algorithm: (rows, config) -> (advantage per row, metrics of its own). A new one
+# is a function and its entry in ADVANTAGE_ESTIMATORS, its name in the config's Literal (tests/test_registries)
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class AdvantageRows:
+    """What an estimator reads: one entry per training row (one environment step), rows in any order."""
+
+    group_ids: list             # episode-group id
+    traj_ids: list              # trajectory id, scoped by its group
+    steps: np.ndarray           # int64 step index in its trajectory
+    rewards: np.ndarray         # float64 r_t
+    anchors: list               # anchor-state key (the observation text)
+    penalties: np.ndarray       # float64, subtracted from the row's scores (invalid action)
+
+
+def gigpo_parts_of(rows: AdvantageRows, cfg: LearnerConfig) -> GiGPOParts:
+    """`gigpo_parts` of `rows` with the settings of `cfg`."""
+    return gigpo_parts(rows.group_ids, rows.traj_ids, rows.steps, rows.rewards, rows.anchors, gamma=cfg.gamma,
+                       normalize_std=cfg.normalize_std, episode_stats=cfg.episode_stats,
+                       similarity=cfg.similarity or None, penalties=rows.penalties)
+
+
+def estimate_gigpo(rows: AdvantageRows, cfg: LearnerConfig) -> tuple[np.ndarray, dict[str, float]]:
+    """GiGPO (Eq. 8), with its anchor groups (anchor/*) and the size of its two parts (adv/*_abs_mean)."""
+    parts = gigpo_parts_of(rows, cfg)
+    metrics = {f"anchor/{k}": v for k, v in anchor_group_summary(parts).items()}
+    if len(parts.episode):
+        metrics["adv/episode_abs_mean"] = float(np.abs(parts.episode).mean())
+        metrics["adv/step_abs_mean"] = float(np.abs(parts.step).mean())
+    return parts.episode + cfg.omega * parts.step, metrics
+
+
+def estimate_grpo(rows: AdvantageRows, cfg: LearnerConfig) -> tuple[np.ndarray, dict[str, float]]:
+    """GRPO: the episode advantage alone."""
+    return grpo_advantages(rows.group_ids, rows.traj_ids, rows.steps, rows.rewards,
+                           normalize_std=cfg.normalize_std, episode_stats=cfg.episode_stats,
+                           penalties=rows.penalties), {}
+
+
+def estimate_rloo(rows: AdvantageRows, cfg: LearnerConfig) -> tuple[np.ndarray, dict[str, float]]:
+    """RLOO over the trajectories (learner.episode_stats and normalize_std do not apply to it)."""
+    return rloo_advantages(rows.group_ids, rows.traj_ids, rows.steps, rows.rewards, penalties=rows.penalties), {}
+
+
+ADVANTAGE_ESTIMATORS = {"gigpo": estimate_gigpo, "grpo": estimate_grpo, "rloo": estimate_rloo}
+
+
+# ----------------------------------------------------------------------------------------------------------
 # The policy loss: token-level PPO with dual clip, k3 KL, entropy bonus (torch; see the module's docstring)
 # ----------------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class LossSettings:
-    """The coefficients of the loss (defaults: the paper's, reference §2)."""
+    """The coefficients of the loss (defaults: the paper's, reference §2). Their ranges are the rules of the
+    learner.* fields of the same names (common/config.py), checked when the config loads."""
 
     clip_ratio: float = 0.2       # PPO ratio clip epsilon
     dual_clip: float = 3.0        # c of the dual clip for negative advantages (> 1); 0 disables it
     kl_coef: float = 0.01         # weight of the low_var_kl term; 0 disables it
     entropy_coef: float = 0.001   # weight of the entropy bonus (subtracted from the loss)
-
-    def __post_init__(self) -> None:
-        if not self.clip_ratio > 0:
-            raise ValueError(f"clip_ratio must be > 0, got {self.clip_ratio!r}")
-        if self.dual_clip and not self.dual_clip > 1:
-            raise ValueError(f"dual_clip must be > 1 (or 0 to disable), got {self.dual_clip!r}")
-        if self.kl_coef < 0 or self.entropy_coef < 0:
-            raise ValueError("kl_coef and entropy_coef must be >= 0")
 
 
 def low_var_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -544,8 +573,8 @@ def ppo_token_losses(logp: torch.Tensor, old_logp: torch.Tensor, advantages: tor
 #   mask_sequence  w = 1 for a whole row if 1/C <= geometric mean of its ratios <= C, else 0 for the row
 # w multiplies the token's policy-gradient term (not the KL or entropy terms); the loss stays normalized by
 # the count of loss tokens, dropped ones included, so a correction never inflates the other tokens' weight.
+# The cap's range (C > 1) is learner.correction_cap's rule, checked when the config loads.
 
-CORRECTIONS = ("none", "tis", "mask_token", "mask_sequence")
 GAP_THRESHOLD = 0.1     # nat: tokens whose |log pi_old - log mu| exceeds it count in logprob_gap_share
 
 
@@ -562,29 +591,47 @@ def logprob_gap(learner_logp: np.ndarray, sampler_logp: np.ndarray) -> dict[str,
             "kl": float(np.mean(np.expm1(d) - d))}
 
 
+# One function per learner.logprob_correction: (log pi_old - log mu of one row's tokens, the same of its loss
+# tokens, C) -> (float32 weight per token, bool where the correction binds: ratio truncated at C, token dropped).
+
+def no_correction(log_ratio, loss_log_ratio, cap):
+    return np.ones(log_ratio.shape, dtype=np.float32), np.zeros(log_ratio.shape, dtype=bool)
+
+
+def truncated_importance_weights(log_ratio, loss_log_ratio, cap):
+    w = np.minimum(np.exp(log_ratio), cap).astype(np.float32)
+    return w, w == np.float32(cap)
+
+
+def mask_tokens(log_ratio, loss_log_ratio, cap):
+    w = (np.abs(log_ratio) <= math.log(cap)).astype(np.float32)
+    return w, w == 0.0
+
+
+def mask_sequence(log_ratio, loss_log_ratio, cap):
+    inside = loss_log_ratio.size == 0 or abs(loss_log_ratio.mean()) <= math.log(cap)
+    w = np.full(log_ratio.shape, float(inside), dtype=np.float32)
+    return w, w == 0.0
+
+
+CORRECTIONS = {"none": no_correction, "tis": truncated_importance_weights, "mask_token": mask_tokens,
+               "mask_sequence": mask_sequence}
+
+
 def correction_weights(learner_logp: list[np.ndarray], sampler_logp: list[np.ndarray], kind: str, cap: float,
-                       masks: list[np.ndarray] | None = None) -> list[np.ndarray]:
-    """Per row, the weight of each response token (see above). `masks`: the tokens of the loss per row
-    (a row's geometric mean is over those; None: all). kind "none" gives all ones."""
-    if kind not in CORRECTIONS:
-        raise ValueError(f"unknown correction {kind!r}; use one of {', '.join(CORRECTIONS)}")
-    if not cap > 1:
-        raise ValueError(f"the correction's cap must be > 1, got {cap!r}")
-    out = []
+                       masks: list[np.ndarray] | None = None) -> tuple[list[np.ndarray], float]:
+    """Per row, the weight of each response token under correction `kind` (see above), and the share of
+    the loss tokens where it binds (0 when there are none). `masks`: the tokens of the loss per row (a row's
+    geometric mean is over those; None: all)."""
+    weights, bound = [], [np.zeros(0, dtype=bool)]
     for r, (mine, theirs) in enumerate(zip(learner_logp, sampler_logp)):
         log_ratio = np.asarray(mine, dtype=np.float64) - np.asarray(theirs, dtype=np.float64)
-        if kind == "none":
-            w = np.ones_like(log_ratio)
-        elif kind == "tis":
-            w = np.minimum(np.exp(log_ratio), cap)
-        elif kind == "mask_token":
-            w = (np.abs(log_ratio) <= math.log(cap)).astype(np.float64)
-        else:
-            kept = log_ratio if masks is None else log_ratio[masks[r]]
-            inside = kept.size == 0 or abs(kept.mean()) <= math.log(cap)
-            w = np.full_like(log_ratio, 1.0 if inside else 0.0)
-        out.append(w.astype(np.float32))
-    return out
+        in_loss = np.ones(log_ratio.shape, dtype=bool) if masks is None else masks[r]
+        w, binds = CORRECTIONS[kind](log_ratio, log_ratio[in_loss], cap)
+        weights.append(w)
+        bound.append(binds[in_loss])
+    bound = np.concatenate(bound)
+    return weights, float(bound.mean()) if bound.size else 0.0
 
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,

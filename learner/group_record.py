@@ -37,9 +37,9 @@ from pathlib import Path
 import numpy as np
 
 from common.config import ExperimentConfig, LearnerConfig
-from common.records import EpisodeGroup, Termination
-from learner.batching import TrainBatch
-from learner.gigpo import factorize, gigpo_parts, grpo_advantages
+from common.records import EpisodeGroup
+from learner.batching import TrainBatch, advantage_rows, known_outcomes, usable_rows
+from learner.gigpo import estimate_grpo, factorize, gigpo_parts_of
 
 log = logging.getLogger(__name__)
 
@@ -50,12 +50,6 @@ MAX_TEXT_CHARS = 2000       # an observation (a WebShop page can be ~10k charact
 def cut(text: str, limit: int = MAX_TEXT_CHARS) -> str:
     """`text`, cut to `limit` characters ("..." marks the cut)."""
     return text if len(text) <= limit else text[:limit] + "..."
-
-
-def usable_rows(group: EpisodeGroup) -> np.ndarray:
-    """The rows build_batch computes advantages over: those of trajectories not ended by an env error."""
-    good = np.array([t.termination != Termination.ENV_ERROR for t in group.trajectories], dtype=bool)
-    return np.flatnonzero(good[group.row_trajectory()]) if len(good) else np.zeros(0, dtype=np.int64)
 
 
 def batch_rows(groups: list[EpisodeGroup], batch: TrainBatch) -> list[tuple[EpisodeGroup, np.ndarray, np.ndarray]]:
@@ -89,27 +83,14 @@ def group_record(groups: list[EpisodeGroup], batch: TrainBatch, cfg: LearnerConf
     `learner_logprobs`: the learner's old log-probs of each batch row where it recomputed them, else None."""
     chosen = batch_rows(groups, batch)[:keep]
     # The chosen groups' rows, flattened as build_batch flattens them, for learner.gigpo's estimators.
-    gid, tid, steps, rewards, anchors, pens = [], [], [], [], [], []
-    for g, rows, _ in chosen:
-        traj_of_row = g.row_trajectory()[rows]
-        gid += [g.group_id] * len(rows)
-        tid += [g.trajectories[k].traj_id for k in traj_of_row.tolist()]
-        steps.append(g.rows["step"][rows].astype(np.int64))
-        rewards.append(g.rows["reward"][rows].astype(np.float64))
-        texts = g.rows.text("anchor")
-        anchors += [texts[i] for i in rows.tolist()]
-        pens.append(np.where(g.rows["valid"][rows], 0.0, invalid_action_penalty))
-    steps_arr, rewards_arr, pens_arr = (np.concatenate(parts) if parts else np.zeros(0, dtype)
-                                        for parts, dtype in ((steps, np.int64), (rewards, np.float64), (pens, float)))
-    parts = gigpo_parts(gid, tid, steps_arr, rewards_arr, anchors, gamma=cfg.gamma, normalize_std=cfg.normalize_std,
-                        episode_stats=cfg.episode_stats, similarity=cfg.similarity or None, penalties=pens_arr)
-    grpo = grpo_advantages(gid, tid, steps_arr, rewards_arr, normalize_std=cfg.normalize_std,
-                           episode_stats=cfg.episode_stats, penalties=pens_arr)
+    flat = advantage_rows([(g, rows) for g, rows, _ in chosen], invalid_action_penalty)
+    parts = gigpo_parts_of(flat, cfg)
+    grpo, _ = estimate_grpo(flat, cfg)
     out_groups, first = [], 0
     for g, rows, where in chosen:
         span = slice(first, first + len(rows))
         first += len(rows)
-        out_groups.append(_group_entry(g, rows, where, batch, anchors[span], parts.anchor_group[span],
+        out_groups.append(_group_entry(g, rows, where, batch, flat.anchors[span], parts.anchor_group[span],
                                        {"episode_adv": parts.episode[span], "step_adv": parts.step[span],
                                         "grpo_adv": grpo[span]}, learner_logprobs, max_text_chars))
     return {"update": int(update), "algorithm": cfg.algorithm, "omega": float(cfg.omega),
@@ -120,7 +101,7 @@ def _group_entry(g: EpisodeGroup, rows: np.ndarray, where: np.ndarray, batch: Tr
                  anchor_codes: np.ndarray, advantages: dict[str, np.ndarray],
                  learner_logprobs: list[np.ndarray] | None, max_text_chars: int) -> dict:
     """One recorded group: its usable trajectories, distinct observations and step rows."""
-    kept_trajs = [k for k, t in enumerate(g.trajectories) if t.termination != Termination.ENV_ERROR]
+    kept_trajs = np.flatnonzero(known_outcomes(g))
     position = np.zeros(len(g.trajectories), dtype=np.int64)
     position[kept_trajs] = np.arange(len(kept_trajs))
     obs_codes = factorize(anchors)

@@ -15,9 +15,9 @@ checkpoint stores that set and the policy version with the DeepSpeed state. When
 groups are acked only once a checkpoint that contains their update is written: a learner killed between
 checkpoints loses those updates, and their groups are still pending in the stream, so the resumed learner
 (same consumer name, or after the stream reclaims them) trains on them again -- no gap -- while groups
-already in the checkpoint are skipped by the stream (it acks them) -- no duplicate. Unacked groups occupy
-the stream's bound (stream.max_stream_groups), so a checkpoint is forced whenever they would leave the
-producers no room for the next batch. Without a checkpoint directory, or with
+already in the checkpoint are skipped by the read policy (`learner.read_policy`: acked untrained) -- no
+duplicate. Unacked groups occupy the stream's bound (stream.max_stream_groups), so a checkpoint is forced
+whenever they would leave the producers no room for the next batch. Without a checkpoint directory, or with
 learner.ack_on_checkpoint=false, groups are acked right after their update (a crash then loses the
 updates since the last checkpoint together with their groups).
 
@@ -35,10 +35,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from common.config import ExperimentConfig
-from common.metrics import METRICS, ActorMetrics
 from common.records import EpisodeGroup
 from learner.batching import build_batch, check_group
 from learner.group_record import GroupRecorder
+from learner.learner_metrics import LearnerMetrics
+from learner.read_policy import admit
 from learner.trainer import (PUSHED_VERSION, PolicyTrainer, checkpoint_dir_of, prepare_checkpoint_dir,
                              setup_distributed)
 
@@ -46,13 +47,6 @@ if TYPE_CHECKING:
     from common.transport import TrajectorySource, WeightPublisher
 
 log = logging.getLogger(__name__)
-
-# The gauges set from an update's metrics (common/metrics.py: MetricSpec.update_key); the inference actors'
-# and the driver's figures are not in the learner's metrics.
-UPDATE_GAUGES = [spec for spec in METRICS.values() if spec.type == "gauge" and spec.update_key]
-# The drops the stream counts itself, {reason: key of TrajectoryStream.stats}, as groups_dropped declares them.
-STREAM_DROPS = {labels["reason"]: key.removeprefix("stream/")
-                for labels, key in METRICS["groups_dropped"].update_keys if key.startswith("stream/")}
 
 
 def _read_int(path: Path) -> int | None:
@@ -125,13 +119,8 @@ class Learner:
         self.updates = 0
         self.last_group_ids: list[str] = []         # groups of the latest update (for logs and tests)
         self.stats = {"bad_groups": 0, "groups_trained": 0, "groups_skipped_equal_returns": 0}
-        # Prometheus metrics (through Ray; no-ops outside it). Rank 0 alone records them: it reads the
-        # stream and pushes weights, and its phases are the learner's (the other ranks train in step).
-        self.metrics = ActorMetrics("learner", self.rank) if self.rank == 0 else None
-        self._stream_stats_seen: dict[str, int] = {}    # stream.stats at the last report (for deltas)
-        if self.metrics is not None:
-            for reason in ("stale", "duplicate", "dead_letter", "dynamic_sampling"):
-                self.metrics.zero("groups_dropped", reason=reason)
+        # Prometheus metrics (through Ray; no-ops outside it), rank 0's alone
+        self.metrics = LearnerMetrics(self.rank, self.stream) if self.rank == 0 else None
         if resume:
             self._resume()
         if self._pushes:
@@ -161,8 +150,8 @@ class Learner:
         against the resumed version P+1, every one sampled more than max_policy_lag versions before the
         crash would be acked and deleted untrained -- with checkpoints rarer than the lag, most of them.
 
-        Lag. The version numbers jump from P to P+1 while the weights go back to those of c, so the stream
-        measures lag in the learner's own history (`policy_lag`): the resumed weights stand where version c
+        Lag. The version numbers jump from P to P+1 while the weights go back to those of c, so the learner
+        measures lag in its own history (`policy_lag`): the resumed weights stand where version c
         stood, each later version one step further, and a lost version v stands at v, since the redo
         retraces the lost updates on the same groups in the same order. Hence the groups sampled just
         before the crash, unread then, are as fresh when the redo reaches them as they would have been
@@ -196,7 +185,7 @@ class Learner:
 
     def policy_lag(self, version: int) -> int:
         """Versions of this learner's own history between the weights that sampled `version` and the
-        current ones (the stream drops groups whose lag exceeds stream.max_policy_lag). Without a resume
+        current ones (the read policy drops groups whose lag exceeds stream.max_policy_lag). Without a resume
         it is policy_version - version. After one from a checkpoint at version c whose weights went out
         as version r (P+1, see `_resume`), version r + k stands at c + k, and a version v < r (before the
         checkpoint, or a lost one redone by this learner) at v."""
@@ -212,13 +201,12 @@ class Learner:
         need = self.cfg.learner.groups_per_batch
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while len(self._pending) < need:
-            # A group cannot claim a version newer than the newest pushed (policy_version: the push is done
-            # before the next read); the stream dead-letters one that does, and another run's records.
-            got = self.stream.read(need - len(self._pending), self.read_block_ms, self.policy_version,
-                                   self.trained_group_ids, policy_lag=self.policy_lag,
-                                   newest_version=self.policy_version)
-            have = {r.group.group_id for r in self._pending}
-            self._pending.extend(r for r in self._valid(got) if r.group.group_id not in have)
+            got = self.stream.read(need - len(self._pending), self.read_block_ms)
+            # The newest version pushed is policy_version: the push is done before the next read.
+            got = admit(self.stream, got, trained_ids=self.trained_group_ids,
+                        held_ids=(r.group.group_id for r in self._pending), newest_version=self.policy_version,
+                        policy_lag=self.policy_lag, max_policy_lag=self.cfg.stream.max_policy_lag)
+            self._pending.extend(self._valid(got))
             if deadline is not None and time.monotonic() > deadline and len(self._pending) < need:
                 return None
         batch, self._pending = self._pending[:need], self._pending[need:]
@@ -273,7 +261,7 @@ class Learner:
         times["time/step_s"] = time.perf_counter() - t_start
         metrics = self._step_metrics(batch, train, push_info, groups, lags, times, checkpointed)
         if self.metrics is not None:
-            self._record_metrics(metrics, groups, received, batch.skipped_group_ids)
+            self.metrics.record_update(metrics, groups, received, batch.skipped_group_ids)
         return metrics
 
     def _next_groups(self, groups: list[EpisodeGroup] | None, timeout_s: float | None
@@ -290,9 +278,8 @@ class Learner:
 
     def _no_batch(self, waited_s: float) -> None:
         self.repush_if_needed()      # an inference actor back from a restart without weights
-        if self.metrics is not None:     # the time waited for a batch that did not come is still spent
-            self.metrics.inc("learner_seconds", waited_s, phase="wait_data")
-            self._record_stream_metrics(None)
+        if self.metrics is not None:
+            self.metrics.record_no_batch(waited_s)
 
     def _build_batch(self, groups: list[EpisodeGroup], received: list | None):
         """(batch, groups, received) with advantages. A group the checks on read let through but that cannot
@@ -375,49 +362,6 @@ class Learner:
             metrics["stream/depth"] = float(self.stream.depth())
         metrics.update({f"learner/{k}": float(v) for k, v in self.stats.items()})
         return metrics
-
-    def _record_metrics(self, metrics: dict[str, float], groups: list[EpisodeGroup], received: list | None,
-                        skipped_ids: list[str]) -> None:
-        """Rank 0: one update's Prometheus metrics (common/metrics.py declares them)."""
-        m = self.metrics
-        wait_s, push_s = metrics["time/wait_data_s"], metrics["time/push_weights_s"]
-        m.inc("learner_seconds", wait_s, phase="wait_data")
-        m.inc("learner_seconds", push_s, phase="push_weights")
-        # Everything else of the step is the learner's own work: batching, training, checkpointing.
-        m.inc("learner_seconds", max(metrics["time/step_s"] - wait_s - push_s, 0.0), phase="train")
-        m.inc("groups_consumed", len(groups))
-        m.inc("groups_dropped", len(skipped_ids), reason="dynamic_sampling")
-        # Counters that can stay at 0 for long: zero() makes their series exist from the first update on.
-        for name, key, labels in (("groups_dropped", "batch/groups_dropped_env_error", {"reason": "env_error"}),
-                                  ("successful_episodes", "diag/successful_trajectories", {}),
-                                  ("successful_episode_steps", "diag/successful_trajectory_steps", {})):
-            if metrics.get(key):
-                m.inc(name, metrics[key], **labels)
-            else:
-                m.zero(name, **labels)
-        for spec in UPDATE_GAUGES:
-            for labels, key in spec.update_keys:
-                value = metrics.get(key)
-                # Absent (no KL term when learner.kl_coef=0; no anchors for GRPO; no lag without versions) or
-                # NaN (nothing trained): the gauge keeps its last value rather than showing a made-up one.
-                if value is not None and np.isfinite(value):
-                    m.set(spec.name, value, **labels)
-        self._record_stream_metrics(received)
-
-    def _record_stream_metrics(self, received: list | None) -> None:
-        """Stream depth, the lag of the last read, and drops the stream counted since the last report."""
-        if self.stream is None:
-            return
-        m = self.metrics
-        stats = dict(self.stream.stats)
-        for reason, key in STREAM_DROPS.items():
-            m.inc("groups_dropped", stats.get(key, 0) - self._stream_stats_seen.get(key, 0), reason=reason)
-        self._stream_stats_seen = stats
-        m.set("stream_depth", self.stream.depth())
-        if received:
-            # A Redis stream entry id starts with the publish time in ms (the Redis server's clock).
-            published = [int(r.entry_id.split("-", 1)[0]) / 1000.0 for r in received]
-            m.set("stream_lag_seconds", max(0.0, time.time() - min(published)))
 
     def publish_weights(self) -> dict:
         """Push the current weights as the next policy version (all processes call this; rank 0 sends).

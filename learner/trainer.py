@@ -30,6 +30,7 @@ from typing import Any, Iterator
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from common.config import LearnerConfig
 from common.placement import free_port
@@ -145,8 +146,6 @@ def setup_distributed() -> tuple[int, int]:
 
     Without launcher variables this is a world of one on a free local port. On CPU the backend is gloo
     and the shared-memory comm op, which would JIT-compile for ~2 minutes, is skipped."""
-    import torch.distributed as dist
-
     cuda = torch.cuda.is_available()
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")     # before deepspeed picks its accelerator
@@ -197,12 +196,10 @@ class PolicyTrainer:
         the learner computes is of softmax(logits / temperature), the distribution the tokens were drawn
         from, which is also what the inference actors report (vLLM's processed log-probs): both sides of
         the PPO ratio are then the same function of the weights. The KL to the reference and the entropy
-        are those of the tempered distributions too."""
+        are those of the tempered distributions too. (The other values' ranges are the config's rules.)"""
         import deepspeed
         from transformers import AutoModelForCausalLM
 
-        if cfg.zero_stage not in (1, 2, 3):
-            raise ValueError(f"learner.zero_stage must be 1, 2 or 3, got {cfg.zero_stage}")
         if not (np.isfinite(temperature) and temperature > 0):
             raise ValueError(f"the sampling temperature (rollout.temperature) must be > 0 to train on what was "
                              f"sampled, got {temperature!r}: greedy decoding has no distribution to train")
@@ -213,9 +210,7 @@ class PolicyTrainer:
         self.device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}") if cuda else torch.device("cpu")
         if cuda:
             torch.cuda.set_device(self.device)
-        bf16 = {"auto": cuda, "bfloat16": True, "float32": False}.get(dtype)
-        if bf16 is None:
-            raise ValueError(f'model dtype must be "auto", "bfloat16" or "float32", got {dtype!r}')
+        bf16 = {"auto": cuda, "bfloat16": True, "float32": False}[dtype]
         torch.manual_seed(seed)
         # fp32 master weights; DeepSpeed casts the module to bf16 when bf16 is on.
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -266,8 +261,6 @@ class PolicyTrainer:
     def compute_logprobs(self, batch: TrainBatch) -> list[np.ndarray]:
         """Log-probs of every row's response under the current weights (all processes join; every
         process gets all rows)."""
-        import torch.distributed as dist
-
         rows = np.arange(batch.num_rows)
         plan = self._plan_all(batch, rows)
         mine: dict[int, np.ndarray] = {}
@@ -296,8 +289,6 @@ class PolicyTrainer:
         learner.logprob_correction, the batch's old_logprobs are replaced by the learner's own before
         training (and a correction's weights computed from both); the log-prob gap between the sampler
         and the learner is measured every update (train/logprob_gap_*)."""
-        import torch.distributed as dist
-
         update = self.updates if update is None else update
         if batch.num_rows == 0:
             return {"train/skipped_empty_batch": 1.0}
@@ -316,16 +307,12 @@ class PolicyTrainer:
             gap = logprob_gap(np.concatenate([a[m] for a, m in zip(new_old, masks)]),
                               np.concatenate([b[m] for b, m in zip(batch.old_logprobs, masks)]))
             metrics.update({f"train/logprob_gap_{k}": v for k, v in gap.items()})
-            if correction != "none":
-                batch.weights = correction_weights(new_old, batch.old_logprobs, correction,
-                                                   self.cfg.correction_cap, masks)
-                kept = np.concatenate([w[m] for w, m in zip(batch.weights, masks)])
-                # Where the correction binds: a ratio truncated at the cap (tis), a token dropped (masks).
-                bound = kept == (np.float32(self.cfg.correction_cap) if correction == "tis" else 0.0)
-                metrics["train/correction_share"] = float(bound.mean()) if kept.size else 0.0
+            # Where the correction binds: a ratio truncated at the cap (tis), a token dropped (masks).
+            batch.weights, metrics["train/correction_share"] = correction_weights(
+                new_old, batch.old_logprobs, correction, self.cfg.correction_cap, masks)
             batch.old_logprobs = new_old
             metrics["time/recompute_s"] = time.perf_counter() - t
-        if correction == "none":
+        else:
             metrics["train/correction_share"] = 0.0
         gap_sums = np.zeros(4)         # |d| sum, k3 sum, count over the threshold, tokens (first mini-batch)
         gap_max = 0.0
@@ -435,8 +422,6 @@ class PolicyTrainer:
         rewrites root/latest only after the tag is complete, so a learner killed mid-save resumes from
         the previous checkpoint. Keeps the `keep` newest tags by update number (`prune_checkpoints`).
         All processes must call it."""
-        import torch.distributed as dist
-
         root = Path(root)
         tag = checkpoint_tag(self.updates)
         state = dict(client_state, trainer_updates=self.updates)
@@ -536,7 +521,5 @@ def response_logprobs(model, mb: MicroBatch, temperature: float = 1.0, device="c
 
 
 def teardown_distributed() -> None:
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

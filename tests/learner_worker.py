@@ -19,7 +19,7 @@ import torch
 
 from common.config import ExperimentConfig, LearnerConfig, StreamConfig
 from learner.batching import build_batch
-from tests.synthetic import synthetic_groups
+from bench.synthetic import synthetic_groups
 from learner.trainer import PolicyTrainer, teardown_distributed
 
 

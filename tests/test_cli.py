@@ -109,7 +109,7 @@ def test_eval_of_a_directory_that_is_no_checkpoint_exits_with_the_reason(tmp_pat
 def test_eval_table_has_the_papers_columns():
     """`gigpo eval`'s table: ALFWorld's task types in the paper's order (Pick, Look, Clean, Heat, Cool, Pick2,
     All), one row per split, '-' where a split played no task of a type; WebShop: Score and Succ."""
-    from deploy.system import format_eval
+    from deploy.reports import format_eval
     seen = {"episodes": 3, "success": 2 / 3, "per_task_type": {"pick_two_obj_and_place": 0.5,
                                                                  "pick_and_place_simple": 1.0}}
     unseen = {"episodes": 1, "success": 0.0, "per_task_type": {"look_at_obj_in_light": 0.0}}
@@ -125,13 +125,13 @@ def test_eval_table_has_the_papers_columns():
 
 def test_a_lost_part_is_said_in_a_few_lines_with_the_newest_checkpoint_and_the_resume_command(tmp_path,
                                                                                               monkeypatch):
-    """deploy.system.lost_run_message (what `gigpo train` prints on RunLost, exit status 3): what was lost, the
+    """deploy.run_control.lost_run_message (what `gigpo train` prints on RunLost, exit status 3): what was lost, the
     newest *complete* checkpoint by update number, and the command line that resumes: the same config, program
     and overrides, run.resume=true, without run.resume_tag (an older checkpoint) or run.overwrite (would delete
     them). The run itself: tests/test_train_interrupt.py."""
     import shlex
 
-    from deploy.system import RunLost, lost_run_message
+    from deploy.run_control import RunLost, lost_run_message
     from learner.trainer import LEARNER_STATE
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from common.config import ConfigError, ExperimentConfig, describe, from_dict, load_config, to_dict
+from common.config import ConfigError, ExperimentConfig, describe, load_config
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = sorted(REPO.joinpath("configs").glob("*.yaml"))
@@ -82,10 +82,13 @@ def test_choice_fields_list_the_allowed_values():
     ("learner.lr=0", "learner.lr = 0.0 is not allowed; it must be > 0"),
     ("learner.lr=.nan", "learner.lr = nan is not allowed"),
     ("learner.gamma=1.01", "must be in [0, 1]"),
+    ("learner.omega=-1", "learner.omega = -1.0 is not allowed; it must be >= 0"),
     ("learner.similarity=1", "must be in [0, 1)"),
     ("rollout.eval_temperature=0", "must be > 0"),
     ("inference.gpu_memory_utilization=1.5", "must be in (0, 1]"),
     ("learner.dual_clip=0.5", "must be > 1, or 0"),
+    ("learner.correction_cap=1.0", "learner.correction_cap = 1.0 is not allowed; it must be > 1"),
+    ("rollout.temperature=0", "rollout.temperature = 0.0 is not allowed; it must be > 0"),
     ("run.rollout_nice=-1", "must be in 0..19"),
     ("run.name=''", "run.name = '' is not allowed; it must not be empty"),
     ("run.rollout_cpus=3-1", "run.rollout_cpus: CPU list '3-1': bad range"),
@@ -107,14 +110,6 @@ def test_a_batch_larger_than_the_stream_bound_is_refused():
     with pytest.raises(ConfigError, match=re.escape("override 'stream.max_stream_groups=2': learner.groups_per")):
         load_config(REPO / "configs" / "embedded.yaml", ["stream.max_stream_groups=2"])
     assert load_config(None, ["learner.groups_per_batch=16", "stream.max_stream_groups=16"])   # equal is fine
-
-
-def test_from_dict_checks_like_load_config():
-    tree = to_dict(load_config(None))
-    assert from_dict(tree) == load_config(None)
-    tree["learner"]["gamma"] = 2.0
-    with pytest.raises(ConfigError, match=re.escape("learner.gamma = 2.0 is not allowed")):
-        from_dict(tree)
 
 
 def test_errors_name_the_file_and_line(tmp_path):
@@ -176,25 +171,53 @@ def test_errors_never_show_a_redis_password():
 
 
 def test_no_plane_restates_a_config_default():
-    """A default lives in common/config.py only: the planes read their section of the config (a dict, across
-    Ray) by key, never with `.get(name, default)`, which would keep serving the old default after config.py's
-    changes. Flags `.get(` on a section (`cfg["inference"].get(`) or on a name bound to one
-    (`infer = cfg["inference"]`, or a parameter named like `infer_cfg`)."""
+    """A default lives in common/config.py only: every process receives the typed config (or a section of
+    it) and reads its fields, never a dict of it with `.get(name, default)`, which would keep serving the old
+    default after config.py's changes. Flags a section read as a dict (`cfg["inference"]`, `cfg["inference"]
+    .get(`) and `.get(` on a name bound to one."""
     import dataclasses
 
     sections = "|".join(f.name for f in dataclasses.fields(ExperimentConfig))
-    direct = re.compile(rf'\[["\']({sections})["\']\]\.get\(')
+    as_dict = re.compile(rf'\b\w*(cfg|config)\w*\[["\']({sections})["\']\]')
     alias = re.compile(rf'\b(\w+)\s*=\s*[\w.]+\[["\']({sections})["\']\]')
     found = []
-    for folder in ("actors", "learner", "common", "env_servers", "deploy"):
-        for path in sorted((REPO / folder).rglob("*.py")):
-            if path == REPO / "common" / "config.py":
-                continue
-            text = path.read_text()
-            names = {m.group(1) for line in text.splitlines() if (m := alias.search(line.strip()))}
-            names |= set(re.findall(r"\b(\w+_cfg)\s*:", text))
-            on_alias = re.compile(rf"\b({'|'.join(map(re.escape, names))})\.get\(") if names else None
-            for number, line in enumerate(text.splitlines(), 1):
-                if direct.search(line) or (on_alias and on_alias.search(line)):
-                    found.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
+    for path in _plane_modules():
+        if path == REPO / "common" / "config.py":
+            continue
+        text = path.read_text()
+        names = {m.group(1) for line in text.splitlines() if (m := alias.search(line.strip()))}
+        on_alias = re.compile(rf"\b({'|'.join(map(re.escape, names))})\.get\(") if names else None
+        for number, line in enumerate(text.splitlines(), 1):
+            if as_dict.search(line) or (on_alias and on_alias.search(line)):
+                found.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
+    assert not found, "\n".join(found)
+
+
+# The planes in the order data flows (env_servers -> actors -> learner); deploy drives them all, and common
+# holds only what two planes share, so it imports none.
+FLOW = ("common", "env_servers", "actors", "learner", "deploy")
+
+
+def _plane_modules():
+    return sorted(path for folder in FLOW for path in (REPO / folder).rglob("*.py"))
+
+
+def test_no_import_runs_against_the_flow():
+    """Every import of the project's own modules (those inside functions too) goes to common/ or to a plane
+    upstream of the importing one, never downstream: common imports no plane, env_servers neither actors nor
+    the learner, actors not the learner, and no plane imports deploy."""
+    import ast
+
+    found = []
+    for path in _plane_modules():
+        plane = path.relative_to(REPO).parts[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level
+                     else [])
+            for name in names:
+                target = name.split(".")[0]
+                if target in FLOW and target != plane and (
+                        plane == "common" or FLOW.index(target) > FLOW.index(plane)):
+                    found.append(f"{path.relative_to(REPO)}:{node.lineno}: {plane} imports {name}")
     assert not found, "\n".join(found)

@@ -18,7 +18,8 @@ from common.config import LearnerConfig
 from common.records import EpisodeGroup, Termination, Trajectory
 from learner.batching import build_batch, collate, plan_micro_batches
 from learner.gigpo import LossSettings, grpo_advantages, policy_loss
-from tests.synthetic import keep_trajectories, last_rows, step_rows, steps_of, synthetic_groups
+from bench.synthetic import synthetic_groups
+from tests.synthetic import keep_trajectories, last_rows, step_rows, steps_of
 from learner.trainer import PolicyTrainer
 
 

@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from deploy.experiment import Protocol, mean_ci, paired, per_game, read_evals, summarize, t_quantile_975
+from common.config import LearnerConfig, choices
+from deploy.experiment import COMPARED, Protocol, mean_ci, paired, per_game, read_evals, summarize, t_quantile_975
 
 
 def ep(task, success, steps):
@@ -85,3 +86,7 @@ def test_report_of_finished_runs(tmp_path, capsys):
     assert (out / "learning-check.png").stat().st_size > 0
     assert main(["--report", "--work-dir", str(tmp_path / "none"), "--out", str(out)]) == 1
     assert "no finished runs" in capsys.readouterr().err
+
+
+def test_the_compared_algorithms_are_choices_of_the_config():
+    assert set(COMPARED) <= set(choices(LearnerConfig, "algorithm"))

@@ -12,7 +12,7 @@ import pytest
 
 from common.tiny_model import build_tiny_model
 from learner.loop import Learner
-from tests.synthetic import synthetic_groups
+from bench.synthetic import synthetic_groups
 from learner.trainer import LATEST, LEARNER_STATE, checkpoint_tags, prepare_output_dir, prune_checkpoints
 from tests import learner_worker
 

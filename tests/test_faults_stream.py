@@ -12,6 +12,7 @@ import pytest
 from common.config import StreamConfig
 from common.redis_server import connect
 from common.stream import TrajectoryStream, stream_key
+from learner.read_policy import admit
 from tests.stream_factory import make_group
 
 pytestmark = [pytest.mark.fault, pytest.mark.timeout(90)]
@@ -35,8 +36,8 @@ def test_two_runs_on_one_redis_do_not_see_each_others_groups(redis_url):
     for i in range(3):
         a_out.publish(make_group(f"a{i}"))
         b_out.publish(make_group(f"b{i}"))
-    got_a = a_in.read(8, 100, 0)
-    got_b = b_in.read(8, 100, 0)
+    got_a = a_in.read(8, 100)
+    got_b = b_in.read(8, 100)
     assert sorted(r.group.group_id for r in got_a) == ["a0", "a1", "a2"]
     assert sorted(r.group.group_id for r in got_b) == ["b0", "b1", "b2"]
 
@@ -46,7 +47,7 @@ def test_two_runs_on_one_redis_do_not_see_each_others_groups(redis_url):
     producer_a = TrajectoryStream(redis_url, _cfg(stream=shared, run_id=run_a.run_id), "producer")
     learner_b = TrajectoryStream(redis_url, _cfg(stream=shared, run_id=run_b.run_id))
     producer_a.publish(make_group("a-shared"))
-    assert learner_b.read(8, 100, 0) == []
+    assert learner_b.read(8, 100) == []
     assert any(f"run {run_a.run_id!r}" in r for r in _reasons(learner_b))
 
 
@@ -59,13 +60,13 @@ def test_poison_pill_is_dead_lettered_after_max_deliveries_and_good_groups_train
     deliveries = 0
     for _ in range(cfg.max_deliveries):
         learner = TrajectoryStream(redis_url, cfg, consumer_name="learner-0")   # a restarted learner
-        got = learner.read(1, 100, 0)
+        got = learner.read(1, 100)
         assert [r.group.group_id for r in got] == ["poison"]
         deliveries += 1
         learner.close()                           # "crashed": no ack
     TrajectoryStream(redis_url, cfg, "producer").publish(make_group("good"))
     learner = TrajectoryStream(redis_url, cfg, consumer_name="learner-0")
-    got = learner.read(2, 100, 0)
+    got = learner.read(2, 100)
     assert [r.group.group_id for r in got] == ["good"] and deliveries == cfg.max_deliveries
     [reason] = _reasons(learner)
     assert f"delivered {cfg.max_deliveries + 1} times" in reason
@@ -74,12 +75,14 @@ def test_poison_pill_is_dead_lettered_after_max_deliveries_and_good_groups_train
 
 
 def test_learner_dead_letters_a_group_it_cannot_train_and_unpublished_versions(redis_url):
+    """The learner's read policy dead-letters a group claiming a version it has not published; the learner
+    dead-letters one it cannot train on. Both keep the original group."""
     cfg = _cfg()
     producer, learner = TrajectoryStream(redis_url, cfg, "producer"), TrajectoryStream(redis_url, cfg)
     producer.publish(make_group("from-the-future", version=7))    # p1 = 8: never published by this learner
     producer.publish(make_group("bad-tokens"))
     producer.publish(make_group("fine"))
-    got = learner.read(8, 100, policy_version=3, newest_version=3)
+    got = admit(learner, learner.read(8, 100), trained_ids=set(), newest_version=3, max_policy_lag=4)
     assert sorted(r.group.group_id for r in got) == ["bad-tokens", "fine"]
     learner.dead_letter([r for r in got if r.group.group_id == "bad-tokens"], "token id 50000 >= vocabulary 1024")
     learner.ack([r for r in got if r.group.group_id == "fine"])
@@ -98,7 +101,7 @@ def test_dead_letter_stream_is_bounded(redis_url):
     learner = TrajectoryStream(redis_url, cfg)
     for i in range(12):
         r.xadd(key, {"v": "999", "g": f"junk{i}"})        # a schema this reader does not understand
-    assert learner.read(16, 100, 0) == []
+    assert learner.read(16, 100) == []
     assert r.xlen(learner.dead_key) == cfg.dead_letter_max
     assert learner.stats["dead_lettered"] == 12
 

@@ -4,7 +4,7 @@ or trained twice; `gigpo scale --rollout 0` pauses the run, which says so, and a
 (commands are read while the driver waits for data); `gigpo scale --inference 2` adds a vLLM engine that
 serves the learner's current weights as soon as it joins (the learner rebuilds its collective group with
 it) and gets the next push, and `--inference 1` removes it once its requests are done, none lost or
-retried; last, the embedded Redis dies, and the run ends saying so (deploy.system.RunLost)."""
+retried; last, the embedded Redis dies, and the run ends saying so (deploy.run_control.RunLost)."""
 from __future__ import annotations
 
 import os
@@ -18,7 +18,8 @@ import ray
 from common.config import load_config
 from deploy import cli
 from deploy.control import format_status
-from deploy.system import RunLost, System, lost_run_message
+from deploy.run_control import RunLost, lost_run_message
+from deploy.system import System
 from tests.accounting import assert_no_group_lost, stream_counts
 
 pytestmark = [pytest.mark.slow, pytest.mark.fault, pytest.mark.timeout(1500)]
@@ -55,7 +56,7 @@ def test_killed_rollout_actor_restarts_scale_to_zero_pauses_inference_scales_and
     with pytest.raises(RunLost) as lost:
         with System(cfg) as system:
             system.start()
-            [actor] = system.rollouts.values()
+            [actor] = system.rollouts.handles().values()
 
             def status() -> dict:
                 return system.channel.read_status() or {}
@@ -65,7 +66,7 @@ def test_killed_rollout_actor_restarts_scale_to_zero_pauses_inference_scales_and
                     _wait_for(lambda: system.update >= 1, 600, "update 1")
                     # A real fault: Ray kills the actor's process and, since it may restart, starts a new one.
                     ray.kill(actor, no_restart=False)
-                    _wait_for(lambda: system.rollout_restarts >= 1, 300, "the driver to notice the dead actor")
+                    _wait_for(lambda: system.rollouts.restarts >= 1, 300, "the driver to notice the dead actor")
                     _wait_for(lambda: system.update >= 2, 600, "update 2 after the restart")
                     # Without draining: what the stream holds then (at most max_stream_groups = 2 batches) is all
                     # the learner gets until the scale back up, so the run must pause before update 5.
@@ -80,7 +81,7 @@ def test_killed_rollout_actor_restarts_scale_to_zero_pauses_inference_scales_and
                     assert cli.main(["scale", "--output-dir", out, "--rollout", "1", "--inference", "2"]) == 0
                     joined = _wait_for(lambda: status().get("inference_actors") == 2 and status(), 900,
                                        "the added inference actor to join")
-                    added = system.inference[1]
+                    added = system.inference.serving[1]
                     # It serves the learner's version of when it joined (the status that counts it was
                     # published after), or a newer one: never its initial weights, never an older push.
                     served = ray.get(added.policy_version.remote())
@@ -93,7 +94,7 @@ def test_killed_rollout_actor_restarts_scale_to_zero_pauses_inference_scales_and
                               "the next push to reach the added inference actor")
                     # Back to one: it leaves once nothing is in flight on it, and training goes on.
                     assert cli.main(["scale", "--output-dir", out, "--inference", "1"]) == 0
-                    _wait_for(lambda: len(system.inference) == 1 and not system.inference_retiring, 300,
+                    _wait_for(lambda: len(system.inference.serving) == 1 and not system.inference.retiring, 300,
                               "the removed inference actor to stop")
                     with pytest.raises(ray.exceptions.RayActorError):
                         ray.get(added.stats.remote(), timeout=60)
@@ -112,7 +113,7 @@ def test_killed_rollout_actor_restarts_scale_to_zero_pauses_inference_scales_and
             assert not thread.is_alive()
             n = len(history)
             assert [int(m["update"]) for m in history] == list(range(1, n + 1)) and n >= 6
-            assert system.rollout_restarts == 1 and history[-1]["rollout/actor_restarts"] == 1.0
+            assert system.rollouts.restarts == 1 and history[-1]["rollout/actor_restarts"] == 1.0
             assert any(s.startswith("paused") for s in seen_states)
             # Every update trained a full batch of distinct groups, and no group twice across updates.
             state = ray.get(system.learners[0].state.remote())
@@ -121,11 +122,11 @@ def test_killed_rollout_actor_restarts_scale_to_zero_pauses_inference_scales_and
             # none half-published (an entry that is not a whole group is dead-lettered on read).
             assert state["stream"]["dead_lettered"] == 0
             assert_no_group_lost(stream_counts(system.redis_url, cfg.stream), state["stream"], state["trained_groups"])
-            assert len(system.rollouts) == 1
+            assert len(system.rollouts.live) == 1
             # No request was lost to the removed inference actor, nor retried elsewhere: it stopped once idle.
-            stats = system.rollout_stats()
+            stats = system.rollouts.stats()
             assert stats.get("inference_retries", 0) == 0 and stats.get("inference_timeouts", 0) == 0, stats
-            assert ray.get(system.inference[0].policy_version.remote()) == state["policy_version"] == n
+            assert ray.get(system.inference.serving[0].policy_version.remote()) == state["policy_version"] == n
 
             # The embedded Redis dies (the trajectory stream and the control channel): the next update cannot
             # happen, and leaving the block raises RunLost naming it, after everything was closed.

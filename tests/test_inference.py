@@ -7,7 +7,7 @@ import pytest
 import ray
 import torch
 
-from common.config import ExperimentConfig, to_dict
+from common.config import ExperimentConfig, InferenceConfig, ModelConfig
 from tests.weights import hf_model, perturbed
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -16,12 +16,10 @@ PROMPT: list[int] = []     # a chat-formatted prompt in the tiny tokenizer (set 
 LOGPROB_TOL = 1e-4      # fp32 on both sides; measured max |diff| ~1e-6
 
 
-def _cfg(tmp_dir: str) -> dict:
-    cfg = to_dict(ExperimentConfig())
-    cfg["model"].update(max_prompt_tokens=256, max_response_tokens=64)
-    cfg["inference"].update(gpu_memory_utilization=0.05, max_num_seqs=64, cpus_per_actor=1.0,
-                            weights_dir=os.path.join(tmp_dir, "weights"))
-    return cfg
+def _cfg(tmp_dir: str) -> ExperimentConfig:
+    inference = InferenceConfig(gpu_memory_utilization=0.05, max_num_seqs=64, cpus_per_actor=1.0,
+                                weights_dir=os.path.join(tmp_dir, "weights"))
+    return ExperimentConfig(model=ModelConfig(max_prompt_tokens=256, max_response_tokens=64), inference=inference)
 
 
 @pytest.fixture(scope="module")
@@ -192,10 +190,9 @@ def test_head_dtype_float32_asks_vllm_for_a_float32_lm_head(tiny_model_path):
     config reads it (no engine started); "model" leaves the head in the weights' dtype."""
     from actors.inference import engine_args
 
-    cfg = to_dict(ExperimentConfig())
-    cfg["model"].update(dtype="bfloat16", head_dtype="float32")
-    config = engine_args(tiny_model_path, cfg["model"], cfg["inference"], seed=0, gpu=False).create_model_config()
+    cfg = ExperimentConfig(model=ModelConfig(dtype="bfloat16", head_dtype="float32"))
+    config = engine_args(tiny_model_path, cfg.model, cfg.inference, seed=0, gpu=False).create_model_config()
     assert (config.dtype, config.head_dtype) == (torch.bfloat16, torch.float32)
-    cfg["model"]["head_dtype"] = "model"
-    config = engine_args(tiny_model_path, cfg["model"], cfg["inference"], seed=0, gpu=False).create_model_config()
+    cfg.model.head_dtype = "model"
+    config = engine_args(tiny_model_path, cfg.model, cfg.inference, seed=0, gpu=False).create_model_config()
     assert (config.dtype, config.head_dtype) == (torch.bfloat16, torch.bfloat16)

@@ -12,7 +12,8 @@ from common.config import LearnerConfig
 from learner.batching import build_batch, collate, mini_batches, pack_by_tokens, plan_micro_batches
 from learner.gigpo import (LossSettings, correction_weights, gigpo_advantages, grpo_advantages, logprob_gap,
                            policy_loss, token_logprobs_and_entropy)
-from tests.synthetic import step_rows, synthetic_groups
+from bench.synthetic import synthetic_groups
+from tests.synthetic import step_rows
 
 
 def _reference_token_loss(lp, old, a, ref, ent, clip=0.2, c=3.0, kl_coef=0.01, ent_coef=0.001):
@@ -183,23 +184,26 @@ def test_correction_weights_on_a_constructed_case():
     d = np.array([1.0, 0.5, 0.0, -0.5, -1.0])
     learner = [np.array([-1.0, -1.0, -1.0, -1.0, -1.0]), np.array([-2.0, -2.0])]
     sampler = [learner[0] - d, learner[1] - np.array([0.2, 0.4])]
-    tis = correction_weights(learner, sampler, "tis", 2.0)
+    tis, bound = correction_weights(learner, sampler, "tis", 2.0)
     np.testing.assert_allclose(tis[0], [2.0, math.exp(0.5), 1.0, math.exp(-0.5), math.exp(-1.0)], rtol=1e-6)
     np.testing.assert_allclose(tis[1], [math.exp(0.2), math.exp(0.4)], rtol=1e-6)
-    token = correction_weights(learner, sampler, "mask_token", 2.0)
+    assert bound == 1 / 7                              # truncated at C: the first token only
+    token, bound = correction_weights(learner, sampler, "mask_token", 2.0)
     assert token[0].tolist() == [0.0, 1.0, 1.0, 1.0, 0.0] and token[1].tolist() == [1.0, 1.0]
+    assert bound == 2 / 7
     # Row 0's geometric mean is exp(0) = 1: kept; row 1's exp(0.3) in [1/2, 2]: kept; with C = 1.2
     # (log 1.2 = 0.182) row 1 goes, row 0 stays.
-    seq = correction_weights(learner, sampler, "mask_sequence", 1.2)
-    assert seq[0].tolist() == [1.0] * 5 and seq[1].tolist() == [0.0, 0.0]
+    seq, bound = correction_weights(learner, sampler, "mask_sequence", 1.2)
+    assert seq[0].tolist() == [1.0] * 5 and seq[1].tolist() == [0.0, 0.0] and bound == 2 / 7
     # The mean is over the loss tokens only: row 0 without its first two tokens has mean log ratio -0.5,
-    # outside log 1.5 = 0.405 -> dropped; all five average 0 -> kept.
+    # outside log 1.5 = 0.405 -> dropped; all five average 0 -> kept. The share counts loss tokens only.
     masks = [np.array([False, False, True, True, True]), np.array([True, True])]
-    assert correction_weights(learner, sampler, "mask_sequence", 1.5, masks)[0].tolist() == [0.0] * 5
-    assert correction_weights(learner, sampler, "mask_sequence", 1.5)[0].tolist() == [1.0] * 5
-    assert [w.tolist() for w in correction_weights(learner, sampler, "none", 2.0)] == [[1.0] * 5, [1.0] * 2]
-    with pytest.raises(ValueError, match="cap must be > 1"):
-        correction_weights(learner, sampler, "tis", 1.0)
+    weights, bound = correction_weights(learner, sampler, "mask_sequence", 1.5, masks)
+    assert weights[0].tolist() == [0.0] * 5 and bound == 3 / 5
+    assert correction_weights(learner, sampler, "mask_sequence", 1.5)[0][0].tolist() == [1.0] * 5
+    weights, bound = correction_weights(learner, sampler, "none", 2.0)
+    assert [w.tolist() for w in weights] == [[1.0] * 5, [1.0] * 2] and bound == 0.0
+    # A cap <= 1 is refused when the config loads (learner.correction_cap's rule: tests/test_config.py).
 
 
 def test_weighted_policy_gradient_equals_the_hand_computation():

@@ -20,7 +20,7 @@ from common.config import LearnerConfig
 from common.transport import InMemoryTrajectories, InMemoryWeights
 from learner.batching import build_batch
 from learner.loop import PUSHED_VERSION, Learner
-from tests.synthetic import synthetic_groups
+from bench.synthetic import synthetic_groups
 from learner.trainer import PolicyTrainer
 from tests import learner_worker
 
@@ -403,8 +403,10 @@ def test_learner_reads_trains_pushes_and_commits_through_the_in_memory_interface
     a group it already trained on, or one sampled too many versions ago, is skipped."""
     cfg = learner_worker.learner_experiment("unused")           # 2 groups per batch
     groups = synthetic_groups(3, 3, vocab_size=1000, seed=41, max_steps=2)
-    # max_policy_lag 0: a group sampled by version 0 is stale once version 1 is out.
-    source, weights_out = InMemoryTrajectories(max_policy_lag=0), InMemoryWeights()
+    # max_policy_lag 0: a group sampled by version 0 is stale once version 1 is out (the learner's read
+    # policy judges it, learner/read_policy.py).
+    cfg.stream.max_policy_lag = 0
+    source, weights_out = InMemoryTrajectories(), InMemoryWeights()
     for g in groups[:2]:
         source.publish(g)
     learner = Learner(cfg, tiny_model_path, source, publisher=weights_out, checkpoint_dir="")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from deploy.system import EXIT_LOST
+from deploy.run_control import EXIT_LOST
 from tests.accounting import assert_no_group_lost
 from tests.multinode import (REPO, VENV_BIN, head_start_argv, namespaces_unavailable, two_node_cluster,
                              worker_binds, worker_private_argv, worker_sees_head_path, worker_shared_paths,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from common.config import ExperimentConfig, from_dict, to_dict
+from common.config import EnvConfig, ExperimentConfig, RolloutConfig
 from common.model_files import CACHE_DIR_NAME, ModelSource
 from common.placement import PlacementError, actor_need, pinned_node, this_node, wait_placeable
 
@@ -136,11 +136,11 @@ def test_rollout_actor_lands_by_resources_and_loads_the_shipped_tokenizer(kinds_
 
     from actors.rollout import create_rollout_actor
 
-    cfg = to_dict(ExperimentConfig())
-    cfg["run"]["output_dir"] = str(tmp_path / "run")
-    cfg["model"]["path"] = "tiny"       # what a run's config says: the rollout side must not build it again
-    cfg["env"].update(num_generated_games=6, instances_per_process=1)
-    cfg["rollout"].update(group_size=1, groups_per_actor=1, cpus_per_actor=0.25, resources={"rollout_node": 1})
+    cfg = ExperimentConfig(env=EnvConfig(num_generated_games=6, instances_per_process=1),
+                           rollout=RolloutConfig(group_size=1, groups_per_actor=1, cpus_per_actor=0.25,
+                                                 resources={"rollout_node": 1}))
+    cfg.run.output_dir = str(tmp_path / "run")
+    cfg.model.path = "tiny"       # what a run's config says: the rollout side must not build it again
     actor = create_rollout_actor(cfg, "ro-placed", [NoInference.remote()], None, model=shipped_model)
     try:
         assert ray.get(actor.node.remote(), timeout=240) == this_node()
@@ -153,11 +153,13 @@ def test_rollout_actor_lands_by_resources_and_loads_the_shipped_tokenizer(kinds_
         assert ids == AutoTokenizer.from_pretrained(tiny_model_path).encode(SAMPLE)
         # What the driver publishes for `gigpo status`, and how it shows: the actor under its node.
         from deploy.control import format_status
+        from deploy.reports import placement_record
+        from deploy.rollout_pool import RolloutRecord
         from deploy.system import System
-        system = System(from_dict(cfg))
-        system.rollouts = {"rollout-0": actor}
+        system = System(cfg)
+        system.rollouts.actors["rollout-0"] = RolloutRecord("rollout-0", actor)
         system.refresh_placement(timeout_s=30)
-        record = system.placement_record()
+        record = placement_record(system.refresh_placement())
         node = this_node()
         assert record == {"rollout-0": {"ip": node["ip"], "hostname": node["hostname"]}}
         assert f"  {node['ip']} ({node['hostname']})  rollout-0" in format_status({"placement": record})

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import ray
 
-from common.config import load_config, to_dict
+from common.config import load_config
 from common.model_files import ModelSource
 from learner.batching import build_batch
 
@@ -76,8 +76,8 @@ def test_real_model_through_rollout_learner_pushes_and_resume(smollm2_path, loca
     ])
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
     model = ModelSource(smollm2_path)
-    inference = create_inference_actors(to_dict(cfg), model, num_actors=1)
-    rollout = Rollout(to_dict(cfg), "rollout-real", inference, None, model=model)
+    inference = create_inference_actors(cfg, model, num_actors=1)
+    rollout = Rollout(cfg, "rollout-real", inference, None, model=model)
     learner = None
     try:
         # The prompts are the model's own chat template of the reference's message, token for token.

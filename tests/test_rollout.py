@@ -8,7 +8,8 @@ from collections import Counter
 import pytest
 import ray
 
-from common.config import ExperimentConfig, to_dict
+from common.config import (EnvConfig, ExperimentConfig, InferenceConfig, ModelConfig, RolloutConfig,
+                           StreamConfig)
 from common.records import Termination
 from tests.synthetic import step_rows, steps_of
 
@@ -17,18 +18,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 N = 3      # group size
 
 
-def _cfg(model_path: str, stream: str, **rollout) -> dict:
-    cfg = to_dict(ExperimentConfig())
-    cfg["model"].update(path=model_path, max_prompt_tokens=1024, max_response_tokens=24)
-    cfg["inference"].update(gpu_memory_utilization=0.05, max_num_seqs=64, cpus_per_actor=1.0)
-    cfg["env"].update(max_steps=3, num_generated_games=6, instances_per_process=4, step_timeout_s=30.0)
+def _cfg(model_path: str, stream: str, **rollout) -> ExperimentConfig:
     # Unconstrained by default: the random policy's responses are invalid (the env says "Nothing happens"),
     # which exercises the same plumbing at a fraction of the cost of grammar-constrained decoding.
-    cfg["rollout"].update(group_size=N, groups_per_actor=2, cpus_per_actor=0.25, constrain_actions=False)
-    cfg["rollout"].update(rollout)
+    rollout = dict(group_size=N, groups_per_actor=2, cpus_per_actor=0.25, constrain_actions=False) | rollout
+    cfg = ExperimentConfig(
+        model=ModelConfig(path=model_path, max_prompt_tokens=1024, max_response_tokens=24),
+        inference=InferenceConfig(gpu_memory_utilization=0.05, max_num_seqs=64, cpus_per_actor=1.0),
+        env=EnvConfig(max_steps=3, num_generated_games=6, instances_per_process=4, step_timeout_s=30.0),
+        rollout=RolloutConfig(**rollout), stream=StreamConfig(stream=stream, max_stream_groups=1000))
     # Constrained sampling's log-probs are under the grammar mask: the config requires the learner's own.
-    cfg["learner"]["recompute_old_logprobs"] = bool(cfg["rollout"]["constrain_actions"])
-    cfg["stream"].update(stream=stream, max_stream_groups=1000)
+    cfg.learner.recompute_old_logprobs = cfg.rollout.constrain_actions
     return cfg
 
 
@@ -37,7 +37,7 @@ def setup(tiny_model_path, local_ray, redis_url, tmp_path_factory):
     from actors.inference import create_inference_actors, stop_inference_actors
 
     cfg = _cfg(tiny_model_path, "unused")
-    cfg["inference"]["weights_dir"] = str(tmp_path_factory.mktemp("weights"))
+    cfg.inference.weights_dir = str(tmp_path_factory.mktemp("weights"))
     inference = create_inference_actors(cfg, tiny_model_path, num_actors=1)
     try:
         assert ray.get(inference[0].policy_version.remote(), timeout=180) == 0
@@ -46,14 +46,13 @@ def setup(tiny_model_path, local_ray, redis_url, tmp_path_factory):
         stop_inference_actors(inference)      # the engine's own shutdown: it removes its shared memory
 
 
-def _read_all(url: str, cfg: dict, expect: int | None = None, timeout_s: float = 10.0):
-    from common.config import from_dict
+def _read_all(url: str, cfg: ExperimentConfig, expect: int | None = None, timeout_s: float = 10.0):
     from common.stream import TrajectoryStream
 
-    stream = TrajectoryStream(url, from_dict(cfg).stream, consumer_name="test-learner")
+    stream = TrajectoryStream(url, cfg.stream, consumer_name="test-learner")
     got, deadline = [], time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        got += stream.read(max_groups=100, block_ms=200, policy_version=0)
+        got += stream.read(max_groups=100, block_ms=200)
         if expect is None or len(got) >= expect:
             break
     stream.ack(got)
@@ -66,7 +65,7 @@ def _served_version(inference) -> int:
     return ray.get(inference[0].policy_version.remote(), timeout=60)
 
 
-def _check_group(group, cfg: dict, versions: tuple):
+def _check_group(group, cfg: ExperimentConfig, versions: tuple):
     """Invariants every published group satisfies; versions: those that may have sampled its steps."""
     assert len(group.trajectories) == N
     assert len({t.traj_id for t in group.trajectories}) == N
@@ -76,17 +75,17 @@ def _check_group(group, cfg: dict, versions: tuple):
         assert traj.termination in (Termination.DONE, Termination.MAX_STEPS, Termination.ENV_ERROR,
                                     Termination.TRUNCATED)
         if traj.termination == Termination.MAX_STEPS:
-            assert traj.num_steps == cfg["env"]["max_steps"] and not traj.success
+            assert traj.num_steps == cfg.env.max_steps and not traj.success
         assert [s.step for s in steps] == list(range(traj.num_steps))
         assert traj.episode_return == sum(s.reward for s in steps)
         for i, s in enumerate(steps):
             assert len(s.response_ids) == len(s.response_logprobs) > 0
-            assert len(s.prompt_ids) <= cfg["model"]["max_prompt_tokens"]
+            assert len(s.prompt_ids) <= cfg.model.max_prompt_tokens
             assert (s.response_logprobs <= 0).all()
             assert s.policy_version in versions and s.anchor
             # the success reward sits on the winning (last) step only
             won_here = traj.success and i == traj.num_steps - 1
-            assert s.reward == (cfg["rollout"]["success_reward"] if won_here else 0.0)
+            assert s.reward == (cfg.rollout.success_reward if won_here else 0.0)
         if steps:
             first_anchors.add(steps[0].anchor)
     # same task, same seed: every member starts from the identical state
@@ -98,8 +97,8 @@ def test_rollout_publishes_complete_groups(setup):
 
     path, inference, url = setup
     cfg = _cfg(path, "test:groups", constrain_actions=True)
-    cfg["env"]["max_steps"] = 4
-    cfg["model"]["max_response_tokens"] = 80      # room for the longest action even spelled per character
+    cfg.env.max_steps = 4
+    cfg.model.max_response_tokens = 80      # room for the longest action even spelled per character
     version = _served_version(inference)
     actor = create_rollout_actor(cfg, "ro-a", inference, url)
     stats = ray.get(actor.run.remote(max_groups=2), timeout=240)
@@ -125,7 +124,7 @@ def test_prompt_over_context_truncates(setup):
 
     path, inference, url = setup
     cfg = _cfg(path, "test:trunc")
-    cfg["model"]["max_prompt_tokens"] = 20
+    cfg.model.max_prompt_tokens = 20
     actor = create_rollout_actor(cfg, "ro-t", inference, url)
     stats = ray.get(actor.run.remote(max_groups=1), timeout=120)
     assert stats["terminations"] == {"truncated": N}
@@ -142,7 +141,7 @@ def test_env_worker_crash_ends_trajectory_as_env_error(setup):
 
     path, inference, url = setup
     cfg = _cfg(path, "test:crash", groups_per_actor=1)
-    cfg["env"]["max_steps"] = 10
+    cfg.env.max_steps = 10
     version = _served_version(inference)
     actor = create_rollout_actor(cfg, "ro-c", inference, url)
     done = actor.run.remote(max_groups=1)
@@ -228,7 +227,7 @@ def test_a_group_with_a_nan_log_prob_is_dropped_and_counted_not_published(setup)
 
     path, _, url = setup
     cfg = _cfg(path, "test:nan", groups_per_actor=1, group_size=2)
-    cfg["env"]["max_steps"] = 1
+    cfg.env.max_steps = 1
     broken = NaNInference.remote()
     actor = create_rollout_actor(cfg, "ro-nan", [broken], url)
     stats = ray.get(actor.run.remote(max_groups=1), timeout=120)
@@ -256,8 +255,8 @@ def test_a_hung_inference_engine_is_given_up_after_the_deadline(setup):
     engine_pids = descendants(ray.get(engine.pid.remote()))
     assert engine_pids, "the inference actor has no engine processes"
     cfg = _cfg(path, "test:hung", groups_per_actor=1, group_size=1)
-    cfg["inference"]["generate_timeout_s"] = 15.0
-    cfg["env"]["max_steps"] = 1
+    cfg.inference.generate_timeout_s = 15.0
+    cfg.env.max_steps = 1
 
     def signal_engine(sig: int) -> None:
         for pid in engine_pids:

@@ -235,7 +235,7 @@ def test_a_training_run_that_loses_its_learner_writes_the_password_nowhere_and_s
     """One real `gigpo train` (embedded Redis with a generated password), watched from outside: the password
     is on no command line, in no process's environment, in no output or file of the run. After two
     updates (each checkpointed) its learner's process is killed (a lost learner node does the same to the
-    driver: Ray reports the actor dead; deploy.system.System.lost_parts tells the two apart by whether the
+    driver: Ray reports the actor dead; deploy.run_control.lost_parts tells the two apart by whether the
     node is still in the cluster, the code path is the same): the run ends with exit status 3 and, on stderr,
     no traceback but three lines: which rank on which node was lost, the newest complete checkpoint, the
     command that resumes."""

@@ -1,5 +1,6 @@
-"""The trajectory stream against a real redis-server (started by EmbeddedRedis): delivery, acks, duplicates,
-dead letters, staleness, backpressure and a consumer killed (SIGKILL) before its ack."""
+"""The trajectory stream against a real redis-server (started by EmbeddedRedis): delivery, acks, dead letters,
+backpressure and a consumer killed (SIGKILL) before its ack; and the learner's read policy (duplicates,
+staleness, unpublished versions) on what the Redis and the in-memory sources hand out."""
 from __future__ import annotations
 
 import os
@@ -19,6 +20,7 @@ from common.config import StreamConfig
 from common.redis_server import connect, redis_for
 from common.stream import TrajectoryStream
 from common.transport import InMemoryTrajectories
+from learner.read_policy import admit
 from tests.stream_factory import assert_groups_equal, make_group
 
 pytestmark = pytest.mark.timeout(60)
@@ -32,14 +34,21 @@ def cfg():
                         reclaim_idle_s=0.3)
 
 
-def drain(stream: TrajectoryStream, policy_version: int = 0, trained: set | None = None,
-          timeout_s: float = 10.0) -> list[str]:
+def admitted(source, max_groups: int = 10, block_ms: int = 100, policy_version: int = 1,
+             trained: set | frozenset = frozenset(), held: set | frozenset = frozenset()) -> list:
+    """A read of `source` as a learner at `policy_version` takes it (learner.read_policy; max_policy_lag 4).
+    The default version is the newest of make_group's steps (they span versions 0 and 1)."""
+    return admit(source, source.read(max_groups, block_ms), trained_ids=trained, held_ids=held,
+                 newest_version=policy_version, max_policy_lag=4)
+
+
+def drain(stream: TrajectoryStream, trained: set | None = None, timeout_s: float = 10.0) -> list[str]:
     """Read + ack until the stream is empty (or `timeout_s` passed); returns the group ids trained, in order."""
     trained = set() if trained is None else trained
     order = []
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        got = stream.read(max_groups=8, block_ms=50, policy_version=policy_version, trained_ids=trained)
+        got = admitted(stream, max_groups=8, block_ms=50, trained=trained)
         if not got and stream.depth() == 0:
             break
         for r in got:
@@ -79,14 +88,14 @@ def test_publish_read_ack_round_trip(redis_server, cfg):
     groups = [make_group(f"g{i}", version=3, seed=i) for i in range(5)]
     ids = [stream.publish(g) for g in groups]
     assert len(set(ids)) == 5 and stream.depth() == 5
-    got = stream.read(max_groups=3, block_ms=100, policy_version=3, trained_ids=set())
+    got = stream.read(max_groups=3, block_ms=100)
     assert [r.entry_id for r in got] == ids[:3]
     for r, g in zip(got, groups):
         assert_groups_equal(g, r.group)
     assert stream.depth() == 5 and stream.pending() == 3     # read but unacked: still held
     stream.ack(got)
     assert stream.depth() == 2 and stream.pending() == 0     # acked entries are deleted
-    rest = stream.read(max_groups=10, block_ms=100, policy_version=3, trained_ids=set())
+    rest = stream.read(max_groups=10, block_ms=100)
     assert [r.group.group_id for r in rest] == ["g3", "g4"]
     stream.ack(rest)
     assert stream.depth() == 0
@@ -97,11 +106,11 @@ def test_read_blocks_until_a_group_arrives(redis_server, cfg):
     consumer = TrajectoryStream(redis_server.url, cfg)
     producer = TrajectoryStream(redis_server.url, cfg, consumer_name="producer")
     t0 = time.monotonic()
-    assert consumer.read(4, block_ms=200, policy_version=0, trained_ids=set()) == []
+    assert consumer.read(4, block_ms=200) == []
     assert time.monotonic() - t0 >= 0.15
     timer = threading.Timer(0.2, lambda: producer.publish(make_group("late")))
     timer.start()
-    got = consumer.read(4, block_ms=5000, policy_version=0, trained_ids=set())
+    got = consumer.read(4, block_ms=5000)
     timer.join()
     assert [r.group.group_id for r in got] == ["late"]
 
@@ -119,17 +128,18 @@ def test_publish_refuses_bad_groups(redis_server, cfg):
 
 @pytest.fixture(params=["redis", "memory"])
 def source(request, redis_server, cfg):
-    """The trajectory boundary's two implementations (common.transport), for the read rules both keep."""
+    """The trajectory boundary's two implementations (common.transport): the learner's read policy applies
+    to what either hands out."""
     if request.param == "redis":
         return TrajectoryStream(redis_server.url, cfg)
-    return InMemoryTrajectories(max_policy_lag=cfg.max_policy_lag)
+    return InMemoryTrajectories()
 
 
 def test_trained_and_duplicate_groups_are_skipped_and_acked(source):
     stream = source
     for gid in ["a", "b", "b", "c", "a"]:          # a retried publish duplicates an entry
         stream.publish(make_group(gid))
-    got = stream.read(max_groups=10, block_ms=100, policy_version=0, trained_ids={"c"})
+    got = admitted(stream, trained={"c"})
     assert sorted(r.group.group_id for r in got) == ["a", "b"]
     assert stream.stats["duplicates_skipped"] == 3
     stream.ack(got)
@@ -141,9 +151,9 @@ def test_trained_and_duplicate_groups_are_skipped_and_acked(source):
 def test_groups_in_flight_are_not_handed_out_twice(source):
     stream = source
     stream.publish(make_group("x"))
-    first = stream.read(4, 100, 0, set())
+    first = admitted(stream)
     stream.publish(make_group("x"))                 # the same group again while "x" is being trained
-    assert stream.read(4, 100, 0, set()) == []
+    assert admitted(stream, held={"x"}) == []
     assert stream.stats["duplicates_skipped"] == 1
     stream.ack(first)
     assert stream.depth() == 0
@@ -163,7 +173,7 @@ def test_malformed_entries_go_to_dead_letter_and_consumer_keeps_going(redis_serv
     r.xadd(cfg.stream, {"v": SCHEMA_VERSION, "g": "not-good", "p0": 0, "p1": 0, **parts})
     r.xadd(cfg.stream, {"v": SCHEMA_VERSION, "g": "m6", "p0": "zero", "p1": 0, "h": b""})
     stream.publish(good)
-    got = stream.read(max_groups=10, block_ms=100, policy_version=0, trained_ids=set())
+    got = stream.read(max_groups=10, block_ms=100)
     assert [x.group.group_id for x in got] == ["good"]
     stream.ack(got)
     assert stream.stats["dead_lettered"] == 6
@@ -185,11 +195,28 @@ def test_stale_groups_are_dropped_acked_and_counted(source):
     stream = source                                        # max_policy_lag 4
     for gid, version in [("v0", 0), ("v5", 5), ("v6", 6), ("v9", 9)]:
         stream.publish(make_group(gid, version=version))   # steps span version and version + 1
-    got = stream.read(max_groups=10, block_ms=100, policy_version=10, trained_ids=set())
+    got = admitted(stream, policy_version=10)
     assert [r.group.group_id for r in got] == ["v6", "v9"]  # oldest version must be >= 10 - 4
     assert stream.stats["dropped_stale"] == 2
     stream.ack(got)
     assert stream.depth() == 0
+
+
+def test_read_policy_drops_stale_skips_duplicates_and_refuses_unpublished_versions(source):
+    """The learner's rules on either source, in one read: a group claiming a version the learner has not
+    published is dead-lettered, a stale one and a duplicate are acked untrained and counted; a redelivered
+    group (held by a learner that stopped) was judged when first read and is kept however old."""
+    for gid, version in [("future", 7), ("stale", 0), ("fresh", 4), ("fresh", 4), ("old", 0)]:
+        source.publish(make_group(gid, version=version))   # steps span version and version + 1
+    *first, old = source.read(5)
+    old.redelivered = True                                 # as a source hands out a dead learner's group
+    got = admit(source, first + [old], trained_ids=set(), newest_version=5, max_policy_lag=4)
+    assert [r.group.group_id for r in got] == ["fresh", "old"]
+    assert {k: source.stats[k] for k in ("dead_lettered", "dropped_stale", "duplicates_skipped")} == \
+        {"dead_lettered": 1, "dropped_stale": 1, "duplicates_skipped": 1}
+    assert source.depth() == 2
+    source.ack(got)
+    assert source.depth() == 0 and source.stats["acked"] == 2
 
 
 def refusals(stream: TrajectoryStream) -> threading.Semaphore:
@@ -228,7 +255,7 @@ def test_backpressure_blocks_the_producer_and_resumes(redis_server, cfg):
     assert not done.is_set() and consumer.depth() == 3     # blocked, nothing added past the bound
     trained = []
     while len(trained) < 6:
-        got = consumer.read(max_groups=1, block_ms=200, policy_version=0, trained_ids=set())
+        got = consumer.read(max_groups=1, block_ms=200)
         depths.append(consumer.depth())
         trained += [r.group.group_id for r in got]
         consumer.ack(got)
@@ -262,7 +289,7 @@ def test_concurrent_producers_never_overshoot_the_bound(redis_server, cfg):
     assert all(r.acquire(timeout=10) for r in refused)    # all four are now waiting on a full stream
     trained, depths = [], [consumer.depth()]
     while len(trained) < 20:
-        got = consumer.read(max_groups=1, block_ms=200, policy_version=0, trained_ids=set())
+        got = consumer.read(max_groups=1, block_ms=200)
         trained += [r.group.group_id for r in got]
         consumer.ack(got)
         depths.append(consumer.depth())
@@ -301,7 +328,7 @@ def test_restarted_consumer_gets_its_own_pending_groups_back(redis_server, cfg):
     first = TrajectoryStream(redis_server.url, cfg, consumer_name="learner-0")
     for i in range(4):
         first.publish(make_group(f"r{i}"))
-    got = first.read(max_groups=3, block_ms=100, policy_version=0, trained_ids=set())
+    got = first.read(max_groups=3, block_ms=100)
     assert len(got) == 3
     first.close()                                    # "crashed" after committing r0 but before any ack
     second = TrajectoryStream(redis_server.url, cfg, consumer_name="learner-0")
@@ -316,10 +343,9 @@ _DOOMED_CONSUMER = """
 import sys, time
 from common.config import StreamConfig
 from common.stream import TrajectoryStream
-from common.transport import InMemoryTrajectories
 cfg = StreamConfig(stream=sys.argv[2], reclaim_idle_s=0.3)
 s = TrajectoryStream(sys.argv[1], cfg, consumer_name="doomed")
-got = s.read(max_groups=3, block_ms=2000, policy_version=0, trained_ids=set())
+got = s.read(max_groups=3, block_ms=2000)
 print(" ".join(r.group.group_id for r in got), flush=True)
 time.sleep(120)   # "training": killed with SIGKILL before it acks
 """
@@ -344,7 +370,7 @@ def test_consumer_killed_before_ack_groups_trained_exactly_once(redis_server, cf
     trained = Counter()
     deadline = time.monotonic() + 10
     while sum(trained.values()) < 6 and time.monotonic() < deadline:
-        got = survivor.read(max_groups=4, block_ms=100, policy_version=0, trained_ids=set(trained))
+        got = admitted(survivor, max_groups=4, trained=set(trained))
         trained.update(r.group.group_id for r in got)
         survivor.ack(got)
     assert trained == Counter({f"k{i}": 1 for i in range(6)})
@@ -358,13 +384,13 @@ def test_live_consumer_keeps_its_groups_while_it_keeps_reading(redis_server, cfg
     a = TrajectoryStream(redis_server.url, cfg, consumer_name="a")
     b = TrajectoryStream(redis_server.url, cfg, consumer_name="b")
     producer.publish(make_group("held"))
-    held = a.read(1, 100, 0, set())
+    held = a.read(1, 100)
     assert len(held) == 1
     # a trains for longer than reclaim_idle_s but keeps reading (each read waits up to 100 ms for a group)
     until = time.monotonic() + 2 * cfg.reclaim_idle_s
     while time.monotonic() < until:
-        assert a.read(1, 100, 0, set()) == []
-        assert b.read(1, 100, 0, set()) == []
+        assert a.read(1, 100) == []
+        assert b.read(1, 100) == []
     a.ack(held)
     assert b.stats["reclaimed"] == 0 and a.depth() == 0
 
@@ -376,7 +402,7 @@ def test_acl_user_url_works_and_wrong_permissions_fail_fast(redis_server, cfg):
     url = f"redis://rollout:s3cret@127.0.0.1:{redis_server.port}/0"
     stream = TrajectoryStream(url, cfg)
     stream.publish(make_group("acl"))
-    got = stream.read(4, 100, 0, set())
+    got = stream.read(4, 100)
     stream.ack(got)
     assert [r.group.group_id for r in got] == ["acl"]
     import redis
@@ -390,7 +416,7 @@ def test_entry_deleted_while_pending_is_cleaned_up(redis_server, cfg):
     stream = TrajectoryStream(redis_server.url, cfg, consumer_name="a")
     for gid in ("d0", "d1"):
         stream.publish(make_group(gid))
-    held = stream.read(2, 100, 0, set())
+    held = stream.read(2, 100)
     stream.close()                                    # consumer "a" dies holding both
     connect(redis_server.url).xdel(cfg.stream, held[0].entry_id)   # someone deletes one of them
     other = TrajectoryStream(redis_server.url, cfg, consumer_name="b")
@@ -398,7 +424,7 @@ def test_entry_deleted_while_pending_is_cleaned_up(redis_server, cfg):
     assert trained == ["d1"]
     deadline = time.monotonic() + 5                   # the vanished entry's pending slot is released too
     while other.pending() and time.monotonic() < deadline:   # (by a later pending-list scan)
-        other.read(2, 50, 0, set())
+        other.read(2, 50)
     assert other.pending() == 0 and other.depth() == 0
 
 

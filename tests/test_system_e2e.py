@@ -15,7 +15,8 @@ import ray
 from common.config import load_config
 from common.metrics import METRICS, exported_name, metrics_url
 from deploy.control import JOB_FILE
-from deploy.system import System, evaluate_only, format_eval
+from deploy.reports import format_eval
+from deploy.system import System, evaluate_only
 from env_servers.data import build_metadata
 from learner.loop import PUSHED_VERSION
 from learner.trainer import LEARNER_STATE
@@ -49,15 +50,15 @@ def test_two_iterations_of_the_full_system(tmp_path, monkeypatch):
         # `gigpo scale` while running: the command is applied at the next iteration.
         system.channel.send_command({"op": "scale_rollout", "num_actors": 2, "drain": True})
         history = system.train()
-        assert len(system.rollouts) == 2
+        assert len(system.rollouts.live) == 2
         assert [int(m["update"]) for m in history] == [1, 2]
         # The learner trained on groups the rollout actor published through Redis ...
-        stats = system.rollout_stats()
+        stats = system.rollouts.stats()
         assert stats["groups_published"] >= 4
         assert all(m["stream/consumed"] >= 2 for m in history[1:])
         assert history[-1]["learner/groups_trained"] + history[-1]["learner/groups_skipped_equal_returns"] == 4
         # ... and the inference actor now serves the weights of update 2.
-        versions = ray.get([a.policy_version.remote() for a in system.inference])
+        versions = ray.get([a.policy_version.remote() for a in system.inference.serving])
         assert versions == [2]
         status = system.channel.read_status()
         assert status["iteration"] == 2 and status["policy_version"] == 2 and status["rollout_actors"] == 2
@@ -70,11 +71,11 @@ def test_two_iterations_of_the_full_system(tmp_path, monkeypatch):
         assert set(result["per_task_type"]) == {"pick_and_place_simple"}
         assert "All" in format_eval("after", {"eval": result})
         # Removing an actor finishes its in-flight groups: nothing is discarded or half-published.
-        system.scale_rollout(1, drain=True)
-        system.reap_retired(timeout_s=300)
-        assert not system.retiring
-        stats = system.rollout_stats()
-        assert len(system.rollouts) == 1 and stats.get("groups_discarded", 0) == 0
+        system.rollouts.scale(1, drain=True)
+        system.rollouts.reap_retired(timeout_s=300)
+        assert not system.rollouts.retiring
+        stats = system.rollouts.stats()
+        assert len(system.rollouts.live) == 1 and stats.get("groups_discarded", 0) == 0
         check_metrics_endpoint(system, history)     # (the evaluation above fed the driver's eval success rate)
         if len(CPUS) == 2:
             check_cpu_placement(system)

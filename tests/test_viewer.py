@@ -15,7 +15,7 @@ from common.records import EpisodeGroup, StepRow, Termination, Trajectory
 from deploy import cli
 from learner.batching import build_batch
 from learner.group_record import GROUPS_FILE, MAX_TEXT_CHARS, GroupRecorder, cut, group_record
-from tests.synthetic import synthetic_groups
+from bench.synthetic import synthetic_groups
 
 PENALTY = 0.1
 LONG_PAGE = "WebShop [SEP] results " + "item & <b>price</b> " * 400       # past MAX_TEXT_CHARS

@@ -13,7 +13,8 @@ import json
 import pytest
 
 from common.config import load_config
-from deploy.system import EVALS_FILE, eval_line, format_summary, train
+from deploy.reports import EVALS_FILE, eval_line, format_summary
+from deploy.system import train
 from tests.webshop_catalog import real_catalog
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

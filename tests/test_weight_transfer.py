@@ -14,7 +14,7 @@ import pytest
 import ray
 import torch
 
-from common.config import ExperimentConfig, to_dict
+from common.config import ExperimentConfig, InferenceConfig, ModelConfig
 from tests.weights import hf_model, perturbed
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -25,14 +25,12 @@ PROMPT: list[int] = []     # a chat-formatted prompt in the tiny tokenizer (set 
 GREEDY = {"temperature": 0.0, "max_tokens": 24}
 
 
-def _cfg(tmp_dir: str, **inference) -> dict:
-    cfg = to_dict(ExperimentConfig())
-    cfg["model"].update(max_prompt_tokens=256, max_response_tokens=32)
-    cfg["inference"].update(gpu_memory_utilization=0.05, max_num_seqs=16, cpus_per_actor=1.0,
-                            weights_dir=os.path.join(tmp_dir, "weights"), transfer_timeout_s=TIMEOUT_S,
-                            weight_bucket_mb=1)     # 1 MB: several packed buffers / bucket files for ~2.6 MB
-    cfg["inference"].update(inference)
-    return cfg
+def _cfg(tmp_dir: str, **inference) -> ExperimentConfig:
+    settings = dict(gpu_memory_utilization=0.05, max_num_seqs=16, cpus_per_actor=1.0,
+                    weights_dir=os.path.join(tmp_dir, "weights"), transfer_timeout_s=TIMEOUT_S,
+                    weight_bucket_mb=1)     # 1 MB: several packed buffers / bucket files for ~2.6 MB
+    return ExperimentConfig(model=ModelConfig(max_prompt_tokens=256, max_response_tokens=32),
+                            inference=InferenceConfig(**settings | inference))
 
 
 def _weights(model) -> list:

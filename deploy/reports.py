@@ -1,0 +1,147 @@
+"""What a run tells: the status record `gigpo status` reads (with each actor's node), the evaluations'
+records (evals.jsonl), and the terminal's lines: one per evaluation, the paper's table, the final summary."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ray
+
+from common.metrics import update_figures
+
+EVALS_FILE = "evals.jsonl"     # a training run's evaluations, one line each (System.evaluate)
+
+
+class PlacementWatch:
+    """Which node each actor of the run answered from; a restarted actor may come back on another, so each
+    is asked again every time, with one call in flight per actor."""
+
+    def __init__(self):
+        self.nodes: dict[str, dict | None] = {}      # actor name -> its node (None: not started, or died)
+        self._asks: dict[str, object] = {}            # actor name -> ObjectRef of its node() call in flight
+
+    def refresh(self, actors: dict[str, object], timeout_s: float = 0.0) -> dict[str, dict | None]:
+        """{name: node} for `actors` ({name: handle}), waiting up to timeout_s for their answers."""
+        for name in list(self._asks):
+            if name not in actors:
+                del self._asks[name]
+        for name, actor in actors.items():
+            if name not in self._asks:
+                self._asks[name] = actor.node.remote()
+        refs = list(self._asks.values())
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
+        ready = set(ready)
+        for name, ref in list(self._asks.items()):
+            if ref in ready:
+                del self._asks[name]
+                try:
+                    self.nodes[name] = ray.get(ref)
+                except ray.exceptions.RayError:
+                    self.nodes[name] = None      # died (Ray may restart it; asked again next time)
+        return {name: self.nodes.get(name) for name in actors}
+
+
+def placement_record(placement: dict[str, dict | None]) -> dict[str, dict]:
+    """Each actor's node for the status record, {name: {"ip", "hostname"}} ("ip" None: not started yet);
+    `gigpo status` groups the actors by node."""
+    return {name: {"ip": node and node["ip"], "hostname": node and node["hostname"]}
+            for name, node in placement.items()}
+
+
+def status_record(cfg, state: str, metrics: dict, last_eval: dict | None, rollouts, inference,
+                  placement: dict[str, dict | None], outputs: Path) -> dict:
+    """The record `gigpo status` shows: the run's state, progress, actors (`rollouts`: the RolloutPool,
+    `inference`: the InferencePool) and their nodes, the latest metrics and evaluation."""
+    evaluated = {f"eval/{k}": v for k, v in (last_eval or {}).items() if isinstance(v, float)}
+    return {
+        "run": cfg.run.name, "state": state, "iteration": int(metrics.get("update", 0)),
+        "iterations": cfg.run.iterations, "policy_version": int(metrics.get("policy_version", 0)),
+        "rollout_actors": len(rollouts.live), "inference_actors": len(inference.serving),
+        "inference_starting": len(inference.starting),
+        "rollout_restarts": rollouts.restarts, "rollout_restarting": len(rollouts.restarting),
+        "env_instances": len(rollouts.live) * cfg.rollout.groups_per_actor * cfg.rollout.group_size,
+        "metrics": update_figures({**metrics, **evaluated}),
+        "outputs": str(outputs.resolve()),
+        "placement": placement_record(placement),
+    }
+
+
+def waiting_state(rollouts, updating: bool) -> str:
+    """The status's state while the driver waits on the learner: why (paused by `scale --rollout 0`,
+    rollout actors coming back after a loss, an update in progress, or waiting for data)."""
+    if not rollouts.live:
+        return "paused: no rollout actors (resume with `gigpo scale --rollout N`)"
+    if rollouts.restarting:
+        return (f"waiting: {len(rollouts.restarting)} rollout actor(s) coming back (their process or node was "
+                f"lost; Ray restarts them when a node with their resources is there)")
+    return "training" if updating else "waiting for data"
+
+
+def append_eval_record(out_dir: Path, record: dict, fresh: bool) -> None:
+    """One evaluation as a line of <out_dir>/evals.jsonl; fresh: the file is started anew (as metrics.jsonl
+    is by a run that does not resume)."""
+    with open(out_dir / EVALS_FILE, "w" if fresh else "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def eval_line(when: str, result: dict) -> str:
+    """One evaluation in one line: overall success, then per task type (full names), WebShop's score."""
+    parts = [f"eval {when}: success {100 * result.get('success', 0.0):.1f}% over {result.get('episodes', 0)} "
+             f"episodes"]
+    per_type = result.get("per_task_type", {})
+    if per_type and set(per_type) != {"all"}:
+        parts.append(", ".join(f"{name} {100 * value:.1f}%" for name, value in sorted(per_type.items())))
+    if "score" in result:
+        parts.append(f"score {100 * result['score']:.1f}")
+    if result.get("valid_action_share", 1.0) < 1.0:
+        parts.append(f"valid responses {100 * result['valid_action_share']:.1f}%")
+    return " | ".join(parts)
+
+
+# The paper's ALFWorld table: its column per task type, in its order (Table 1: Pick, Look, Clean, Heat,
+# Cool, Pick2, All). Other task names (none in the standard game set) keep their own name, after these.
+PAPER_COLUMNS = {
+    "pick_and_place_simple": "Pick", "look_at_obj_in_light": "Look", "pick_clean_then_place_in_recep": "Clean",
+    "pick_heat_then_place_in_recep": "Heat", "pick_cool_then_place_in_recep": "Cool",
+    "pick_two_obj_and_place": "Pick2",
+}
+
+
+def format_eval(title: str, results: dict[str, dict]) -> str:
+    """The paper's table layout, one row per split (`results`: split -> summary): success in % per task
+    type and All for ALFWorld; score and success (Succ.) for WebShop; then the episodes played. A task type
+    a split did not play shows "-"."""
+    types = {t for r in results.values() for t in r.get("per_task_type", {}) if t not in ("all", "webshop")}
+    order = list(PAPER_COLUMNS)
+    types = sorted(types, key=lambda t: (order.index(t) if t in order else len(order), t))
+    webshop = any("score" in r for r in results.values())
+    columns = ([("Score", lambda r: 100 * r["score"] if "score" in r else None)] if webshop else []) + [
+        (PAPER_COLUMNS.get(t, t), lambda r, t=t: 100 * r["per_task_type"][t] if t in r.get("per_task_type", {})
+         else None) for t in types] + [("Succ." if webshop else "All", lambda r: 100 * r.get("success", 0.0))]
+    first = max([len("split")] + [len(s) for s in results])
+    widths = [max(6, len(name)) for name, _ in columns]
+    lines = [f"== {title}: %", f"{'split':<{first}} | " + " | ".join(
+        f"{name:>{w}}" for (name, _), w in zip(columns, widths)) + " | episodes"]
+    for split, r in results.items():
+        cells = ["-" if v is None else f"{v:.1f}" for v in (value(r) for _, value in columns)]
+        lines.append(f"{split:<{first}} | " + " | ".join(f"{c:>{w}}" for c, w in zip(cells, widths))
+                     + f" | {r.get('episodes', 0):8d}")
+    return "\n".join(lines)
+
+
+def format_summary(summary: dict) -> str:
+    """`gigpo train`'s last lines: updates, time, env steps, success (and WebShop's score) before and after,
+    the table, where the outputs are."""
+    lines = ["", "=" * 72, f"trained {summary['updates']} updates in {summary['train_s'] / 60:.1f} min, "
+             f"{summary['env_steps']:.0f} env steps"]
+    if summary.get("before") and summary.get("after"):
+        b, a = summary["before"]["success"], summary["after"]["success"]
+        lines.append(f"success before {100 * b:.1f}%  ->  after {100 * a:.1f}%   ({100 * (a - b):+.1f} points)")
+        if "score" in summary["before"] and "score" in summary["after"]:      # WebShop: the paper's other figure
+            b, a = summary["before"]["score"], summary["after"]["score"]
+            lines.append(f"score   before {100 * b:.1f}    ->  after {100 * a:.1f}    ({100 * (a - b):+.1f} points)")
+        lines.append(format_eval("after training", {summary.get("eval_split", "eval"): summary["after"]}))
+    lines.append(f"outputs: {summary['outputs']} (tensorboard --logdir {summary['outputs']}/tensorboard; "
+                 f"each step's credit: gigpo view {summary['outputs']})")
+    lines.append("=" * 72)
+    return "\n".join(lines)

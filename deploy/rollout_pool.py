@@ -1,0 +1,179 @@
+"""The run's rollout actors, one record each: adding and removing them (`gigpo scale --rollout`), collecting
+the removed ones, noticing one that died (Ray restarts it) and playing it again once it is back, and their
+stats summed over the whole run (actors removed and lives before a restart included)."""
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable
+
+import ray
+
+from common.config import ExperimentConfig
+from common.placement import format_need, job_needs
+
+log = logging.getLogger("gigpo")
+
+ROLLOUT_TELL_S = 30      # rollout actors told of added or removed inference actors
+
+
+@dataclass
+class RolloutRecord:
+    """One rollout actor of the run and the driver's calls in flight on it."""
+    id: str
+    handle: object
+    run: object = None              # ObjectRef of its run() while it plays (async mode)
+    stop: object = None             # ObjectRef of its stop() once removed: it is retiring
+    stats: dict = field(default_factory=dict)   # its last stats, of this life (a restart counts from 0)
+    restart_ping: object = None     # ObjectRef of a node() call while Ray restarts it (it is coming back)
+
+
+class RolloutPool:
+    """The rollout actors, live and retiring. `create(actor_id)` starts one (the driver knows the inference
+    actors, the stream and the model it gets)."""
+
+    def __init__(self, cfg: ExperimentConfig, create: Callable[[str], object]):
+        self.cfg = cfg
+        self._create = create
+        self.actors: dict[str, RolloutRecord] = {}   # live and retiring, by id, oldest first
+        self.ended: list[dict] = []     # the last stats of removed actors and of lives ended by a restart
+        self.restarts = 0               # rollout actors that died and were restarted by Ray
+        self._next_id = 0
+
+    @property
+    def live(self) -> list[RolloutRecord]:
+        return [actor for actor in self.actors.values() if actor.stop is None]
+
+    @property
+    def retiring(self) -> list[RolloutRecord]:
+        return [actor for actor in self.actors.values() if actor.stop is not None]
+
+    @property
+    def restarting(self) -> list[RolloutRecord]:
+        return [actor for actor in self.live if actor.restart_ping is not None]
+
+    def handles(self) -> dict[str, object]:
+        """{id: handle} of the live actors, oldest first."""
+        return {actor.id: actor.handle for actor in self.live}
+
+    def scale(self, num_actors: int, drain: bool = True) -> None:
+        """Add or remove rollout actors (the newest first). A removed actor finishes (drain) or discards its
+        in-flight groups; a group is never half-published either way. Draining runs in the background (its
+        last groups may wait for room in the stream, which the learner keeps making); `reap_retired`
+        collects it."""
+        while len(self.live) < num_actors:
+            actor_id = f"rollout-{self._next_id}"
+            self._next_id += 1
+            actor = self.actors[actor_id] = RolloutRecord(actor_id, self._create(actor_id))
+            if not self.cfg.run.sync:
+                actor.run = actor.handle.run.remote()
+        while len(self.live) > num_actors:
+            actor = self.live[-1]
+            actor.run = actor.restart_ping = None
+            actor.stop = actor.handle.stop.remote(drain=drain)
+
+    def reap_retired(self, timeout_s: float = 0.0, say=log.warning) -> None:
+        """Collect the retiring actors whose stop() has returned (waiting up to timeout_s for them)."""
+        for actor in self.retiring:
+            if not ray.wait([actor.stop], timeout=timeout_s)[0]:
+                continue
+            del self.actors[actor.id]
+            try:
+                self.ended.append(ray.get(actor.stop))
+                ray.get(actor.handle.close.remote(), timeout=60)
+            except Exception as exc:
+                say("rollout actor %s did not stop cleanly: %s", actor.id, exc)
+            ray.kill(actor.handle)
+
+    def stop_all(self, timeout_s: float, say=log.warning) -> None:
+        """Remove every actor without draining; one deadline for all (an actor still waiting for CPUs never
+        answers), then the rest is killed."""
+        self.scale(0, drain=False)
+        refs = [actor.stop for actor in self.retiring]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        self.reap_retired(timeout_s=0, say=say)
+        for actor in self.retiring:
+            say("rollout actor %s did not stop within %d s: killed", actor.id, timeout_s)
+            ray.kill(actor.handle)
+            del self.actors[actor.id]
+
+    def check_alive(self, inference: list) -> None:
+        """A rollout actor that died (its process or its node) is restarted by Ray (max_restarts): its
+        in-flight groups are abandoned (a group is published whole or not at all), the run goes on with the
+        others, and it plays again once it is back, with the inference actors of now (`inference`). An
+        exception inside its loop is a bug: the run stops."""
+        for actor in self.restarting:
+            if not ray.wait([actor.restart_ping], timeout=0)[0]:
+                continue
+            try:                # it answers: back, play again (with the inference actors of now: its
+                ray.get(actor.restart_ping)   # constructor's arguments may name others, from before a scale)
+                ray.get(actor.handle.set_inference_actors.remote(inference), timeout=60)
+                actor.restart_ping, actor.run = None, actor.handle.run.remote()
+                log.info("rollout actor %s is back", actor.id)
+            except ray.exceptions.RayError:     # still restarting (or waiting for a node): ask again later
+                actor.restart_ping = actor.handle.node.remote()
+        for actor in self.live:
+            if actor.run is None or not ray.wait([actor.run], timeout=0)[0]:
+                continue
+            try:
+                ray.get(actor.run)
+                raise RuntimeError(f"rollout actor {actor.id} stopped unexpectedly")
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+                actor.run = None
+                self.restarts += 1
+                if actor.stats:    # its counters start again from 0 in its new life
+                    self.ended.append(actor.stats)
+                    actor.stats = {}
+                log.warning("rollout actor %s died (%s); Ray restarts it, its in-flight groups (at most %d) are "
+                            "abandoned, training goes on with the other actors", actor.id,
+                            str(exc).splitlines()[0][:200], self.cfg.rollout.groups_per_actor)
+                actor.restart_ping = actor.handle.node.remote()
+            except ray.exceptions.RayError as exc:
+                raise RuntimeError(f"rollout actor {actor.id} failed: {exc}") from exc
+
+    def tell_inference(self, inference: list) -> None:
+        """Every live and retiring actor's later requests go to `inference`. One that does not answer in time
+        (still starting or restarting) is told when it is back (`check_alive`); until then a request of its
+        to a removed inference actor is retried on another."""
+        told = [actor.handle.set_inference_actors.remote(inference) for actor in self.actors.values()
+                if actor.restart_ping is None]
+        ready, late = ray.wait(told, num_returns=len(told), timeout=ROLLOUT_TELL_S) if told else ([], [])
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError:
+                pass        # died: Ray restarts it, and check_alive tells it when it is back
+        if late:
+            log.info("%d rollout actor(s) did not take the new inference actors within %d s (still starting?): "
+                     "they do when they answer", len(late), ROLLOUT_TELL_S)
+
+    def play_one_batch(self, groups: int) -> None:
+        """Sync mode: the live actors play exactly `groups` groups between them, with the current weights."""
+        actors = self.live
+        n = len(actors)
+        shares = [groups // n + (1 if i < groups % n else 0) for i in range(n)]
+        ray.get([actor.handle.run.remote(max_groups=k) for actor, k in zip(actors, shares) if k > 0])
+
+    def stats(self) -> dict:
+        """Totals over live, retiring and removed actors."""
+        actors = list(self.actors.values())
+        refs = {actor.handle.stats.remote(): actor for actor in actors}
+        # An actor still waiting for its node's resources (or starting, or restarting) cannot answer yet: its
+        # last answer counts. (Resources that no node has were refused at start: System.start.)
+        ready, waiting = ray.wait(list(refs), num_returns=len(refs), timeout=10.0)
+        if waiting:
+            log.warning("%d rollout actor(s) not started yet (each needs %s on one node; a busy cluster? see "
+                        "`ray status`)", len(waiting), format_need(job_needs(self.cfg)["rollout actor"][0]))
+        for ref in ready:
+            try:
+                refs[ref].stats = ray.get(ref)
+            except ray.exceptions.RayError:     # died since: check_alive restarts it
+                pass
+        total: dict = defaultdict(float)
+        for stats in [actor.stats for actor in actors] + self.ended:
+            for key, value in stats.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    total[key] += value
+        return dict(total)

@@ -1,0 +1,234 @@
+"""A run's life on Ray: Ray connected to (or started on this machine), its logs linked into the run's; SIGTERM
+made to end the run as Ctrl-C does; at the end the learners closed and Ray shut down leaving no shared
+memory behind; and, when the run failed, which parts it cannot go on without it lost (`RunLost`, said to
+the user with the newest checkpoint and the command that resumes)."""
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import signal
+import threading
+import time
+from pathlib import Path
+
+import ray
+import redis
+
+from common import shm_cleanup
+from common.config import ExperimentConfig
+from common.metrics import ray_init_metrics_options
+from common.placement import alive_nodes, node_label
+from common.process_env import apply_project_env, driver_runtime_env
+from common.redis_server import connect, redact
+from learner.trainer import checkpoint_tags, is_complete_checkpoint, tag_update
+
+log = logging.getLogger("gigpo")
+
+LEARNER_CLOSE_S = 300    # a learner's close may save a checkpoint (of a large model: minutes)
+LOST_CHECK_S = 15.0      # how long the driver waits for a learner rank's answer whether it lives, after a failure
+LOST_DECIDE_S = 90.0     # ... and how long it asks again one that Ray calls unavailable (a node that stopped
+                         # answering is declared dead by Ray's health checks, 15-60 s by its defaults)
+LOST_ASK_AGAIN_S = 1.0
+EXIT_LOST = 3            # `gigpo train`'s exit status when the run lost a part it needs (RunLost)
+
+
+def start_ray(cfg: ExperimentConfig) -> str:
+    """Connect to `run.ray_address` / RAY_ADDRESS, or start a local Ray sized for this machine.
+
+    The project's own environment (common.process_env) is set here first, so that a local Ray's processes
+    inherit it; on a cluster every actor sets it itself. The runtime env carries only the user's settings
+    from this environment, and under `ray job submit` only those the job's runtime env does not already
+    set (Ray refuses to merge two that name one variable)."""
+    if ray.is_initialized():
+        return ray.get_runtime_context().gcs_address
+    apply_project_env()
+    address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS", "")
+    env = driver_runtime_env(os.environ)
+    if address:
+        # Actors on other nodes write their log files there; streaming their output to the driver (into
+        # its driver.log, see common.log_files) keeps one copy of everything where the run was started.
+        ray.init(address=address, runtime_env=env, namespace="gigpo", log_to_driver=True)
+    else:
+        # log_to_driver=False: every actor writes its own log file under the run's logs/ already.
+        ray.init(address="local", num_cpus=os.cpu_count() or 1, runtime_env=env, namespace="gigpo",
+                 object_store_memory=200 * 1024**2, include_dashboard=False, log_to_driver=False,
+                 **ray_init_metrics_options())
+    return ray.get_runtime_context().gcs_address
+
+
+def link_ray_logs(log_dir: str) -> None:
+    """<log_dir>/ray -> this node's Ray session logs (raylet, GCS, and each worker's output before its actor
+    took over its own log file). Best effort: Ray does not publish the path through a public API."""
+    try:
+        ray_logs = ray._private.worker._global_node.get_logs_dir_path()
+    except Exception:  # noqa: BLE001 - no local node (a client connection) or Ray moved it
+        return
+    link = Path(log_dir) / "ray"
+    try:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(ray_logs, target_is_directory=True)
+    except OSError as exc:
+        log.info("could not link Ray's logs %s into %s: %s", ray_logs, log_dir, exc)
+
+
+def stop_ray() -> None:
+    """Shut Ray down, then remove the /dev/shm files that this run's processes mapped and nobody maps any
+    more: noted before Ray ends them (a local Ray's processes are all below this one), since afterwards
+    nobody else could name them."""
+    held = shm_cleanup.mapped_by(shm_cleanup.descendants(os.getpid()))
+    try:
+        if ray.is_initialized():
+            ray.shutdown()
+    finally:
+        removed = shm_cleanup.remove_unused(held, wait_s=30)
+        if removed:
+            log.info("removed shared memory left by ended processes: %s", removed)
+
+
+class RunLost(RuntimeError):
+    """The run lost a part it cannot go on without: a learner rank (its process, or its node), or its Redis.
+    `lost`: one line per part; `output_dir`: the run's; `learner_node`: learner rank 0's node when it is not
+    the driver's (its checkpoints are written there). `lost_run_message` says it to the user."""
+
+    def __init__(self, lost: list[str], output_dir: str, learner_node: dict | None = None):
+        super().__init__("the run lost " + "; ".join(lost))
+        self.lost, self.output_dir, self.learner_node = list(lost), output_dir, learner_node
+
+
+def lost_run_message(exc: RunLost, resume_command: list[str]) -> str:
+    """What `gigpo train` prints (a few lines, no traceback) when the run lost a part it needs: what was
+    lost, the newest complete checkpoint (or that there is none) and the command that resumes from it."""
+    root = Path(exc.output_dir) / "checkpoints"
+    complete = [tag for tag in checkpoint_tags(root) if is_complete_checkpoint(tag)]
+    lines = [f"gigpo: the run lost {part}" for part in exc.lost]
+    if complete:
+        lines.append(f"newest complete checkpoint: {complete[-1]} (update {tag_update(complete[-1].name)}); "
+                     f"updates done after it are trained again")
+    else:
+        lines.append(f"no complete checkpoint in {root} on this node"
+                     + (f" (learner rank 0 wrote its checkpoints on its own node, {node_label(exc.learner_node)}: "
+                        "there, unless a filesystem both nodes mount holds run.output_dir)" if exc.learner_node
+                        else "") + ": a resumed run starts from update 0")
+    lines.append(f"resume with: {shlex.join(resume_command)}")
+    return "\n".join(lines)
+
+
+class SignalTrap:
+    """SIGTERM (`kill`, a scheduler stopping the job) raises KeyboardInterrupt in the main thread, as Ctrl-C
+    does, so that the `with System(...)` block runs close(); its __exit__ then turns it into SystemExit(143).
+    (KeyboardInterrupt because it is the one exception a blocked ray.get passes on unchanged: Ray turns a
+    SystemExit raised there into SystemExit(1).) While the run closes (`closing`), both are noted and
+    ignored."""
+
+    def __init__(self):
+        self.closing = False
+        self.stopped_by: int | None = None       # the signal that stopped the run
+        self._saved: dict | None = None          # SIGINT/SIGTERM handlers from before `trap`
+
+    def trap(self) -> None:
+        """Install the handlers. Called again after ray.init, which installs a SIGTERM handler of its own that
+        kills Ray's processes before anything could be closed."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if self._saved is None:
+            self._saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        if self.closing:
+            log.warning("%s while shutting down: ignored, the run is being closed (every step has a deadline)",
+                        signal.Signals(signum).name)
+            return
+        self.stopped_by = signum
+        log.warning("%s: stopping the run", signal.Signals(signum).name)
+        raise KeyboardInterrupt
+
+    def restore(self) -> None:
+        if self._saved is not None and threading.current_thread() is threading.main_thread():
+            for sig, handler in self._saved.items():
+                signal.signal(sig, handler)
+            self._saved = None
+
+
+def lost_parts(learners: list, embedded_redis, redis_url: str | None, timeout_s: float = LOST_CHECK_S,
+               decide_s: float = LOST_DECIDE_S) -> tuple[list[str], bool]:
+    """What the run cannot go on without and has lost, one line each ([]: nothing), and whether a learner
+    rank is among it: a learner rank whose actor Ray reports dead (its process died, or its node left the
+    cluster: said which, with the node), the embedded Redis (its process ended) or the configured one (it
+    does not answer). A rank that does not answer within timeout_s (busy in a collective with a dead one,
+    or hung) is not counted; one that Ray calls unavailable (its node stopped answering and Ray's health
+    checks have not yet declared it dead) is asked again until Ray decides, for up to decide_s."""
+    lost = []
+    learner_lost = False
+    if learners and ray.is_initialized():
+        nodes = getattr(learners, "nodes", None) or [None] * len(learners)
+        start = time.monotonic()
+        pings = {rank: (worker.node.remote(), start) for rank, worker in enumerate(learners)}
+
+        def say_lost(rank: int, gone: bool) -> None:
+            nonlocal learner_lost
+            lost.append(f"learner rank {rank} on node {node_label(nodes[rank])}: "
+                        + ("the node is gone (it left the Ray cluster)" if gone else "its process died"))
+            learner_lost = True
+
+        def node_gone(rank: int, alive: set) -> bool:
+            return nodes[rank] is not None and nodes[rank]["node_id"] not in alive
+
+        while pings:
+            refs = [ping for ping, _ in pings.values()]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=LOST_ASK_AGAIN_S)
+            alive, now = {node["node_id"] for node in alive_nodes()}, time.monotonic()
+            for rank, (ping, asked) in list(pings.items()):
+                if ping not in ready:
+                    if now - asked >= timeout_s or now - start >= decide_s:
+                        del pings[rank]     # no answer: busy, or on a node Ray has not yet declared dead
+                        if node_gone(rank, alive):
+                            say_lost(rank, gone=True)
+                    continue
+                del pings[rank]
+                try:
+                    ray.get(ping)
+                except ray.exceptions.RayActorError as exc:
+                    if node_gone(rank, alive) or isinstance(exc, ray.exceptions.ActorDiedError):
+                        say_lost(rank, gone=node_gone(rank, alive))
+                    elif now - start < decide_s:        # unavailable: Ray has not decided yet
+                        time.sleep(LOST_ASK_AGAIN_S)
+                        pings[rank] = (learners[rank].node.remote(), time.monotonic())
+    if embedded_redis is not None:
+        if not embedded_redis.running:
+            lost.append(f"its embedded Redis (the trajectory stream and the control channel; redis-server pid "
+                        f"{embedded_redis.pid} on this node): the process ended")
+    elif redis_url:
+        try:
+            connect(redis_url, retries=0, socket_timeout_s=5).ping()
+        except redis.RedisError as exc:
+            lost.append(f"its Redis at {redact(redis_url)} (stream.redis_url): it does not answer "
+                        f"({' '.join(str(exc).split())[:200]}); start it again (with AOF its stream is kept)")
+    return lost, learner_lost
+
+
+def close_learners(learners: list, learner_lost: bool, say=log.warning) -> None:
+    """Close every learner rank (it checkpoints uncommitted updates), then kill it. After a lost rank, the
+    others are killed at once: they would wait for it in the close's collectives (a checkpoint); the resumed
+    run starts from the last checkpoint written, as it would have after the close."""
+    if learner_lost:
+        for worker in learners:
+            ray.kill(worker)
+        return
+    refs = [worker.close.remote() for worker in learners]
+    done, late = ray.wait(refs, num_returns=len(refs), timeout=LEARNER_CLOSE_S) if refs else ([], [])
+    for ref in done:
+        try:
+            ray.get(ref)
+        except Exception as exc:  # noqa: BLE001 - a dead learner has nothing left to save
+            # (After a lost Redis: expected, its checkpoint is written before the acks that fail.)
+            say("learner close failed: %s", exc)
+    if late:
+        log.warning("%d learner(s) did not close within %d s", len(late), LEARNER_CLOSE_S)
+    for worker in learners:
+        ray.kill(worker)
+

@@ -1,0 +1,57 @@
+"""The policy a run's learner and actors start from: for training, model.path made ready and warm-started;
+for `gigpo eval`, the run's own model as it is; and how every actor receives it (a ModelSource)."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from common.config import ExperimentConfig
+from common.model_files import ModelSource
+from common.placement import alive_nodes
+from deploy.models import prepare_model_path
+from deploy.warm_start import existing_warm_model, warm_start
+from learner.trainer import LATEST, checkpoint_dir_of
+
+log = logging.getLogger("gigpo")
+
+
+def initial_model(cfg: ExperimentConfig, progress=None) -> str:
+    """The policy a training run starts from: model.path ("tiny": built under run.output_dir), then the
+    supervised warm start on training walkthroughs (cached under run.output_dir). progress: where the warm
+    start's progress bar goes."""
+    path = prepare_model_path(cfg.model.path, cfg.run.output_dir)
+    if cfg.model.warm_start_steps > 0:
+        path = warm_start(cfg, path, progress=progress)
+    return path
+
+
+def eval_model(cfg: ExperimentConfig, scratch_dir: str) -> str:
+    """The model `gigpo eval` starts its learner and actors from, without writing into the run: the run's
+    own warm model or tiny model as they are (the settings they were made with are the run's, whatever
+    this evaluation's config says); with a checkpoint to load, that model only supplies the architecture
+    and tokenizer. What the run lacks is built in `scratch_dir`."""
+    if cfg.model.warm_start_steps > 0:
+        warm = existing_warm_model(cfg.run.output_dir)
+        if warm:
+            return warm
+    path = prepare_model_path(cfg.model.path, cfg.run.output_dir, build_dir=scratch_dir or None)
+    has_checkpoint = bool(cfg.run.resume_tag) or (checkpoint_dir_of(cfg) / LATEST).exists()
+    if cfg.model.warm_start_steps > 0 and not has_checkpoint:
+        if not scratch_dir:
+            raise ValueError(f"{cfg.run.output_dir} has neither a checkpoint nor a warm model to evaluate")
+        log.warning("%s has no checkpoint and no warm model: evaluating a warm start built for this "
+                    "evaluation only", cfg.run.output_dir)
+        path = warm_start(cfg, path, out_dir=str(Path(scratch_dir) / "warm_model"))
+    return path
+
+
+def ship_model(cfg: ExperimentConfig, path: str) -> ModelSource:
+    """The model as every actor receives it. It was built or found here, in this node's output directory,
+    which other nodes do not see: on a cluster (an address given, or more than one node) a local model of
+    up to model.ship_max_mb travels with the actors through Ray's object store. A local Ray is one node that
+    sees the path itself: nothing is copied (its object store is small)."""
+    if Path(path).is_dir():
+        path = str(Path(path).resolve())       # the actors' working directory may differ from this one
+    cluster = bool(cfg.run.ray_address or os.environ.get("RAY_ADDRESS")) or len(alive_nodes()) > 1
+    return ModelSource.ship(path, cfg.model.ship_max_mb if cluster else 0)

@@ -1,0 +1,48 @@
+"""The learner's read policy: which of the groups a trajectory source hands out it trains on.
+
+A source (`common.transport.TrajectorySource`: the Redis stream, or in memory) delivers each complete group
+at least once and knows nothing of policy versions. The learner judges every group it receives, whatever
+the source:
+
+* a group that claims a policy version above the newest the learner has published is dead-lettered: no
+  weights of this learner sampled it;
+* a duplicate -- its id already trained on, held from an earlier read, or twice in this read -- is acked
+  untrained and counted as "duplicates_skipped": a group duplicated by a retried publish, or redelivered
+  after a crash between commit and ack, is trained once;
+* a stale group -- sampled by weights more than stream.max_policy_lag versions behind the learner's -- is
+  acked untrained and counted as "dropped_stale". A redelivered group (pending after a learner crash)
+  passed that check when it was first read and is not judged again (see `learner.loop.Learner._resume`),
+  nor is a group that carries no version (-1).
+"""
+from __future__ import annotations
+
+from typing import Callable, Container, Iterable
+
+from common.transport import Received, TrajectorySource
+
+
+def admit(source: TrajectorySource, received: list[Received], *, trained_ids: Container[str],
+          newest_version: int, max_policy_lag: int, held_ids: Iterable[str] = (),
+          policy_lag: Callable[[int], int] | None = None) -> list[Received]:
+    """The groups of `received` to train on, in order; the others are dead-lettered or acked untrained
+    (counted in source.stats). `held_ids`: groups the learner holds, read and not yet trained.
+    `policy_lag(v)`: how many versions the learner's weights stand past v (default newest_version - v;
+    a resumed learner counts in its own history: `learner.loop.Learner.policy_lag`)."""
+    policy_lag = policy_lag or (lambda version: newest_version - version)
+    taken = set(held_ids)
+    keep, duplicates, stale = [], [], []
+    for r in received:
+        oldest, newest = r.group.policy_versions
+        if newest > newest_version:
+            source.dead_letter([r], f"sampled by policy version {newest}, which this learner has not published "
+                                    f"(newest: {newest_version})")
+        elif r.group.group_id in trained_ids or r.group.group_id in taken:
+            duplicates.append(r)
+        elif not r.redelivered and oldest >= 0 and policy_lag(oldest) > max_policy_lag:
+            stale.append(r)
+        else:
+            taken.add(r.group.group_id)
+            keep.append(r)
+    source.ack(duplicates, counted_as="duplicates_skipped")
+    source.ack(stale, counted_as="dropped_stale")
+    return keep

@@ -251,8 +251,9 @@ class Learner:
             batch, groups, received = self._build_batch(groups, received)     # advantages (bad groups out)
         lags = [self.policy_lag(g.policy_versions[0]) for g in groups if g.policy_versions[0] >= 0]
         train = self._train(batch, groups)
-        if self.recorder is not None:       # (time/recompute_s: the trainer put its own old log-probs in the batch)
-            self.recorder.record(groups, batch, self.updates, recomputed="time/recompute_s" in train)
+        if self.recorder is not None:
+            self.recorder.record(groups, batch, self.updates,
+                                 recomputed=self.trainer.recomputes_old_logprobs and batch.num_rows > 0)
         with _timed(times, "time/push_weights_s"):
             # Nothing trained (every group skipped): the actors' weights stand.
             push_info = self.publish_weights() if batch.num_rows else {}

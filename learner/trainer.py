@@ -283,6 +283,12 @@ class PolicyTrainer:
     # Training
     # ------------------------------------------------------------------------------------------------
 
+    @property
+    def recomputes_old_logprobs(self) -> bool:
+        """train_step replaces a batch's old log-probs by the learner's own (learner.recompute_old_logprobs,
+        or a learner.logprob_correction, which needs both)."""
+        return self.cfg.recompute_old_logprobs or self.cfg.logprob_correction != "none"
+
     def train_step(self, batch: TrainBatch, update: int | None = None) -> dict[str, float]:
         """ppo_epochs passes over the batch, one optimizer step per mini-batch; returns metrics
         (token means over the whole batch, on every process). With learner.recompute_old_logprobs, or a
@@ -298,7 +304,7 @@ class PolicyTrainer:
         # recompute when there is one (every token), else from the first mini-batch's forward pass, whose
         # weights are still the old ones (its tokens only: all of them when one mini-batch holds the batch).
         correction = self.cfg.logprob_correction
-        gap_in_first_mini_batch = not (self.cfg.recompute_old_logprobs or correction != "none")
+        gap_in_first_mini_batch = not self.recomputes_old_logprobs
         if not gap_in_first_mini_batch:
             t = time.perf_counter()
             new_old = self.compute_logprobs(batch)

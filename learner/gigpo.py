@@ -520,13 +520,13 @@ ADVANTAGE_ESTIMATORS = {"gigpo": estimate_gigpo, "grpo": estimate_grpo, "rloo": 
 
 @dataclass(frozen=True)
 class LossSettings:
-    """The coefficients of the loss (defaults: the paper's, reference §2). Their ranges are the rules of the
+    """The coefficients of the loss (defaults: the config's, the paper's values, reference §2). Their ranges are the rules of the
     learner.* fields of the same names (common/config.py), checked when the config loads."""
 
-    clip_ratio: float = 0.2       # PPO ratio clip epsilon
-    dual_clip: float = 3.0        # c of the dual clip for negative advantages (> 1); 0 disables it
-    kl_coef: float = 0.01         # weight of the low_var_kl term; 0 disables it
-    entropy_coef: float = 0.001   # weight of the entropy bonus (subtracted from the loss)
+    clip_ratio: float = LearnerConfig.clip_ratio         # PPO ratio clip epsilon
+    dual_clip: float = LearnerConfig.dual_clip           # c of the dual clip for negative advantages (> 1); 0: off
+    kl_coef: float = LearnerConfig.kl_coef               # weight of the low_var_kl term; 0 disables it
+    entropy_coef: float = LearnerConfig.entropy_coef     # weight of the entropy bonus (subtracted from the loss)
 
 
 def low_var_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:

@@ -136,7 +136,8 @@ def build_batch(groups: list[EpisodeGroup], cfg: LearnerConfig, *, invalid_actio
     kept, skipped = _dynamic_sampling(usable, cfg)
     rows = advantage_rows([(g, r) for g, r, _ in kept], invalid_action_penalty)
     advantages, metrics = estimate(rows, cfg)
-    grpo, _ = estimate_grpo(rows, cfg)            # the baseline of the diagnostics
+    # The baseline of the diagnostics: GRPO's advantages of the same rows (already computed when it trains).
+    grpo = advantages if estimate is estimate_grpo else estimate_grpo(rows, cfg)[0]
     batch, trained = _train_batch(groups, kept, rows, advantages, skipped, env_error_groups)
     metrics.update(_batch_metrics(groups, usable, kept, rows, batch, len(rows.steps) - len(trained),
                                   np.asarray(grpo, dtype=np.float64)[trained]))

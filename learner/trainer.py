@@ -314,8 +314,9 @@ class PolicyTrainer:
                               np.concatenate([b[m] for b, m in zip(batch.old_logprobs, masks)]))
             metrics.update({f"train/logprob_gap_{k}": v for k, v in gap.items()})
             # Where the correction binds: a ratio truncated at the cap (tis), a token dropped (masks).
-            batch.weights, metrics["train/correction_share"] = correction_weights(
+            weights, metrics["train/correction_share"] = correction_weights(
                 new_old, batch.old_logprobs, correction, self.cfg.correction_cap, masks)
+            batch.weights = weights if correction != "none" else None     # (all ones: the loss skips them)
             batch.old_logprobs = new_old
             metrics["time/recompute_s"] = time.perf_counter() - t
         else:

@@ -467,7 +467,8 @@ class Rollout:
             steps.append(StepRow(
                 prompt_ids=prompt_ids, response_ids=out["response_ids"], response_logprobs=out["logprobs"],
                 reward=reward, anchor=report.anchor, valid=parsed.valid, step=step,
-                policy_version=int(out["policy_version"]), action=parsed.action))
+                policy_version=int(out["policy_version"]), action=parsed.action,
+                grammar=sampling.get("regex", "")))
             self.counters["env_steps"] += 1
             self.counters["generated_tokens"] += len(out["response_ids"])
             self.counters["invalid_actions"] += int(not parsed.valid)

@@ -372,12 +372,6 @@ def validate(cfg: ExperimentConfig) -> None:
     if cfg.run.resume and cfg.run.overwrite:
         raise ConfigError("run.resume=true continues the run in run.output_dir, run.overwrite=true deletes its "
                           "checkpoints; set only one", "run.overwrite", "run.resume")
-    if (cfg.rollout.constrain_actions and not cfg.learner.recompute_old_logprobs
-            and cfg.learner.logprob_correction == "none"):
-        raise ConfigError("rollout.constrain_actions=true: vLLM reports log-probs under the action grammar's mask, "
-                          "the learner without it, so PPO's ratio would start far from 1; set "
-                          "learner.recompute_old_logprobs=true", "learner.recompute_old_logprobs",
-                          "rollout.constrain_actions")
     if cfg.run.sync and cfg.rollout.num_actors < 1:
         raise ConfigError("run.sync=true needs rollout.num_actors >= 1 (sync mode plays each batch with the "
                           "actors it starts with)", "rollout.num_actors", "run.sync")

@@ -12,14 +12,14 @@ format, the checks and the learner's batching are derived from it.
 Wire format. An encoded group (`encode_group`) is a few named parts; the trajectory stream stores each as
 one field of the group's entry:
 
-    "h"           msgpack map {"schema": 3, "group_id": str, "task_id": str, "env_name": str,
+    "h"           msgpack map {"schema": 4, "group_id": str, "task_id": str, "env_name": str,
                                "created_at": float, "producer": str,
                                "trajectories": {<Trajectory field>: [its value per trajectory]}}
     "rows"        the table (`TABLE`: a C struct per row of the per-row fields reward <f8, valid |b1,
                   step <i4, policy_version <i8, and the lengths prompt_len, response_len, anchor_len,
-                  action_len <i4, aligned as a C compiler would)
+                  action_len, grammar_len <i4, aligned as a C compiler would)
     "data"        the data block (`layout`: prompt_ids <i4, response_ids <i4, response_logprobs <f4,
-                  anchor and action as UTF-8 bytes, each field's values for all rows back to back, each
+                  anchor, action and grammar as UTF-8 bytes, each field's values for all rows back to back, each
                   field starting at a multiple of 8 bytes)
 
 Encoding copies nothing: the parts are views of the group's arrays, and the Redis client sends views as
@@ -80,6 +80,10 @@ class StepRow:
                                                       # the action was taken from
     action: str = _column("|u1", length="action_len", check="utf8", default="")   # the action text sent to
                                                       # the environment (logs, evaluation)
+    grammar: str = _column("|u1", length="grammar_len", check="utf8", default="")  # the regex the response
+                                                      # was sampled under (rollout.constrain_actions); ""
+                                                      # if none. The learner's policy is the model's
+                                                      # distribution restricted to what it allows
 
     def __post_init__(self) -> None:
         for name in RAGGED:
@@ -98,7 +102,7 @@ _FIELDS = dataclasses.fields(StepRow)
 RAGGED: dict[str, str] = {f.name: f.metadata["length"] for f in _FIELDS if f.metadata["length"]}
 TEXT = tuple(f.name for f in _FIELDS if f.metadata["check"] == "utf8")
 CHECKS: dict[str, str] = {f.name: f.metadata["check"] for f in _FIELDS if f.metadata["check"]}
-LENGTHS = tuple(dict.fromkeys(RAGGED.values()))          # prompt_len, response_len, anchor_len, action_len
+LENGTHS = tuple(dict.fromkeys(RAGGED.values()))   # prompt_len, response_len, anchor_len, action_len, grammar_len
 TABLE = np.dtype([(f.name, f.metadata["dtype"]) for f in _FIELDS if f.name not in RAGGED]
                  + [(name, "<i4") for name in LENGTHS], align=True)
 COLUMNS: dict[str, np.dtype] = {f.name: np.dtype(f.metadata["dtype"]) for f in _FIELDS}
@@ -163,8 +167,8 @@ class Rows:
     """The steps of one group by column: `rows["reward"][i]` is row i's reward; a ragged field (tokens,
     log-probs, text) holds all rows' values back to back, row i's being `rows.per_row("prompt_ids")[i]`
     (text: `rows.text("anchor")[i]`), and has a length column (`prompt_len`, `response_len`, `anchor_len`,
-    `action_len`). Built from StepRows (`from_steps`, once per group, in the rollout) or received from the
-    wire (the arrays are then read-only views of the received bytes).
+    `action_len`, `grammar_len`). Built from StepRows (`from_steps`, once per group, in the rollout) or
+    received from the wire (the arrays are then read-only views of the received bytes).
 
     Two arrays hold it all (see `layout`): `table`, one record per row (per-row fields and lengths), and
     `data`, the ragged fields' values; `rows[name]` of a ragged field is a view of `data`."""
@@ -309,7 +313,7 @@ class EpisodeGroup:
 # Wire format (see the module docstring)
 # ----------------------------------------------------------------------------------------------------------
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 PARTS = HEADER, TABLE_PART, DATA_PART = "h", "rows", "data"      # the parts of an encoded group
 

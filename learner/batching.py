@@ -40,6 +40,11 @@ class TrainBatch:
     # per row, bool: which response tokens take part in the loss (False: forced by the action grammar,
     # see learner/gigpo.py); None: all of them
     token_masks: list[np.ndarray] | None = None
+    # per row: the regex its response was sampled under ("" none; learner/grammar_mask.py); None: no row had one
+    grammars: list[str] | None = None
+    # per row, int32 [response tokens, words]: the tokens its grammar allowed at each position, set by the
+    # trainer (learner/grammar_mask.py); None: unconstrained
+    allowed_bits: list[np.ndarray] | None = None
     # per row, float32: the weight of each response token's policy-gradient term (learner.gigpo's
     # correction_weights, set by the trainer); None: all 1
     weights: list[np.ndarray] | None = None
@@ -216,10 +221,13 @@ def _train_batch(groups: list[EpisodeGroup], kept: list, rows: AdvantageRows, ad
                  skipped: list[str], env_error_groups: list[str]) -> tuple[TrainBatch, np.ndarray]:
     """The TrainBatch of the kept rows that have a response, and which of `rows` those are."""
     tokens = {"prompt_ids": [], "response_ids": [], "response_logprobs": []}
+    grammars: list[str] = []
     for g, r, _ in kept:
         for name, out in tokens.items():
             values = g.rows.per_row(name)
             out += [values[i] for i in r.tolist()]
+        texts = g.rows.text("grammar")
+        grammars += [texts[i] for i in r.tolist()]
     prompts, responses, logps = tokens.values()
     trained = np.flatnonzero([len(r) > 0 for r in responses])
     return TrainBatch(
@@ -227,7 +235,8 @@ def _train_batch(groups: list[EpisodeGroup], kept: list, rows: AdvantageRows, ad
         old_logprobs=[logps[i] for i in trained], advantages=np.asarray(advantages, dtype=np.float64)[trained],
         row_group=[rows.group_ids[i] for i in trained], group_ids=[g.group_id for g in groups],
         skipped_group_ids=skipped, env_error_group_ids=env_error_groups,
-        token_masks=[~forced_token_mask(logps[i]) for i in trained]), trained
+        token_masks=[~forced_token_mask(logps[i]) for i in trained],
+        grammars=[grammars[i] for i in trained] if any(grammars) else None), trained
 
 
 def _batch_metrics(groups: list[EpisodeGroup], usable: list, kept: list, rows: AdvantageRows,
@@ -351,6 +360,8 @@ class MicroBatch:
     rows: np.ndarray               # batch row indices, in order
     loss_mask: torch.Tensor        # float32 [N]: 1 for tokens in the loss, 0 for forced ones
     weights: torch.Tensor          # float32 [N]: each token's policy-gradient weight (1 without a correction)
+    allowed_bits: torch.Tensor | None = None   # int32 [N, words]: the tokens the sampler could pick at each
+                                               # (learner/grammar_mask.py); None: any
 
 
 def collate(batch: TrainBatch, rows: np.ndarray, pad_id: int = 0) -> MicroBatch:
@@ -384,4 +395,6 @@ def collate(batch: TrainBatch, rows: np.ndarray, pad_id: int = 0) -> MicroBatch:
                                    if len(rows) else np.zeros(0, dtype=np.float32)),
         weights=torch.from_numpy(flat(batch.weights, np.float32) if batch.weights is not None
                                  else np.ones(sum(len(batch.response_ids[r]) for r in rows), dtype=np.float32)),
+        allowed_bits=(torch.from_numpy(np.concatenate([batch.allowed_bits[r] for r in rows]))
+                      if batch.allowed_bits is not None and len(rows) else None),
     )

@@ -701,18 +701,21 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     return loss_sum / norm, metrics
 
 
-def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool = True
-                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool = True,
+                               allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(target) and the entropy of each position's distribution, computed in float32.
 
     logits: [..., V]; targets: [...] token ids. Callers pass only the response positions, so the float32
-    copy of the logits is as small as it can be.
+    copy of the logits is as small as it can be. allowed: bool [..., V], the tokens the sampler could pick
+    (an action grammar, learner/grammar_mask.py); the distribution is then softmax over those alone,
+    p(t) = exp(z_t) / sum_{allowed} exp(z), the one a constrained sampler draws from. None: every token.
     """
     logits = logits.float()
-    logz = torch.logsumexp(logits, dim=-1)
-    logp = torch.gather(logits, -1, targets.long().unsqueeze(-1)).squeeze(-1) - logz
+    scored = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
+    logz = torch.logsumexp(scored, dim=-1)
+    logp = torch.gather(scored, -1, targets.long().unsqueeze(-1)).squeeze(-1) - logz
     entropy = None
     if with_entropy:
-        probs = torch.softmax(logits, dim=-1)
-        entropy = logz - (probs * logits).sum(-1)
+        probs = torch.softmax(scored, dim=-1)
+        entropy = logz - (probs * logits).sum(-1)   # (unmasked logits: a left-out token adds 0, not 0 * -inf)
     return logp, entropy

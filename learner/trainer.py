@@ -35,6 +35,7 @@ import torch.distributed as dist
 from common.config import LearnerConfig
 from common.placement import free_port
 from learner.batching import MicroBatch, TrainBatch, collate, mini_batches, plan_micro_batches
+from learner.grammar_mask import GrammarMasks, allowed_tokens
 from learner.gigpo import (LossSettings, correction_weights, logprob_gap, policy_loss,
                            token_logprobs_and_entropy)
 
@@ -238,6 +239,8 @@ class PolicyTrainer:
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                     config=_ds_config(cfg, bf16))
         self.updates = 0   # optimizer-update calls (train_step) done by this trainer, restored on load
+        self.model_path = model_path
+        self._grammar_masks: GrammarMasks | None = None     # built for the first row with a grammar
 
     # ------------------------------------------------------------------------------------------------
     # Log-probs
@@ -257,10 +260,22 @@ class PolicyTrainer:
             return collate(batch, rows, self.pad_id), 1.0
         return collate(batch, np.array([fallback_row]), self.pad_id), 0.0
 
+    def constrain(self, batch: TrainBatch) -> float:
+        """Set `batch.allowed_bits` from its rows' grammars (once): every log-prob of a constrained row is
+        then of the distribution it was sampled from (learner/grammar_mask.py). Returns the seconds taken."""
+        if batch.grammars is None or batch.allowed_bits is not None:
+            return 0.0
+        t = time.perf_counter()
+        if self._grammar_masks is None:
+            self._grammar_masks = GrammarMasks(self.model_path, self.vocab_size)
+        batch.allowed_bits = [self._grammar_masks.row(g, r) for g, r in zip(batch.grammars, batch.response_ids)]
+        return time.perf_counter() - t
+
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch) -> list[np.ndarray]:
         """Log-probs of every row's response under the current weights (all processes join; every
         process gets all rows)."""
+        self.constrain(batch)
         rows = np.arange(batch.num_rows)
         plan = self._plan_all(batch, rows)
         mine: dict[int, np.ndarray] = {}
@@ -300,6 +315,8 @@ class PolicyTrainer:
             return {"train/skipped_empty_batch": 1.0}
         t0 = time.perf_counter()
         metrics: dict[str, float] = {}
+        if batch.grammars is not None:
+            metrics["time/grammar_mask_s"] = self.constrain(batch)
         # The gap between the sampler's log-probs and the learner's old ones (learner.gigpo): from the
         # recompute when there is one (every token), else from the first mini-batch's forward pass, whose
         # weights are still the old ones (its tokens only: all of them when one mini-batch holds the batch).
@@ -524,7 +541,8 @@ def response_logprobs(model, mb: MicroBatch, temperature: float = 1.0, device="c
     picked = logits[:, :-1][mb.target_mask.to(device)]
     if temperature != 1.0:
         picked = picked.float() / temperature
-    return token_logprobs_and_entropy(picked, mb.targets.to(device), with_entropy)
+    allowed = None if mb.allowed_bits is None else allowed_tokens(mb.allowed_bits.to(device), picked.shape[-1])
+    return token_logprobs_and_entropy(picked, mb.targets.to(device), with_entropy, allowed)
 
 
 def teardown_distributed() -> None:

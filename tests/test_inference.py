@@ -96,6 +96,35 @@ def test_constrained_actions(setup):
     assert parsed.valid and parsed.action in choices, out["text"]
 
 
+def test_learner_scores_constrained_samples_as_sampled(setup):
+    """Under an action grammar vLLM samples from the model's distribution over the allowed tokens; the
+    learner's log-probs of the same tokens (learner/grammar_mask.py) are of that distribution: equal to
+    vLLM's within fp32 noise, on the think section's free text and on the action's choices alike. Over the
+    whole vocabulary they are not (the random model puts most of its mass elsewhere)."""
+    from actors.rollout import action_regex
+    from learner.gigpo import token_logprobs_and_entropy
+    from learner.grammar_mask import GrammarMasks, allowed_tokens
+    path, actor = setup
+    regex = action_regex(["go to cabinet 1", "go to cabinet 2", "take mug 1 from desk 2", "look"], 20)
+    outs = ray.get([actor.generate.remote(PROMPT, {"regex": regex, "max_tokens": 64, "temperature": 1.0})
+                    for _ in range(4)])
+    model = hf_model(path)
+    masks = GrammarMasks(path, model.config.vocab_size)
+    for out in outs:
+        response = out["response_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([PROMPT + response])).logits[0, len(PROMPT) - 1:-1].float()
+        allowed = allowed_tokens(torch.from_numpy(masks.row(regex, response)), logits.shape[-1])
+        assert allowed.sum(-1).min() >= 1 and allowed.sum(-1).max() < logits.shape[-1]
+        targets = torch.tensor(response)
+        constrained, entropy = token_logprobs_and_entropy(logits, targets, True, allowed)
+        unconstrained, _ = token_logprobs_and_entropy(logits, targets, False)
+        assert torch.allclose(constrained, torch.tensor(out["logprobs"]), atol=LOGPROB_TOL, rtol=0)
+        assert (unconstrained < constrained - 0.1).any()       # log Z: the mass off the grammar
+        assert torch.isfinite(entropy).all()
+    assert masks.mismatched_rows == 0
+
+
 def test_bad_requests_are_clear_errors(setup):
     _, actor = setup
     with pytest.raises(ValueError, match="unknown sampling keys"):

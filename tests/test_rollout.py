@@ -27,8 +27,6 @@ def _cfg(model_path: str, stream: str, **rollout) -> ExperimentConfig:
         inference=InferenceConfig(gpu_memory_utilization=0.05, max_num_seqs=64, cpus_per_actor=1.0),
         env=EnvConfig(max_steps=3, num_generated_games=6, instances_per_process=4, step_timeout_s=30.0),
         rollout=RolloutConfig(**rollout), stream=StreamConfig(stream=stream, max_stream_groups=1000))
-    # Constrained sampling's log-probs are under the grammar mask: the config requires the learner's own.
-    cfg.learner.recompute_old_logprobs = cfg.rollout.constrain_actions
     return cfg
 
 

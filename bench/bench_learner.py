@@ -16,15 +16,18 @@ Figures:
   shared memory (`common.weight_transfer.write_buckets`, what `ShmTransfer.push` does before the
   inference actors load them), per update, against the bare gather as baseline.
 
-- the learner inside a real system run (`--system`, default on): a short `gigpo train` of
-  configs/embedded.yaml (the tiny model, async rollouts; the warm start off, so both sides train the same
-  initial model), its per-update tokens/s (`perf/tokens_per_s`: every token of every row, the log-prob
-  recompute included) against this bench's own figure for the same groups, captured off the Redis stream as
-  the rollout actors publish them and trained again here, in the same order and batch size, with the
-  threads the learner runs (common.cpu_placement.compute_threads), and again with one thread (how much of
-  one core's worth the learner gets beside the run's rollout side). Target (issue 31): ratio >= 0.9.
+- the learner inside a real system run (`--system-updates`, default 6; 0 skips it): a short `gigpo train` of
+  configs/embedded.yaml (the tiny model; the warm start off, so both sides train the same initial model),
+  once async (the default schedule) and once with `run.sync=true`; its per-update tokens/s
+  (`perf/tokens_per_s`: every token of every row, a log-prob recompute included) against this bench's own
+  figure for the same groups, captured off the Redis stream as the rollout actors publish them and trained
+  again here, in the same order and batch size, with the threads the learner runs
+  (common.cpu_placement.compute_threads), and again with one thread (how much of one core's worth the
+  learner gets beside the run's rollout side). Target (issue 31): ratio >= 0.9 where the learner has the
+  machine to itself (sync); async, on a machine whose cores both sides share, the ratio is the learner's
+  share of them.
 
-Runs in < ~3 minutes on a 2-core machine (+ ~4 minutes for the system part).
+Runs in < ~3 minutes on a 2-core machine (+ ~8 minutes for the two system runs).
 """
 import os
 import sys
@@ -133,8 +136,9 @@ class StreamTap:
         self._thread.join()
 
 
-def in_system(updates: int) -> None:
-    """Tokens/s of the learner inside a real run against this bench's on the same groups (see the module)."""
+def in_system(updates: int, sync: bool) -> None:
+    """Tokens/s of the learner inside a real run (async, or `run.sync`) against this bench's on the same
+    groups (see the module)."""
     import json
     import shutil
 
@@ -147,7 +151,7 @@ def in_system(updates: int) -> None:
     try:
         cfg = load_config("configs/embedded.yaml", [
             f"run.output_dir={out}", f"run.iterations={updates}", "run.eval_every=0", "model.warm_start_steps=0",
-            "learner.checkpoint_every=0"])
+            "learner.checkpoint_every=0", f"run.sync={str(sync).lower()}"])
         with System(cfg) as system:
             system.start()
             tap = StreamTap(system.redis_url, stream_key(cfg.stream))
@@ -169,14 +173,15 @@ def in_system(updates: int) -> None:
     def per_update(values: list[float]) -> str:
         return " ".join(f"{v:.0f}" for v in values)
 
-    print(f"learner in a real run (configs/embedded.yaml, async, {threads} torch threads, {len(in_run)} updates "
+    schedule = "sync: the rollout side idles while the learner trains" if sync else "async"
+    print(f"learner in a real run (configs/embedded.yaml, {schedule}, {threads} torch threads, {len(in_run)} updates "
           f"after a warm-up, ~{np.mean(rows):.0f} rows each): {np.median(in_run):.0f} tokens/s "
           f"(per update: {per_update(in_run)})")
     for n, rates in alone.items():
         print(f"this bench on the same groups, alone, {n} thread(s): {np.median(rates):.0f} tokens/s "
               f"(per update: {per_update(rates)})")
     print(f"in the run / on the bench ({threads} threads)   {np.median(in_run) / np.median(alone[threads]):.2f}  "
-          f"(target >= 0.9)")
+          + ("(target >= 0.9)" if sync else "(the learner's share of cores the rollout side also uses)"))
     if threads > 1:
         # The run's rollout side (vLLM, env workers) keeps the other cores busy while the learner trains:
         # against one thread alone this says how much of one core's worth the learner gets.
@@ -208,7 +213,8 @@ def main() -> None:
     ap.add_argument("--system-updates", type=int, default=6, help="updates of the in-system run (0: skip it)")
     args = ap.parse_args()
     if args.system_updates:
-        in_system(args.system_updates)
+        for sync in (False, True):
+            in_system(args.system_updates, sync)
     # One thread, and CPU time as the figure: on a shared machine wall-clock swings by 2x from round to
     # round, and idle OpenMP threads spinning under contention would inflate CPU time.
     torch.set_num_threads(1)

@@ -40,22 +40,16 @@ actors report the log-probs of that distribution (vLLM's processed log-probs), a
 log_softmax(logits / T) too (learner.trainer.PolicyTrainer, `temperature`), for the new log-probs and for
 recomputed old ones alike. (At T = 1 this is the raw model distribution.)
 
-Forced tokens: left out of the loss. With rollout.constrain_actions the action grammar leaves some
-positions a single allowed token (the rest of "</action>" once "</" is written, the tail of an action
-whose prefix is unique). The sampler's log-prob there is 0 (p = 1): no choice was made, and the acting
-policy, the grammar-masked softmax, gives that token p = 1 whatever the weights, so its true policy
-gradient is 0. The learner's unconstrained log-prob is below 0, and the "ratio" exp(logp - 0) = p_learner
-is no ratio of two policies: it is always <= 1, so PPO's clip treats the two signs unequally (a token in
-a row with A < 0 is clipped out once p < 1 - clip, one with A > 0 is always pushed up) and the
-clip-fraction and KL metrics fill with tokens nobody chose. Training them would teach the unconstrained
-model the format, which the grammar already guarantees, at the price of biased updates and diluted
-token means. So tokens whose behaviour log-prob is exactly 0 get mask 0 (learner.batching.forced_token_mask,
-decided from the rollout's log-probs, before any recompute) and do not count in the token normalizer.
-An unconstrained sampler reaches log-prob 0 in float32 only for p > 1 - 6e-8, where the gradient of
-log p is of that size too: leaving those out changes nothing but the count. Tokens the grammar narrows
-to several choices stay in: their sampler log-prob is renormalized over the allowed set, which the
-learner does not know; with learner.recompute_old_logprobs both sides of their ratio are the
-unconstrained model's.
+Constrained responses (rollout.constrain_actions): the acting policy is the model's softmax over the tokens
+the action grammar allows at each position, and the learner computes that same distribution
+(`token_logprobs_and_entropy`'s `allowed`, from learner/grammar_mask.py), so both sides of PPO's ratio are
+one policy. Where the grammar leaves a single allowed token (the rest of "</action>" once "</" is written,
+the tail of an action whose prefix is unique) no choice was made: p = 1 whatever the weights, log-prob 0
+on both sides, gradient 0. Those forced tokens get mask 0 (learner.batching.forced_token_mask, decided
+from the rollout's log-probs) and do not count in the token normalizer: they would only dilute the token
+means and the clip-fraction and KL metrics. An unconstrained sampler reaches log-prob 0 in float32 only
+for p > 1 - 6e-8, where the gradient of log p is of that size too: leaving those out changes nothing but
+the count.
 """
 from __future__ import annotations
 

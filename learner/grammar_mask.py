@@ -16,11 +16,9 @@ it to the logits (`allowed_tokens`, then learner.gigpo.token_logprobs_and_entrop
 are unconstrained (every bit set)."""
 from __future__ import annotations
 
-import json
+import functools
 import logging
 import sys
-from collections import OrderedDict
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -30,12 +28,14 @@ log = logging.getLogger(__name__)
 
 def stop_token_ids(model_path: str, tokenizer) -> list[int]:
     """The tokens that end a response in vLLM (its sampling parameters' stop tokens with our defaults): the
-    tokenizer's end-of-sequence token and those the model's generation_config.json names."""
+    tokenizer's end-of-sequence token and those the model's generation config names."""
+    from transformers import GenerationConfig
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    path = Path(model_path) / "generation_config.json"
-    if path.is_file():
-        eos = json.loads(path.read_text()).get("eos_token_id")
-        ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:             # no generation_config.json
+        eos = None
+    ids |= set(eos if isinstance(eos, list) else [] if eos is None else [eos])
     return sorted(ids)
 
 
@@ -50,27 +50,16 @@ class GrammarMasks:
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self._xgr = xgrammar
-        self.vocab_size = vocab_size
         self.width = xgrammar.get_bitmask_shape(1, vocab_size)[1]
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         # Compiling dominates the cost (walking a response is ~1 ms): ~1-5 ms per grammar for the tiny
-        # model's 1,024 tokens, ~30 ms for SmolLM2's 49,152 at its config (measured 2026-11-26), seconds for
+        # model's 1,024 tokens, ~30 ms for SmolLM2's 49,152 at its config (2026-11-27, e936c54), seconds for
         # long bounded free text at that size. vLLM compiles each request's grammar the same way.
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=max(1, torch.get_num_threads()),
                                                   cache_enabled=False)
         self._stop = stop_token_ids(model_path, tokenizer)
-        self._compiled: OrderedDict[str, object] = OrderedDict()
-        self._cache_size = cache_size
+        self._compile = functools.lru_cache(maxsize=cache_size)(self._compiler.compile_regex)
         self.mismatched_rows = 0    # rows whose response the grammar rejects (then unconstrained from there)
-
-    def _compile(self, grammar: str):
-        if grammar in self._compiled:
-            self._compiled.move_to_end(grammar)
-        else:
-            self._compiled[grammar] = self._compiler.compile_regex(grammar)
-            if len(self._compiled) > self._cache_size:
-                self._compiled.popitem(last=False)
-        return self._compiled[grammar]
 
     def row(self, grammar: str, response_ids: np.ndarray) -> np.ndarray:
         """int32 [len(response_ids), width]: bit t (word t // 32, bit t % 32) of line i is set when token t

@@ -24,6 +24,12 @@ Parts (each runs on its own; one that fails prints its error and the others go o
   log-prob is printed) on the CPU in fp32 (the reference), on the GPU in fp32 (TF32 off), in bf16, and in
   bf16 with the final projection in fp32 (model.head_dtype=float32): mean and max |delta| per token, share of
   tokens above 0.1 nat.
+- constrained: responses sampled under an action grammar (`rollout.constrain_actions`; the regex has
+  action_regex's shape, with a 40-character think section) are scored over the tokens the grammar allowed
+  (learner/grammar_mask.py), SmolLM2-135M's shape and tokenizer (`--tokenizer`, the folder `make model`
+  writes): the masks' cost (compile and walk) per row; the masked log-probs on the GPU in fp32 and bf16 against
+  the CPU's fp32 ones; then the learner's steps (DeepSpeed ZeRO-2, bf16) on such batches, the masks' share of
+  each step, and the log-prob of a forced token (one allowed: exactly 0).
 - ipc: one process puts `--ipc-mb` of bf16 weights on the GPU; a second opens them through CUDA IPC
   (torch.multiprocessing), copies them into its own memory and checks them bit for bit; time to open and
   copy.
@@ -238,6 +244,132 @@ def part_logprobs(args) -> None:
             f"share > 0.1 nat {stats['share_above_0.1']:.3f} (mean log-prob of sampled tokens {mean_logp:.2f})")
 
 
+# An ALFWorld-like admissible list for the constrained part.
+ACTIONS = ["go to cabinet 1", "go to countertop 2", "open drawer 3", "take apple 1 from countertop 2",
+           "put apple 1 in/on fridge 1", "examine shelf 4", "look", "inventory"]
+THINK_CHARS = " abcdefghijklmnopqrstuvwxyz,.'"
+
+
+def constrained_groups(tokenizer, vocab: int, num_groups: int, group_size: int, seed: int,
+                       prompt=(200, 600)) -> list:
+    """Groups of 1-4 step trajectories whose responses are what a constrained sampler writes,
+    `<think>..</think> <action>A</action>` and the end-of-sequence token, each row carrying its grammar
+    (the shape of actors/rollout.py's action_regex); random prompts, 3 anchor states, 40% of them won."""
+    from common.records import EpisodeGroup, StepRow, Trajectory
+
+    rng = np.random.default_rng(seed)
+    grammar = rf"<think>[ -;=?-~]{{0,40}}</think> <action>({'|'.join(ACTIONS)})</action>"
+    groups = []
+    for g in range(num_groups):
+        played = []
+        for k in range(group_size):
+            n, won = int(rng.integers(1, 5)), bool(rng.random() < 0.4)
+            steps = []
+            for t in range(n):
+                think = "".join(rng.choice(list(THINK_CHARS), int(rng.integers(0, 41))))
+                action = ACTIONS[int(rng.integers(len(ACTIONS)))]
+                text = f"<think>{think}</think> <action>{action}</action>"
+                ids = np.array(tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id])
+                steps.append(StepRow(prompt_ids=rng.integers(1, vocab, int(rng.integers(*prompt))),
+                                     response_ids=ids, response_logprobs=np.full(len(ids), -0.5, np.float32),
+                                     reward=10.0 if won and t == n - 1 else 0.0, valid=True, step=t,
+                                     anchor=f"observation {int(rng.integers(3))}", policy_version=0,
+                                     action=action, grammar=grammar))
+            played.append((Trajectory(traj_id=f"c{seed}-{g}-{k}", success=won, episode_return=10.0 * won,
+                                      score=float(won)), steps))
+        groups.append(EpisodeGroup.pack(f"c{seed}-{g}", f"task{g}", "alfworld", played, producer="bench_gpu"))
+    return groups
+
+
+def part_constrained(args) -> None:
+    import shutil
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from common.config import LearnerConfig
+    from learner.batching import build_batch
+    from learner.grammar_mask import GrammarMasks
+    from learner.trainer import PolicyTrainer
+
+    cuda = torch.cuda.is_available()
+    shape, vocab = "smollm2-135m", SHAPES["smollm2-135m"]["vocab_size"]
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    cfg = LearnerConfig(zero_stage=2, kl_coef=0.01, groups_per_batch=args.groups if cuda else 1, lr=1e-5,
+                        micro_batch_tokens=args.micro_batch_tokens)
+    size = dict(group_size=args.group_size if cuda else 2, prompt=(200, 600) if cuda else (20, 60))
+    out = RESULTS["constrained"] = {"shape": shape, "tokenizer": args.tokenizer}
+    with tempfile.TemporaryDirectory(prefix="bench-gpu-cs-") as folder:
+        build_model(shape, folder, dtype=torch.float32, init_range=args.logprob_init, device="cpu")
+        for name in os.listdir(args.tokenizer):
+            if name.startswith(("tokenizer", "generation_config", "special_tokens", "chat_template")):
+                shutil.copy(os.path.join(args.tokenizer, name), folder)
+        # Two groups for the CPU reference (a CPU forward of a whole batch takes minutes).
+        batch = build_batch(constrained_groups(tokenizer, vocab, min(2, cfg.groups_per_batch), seed=11, **size),
+                            cfg)
+        t0 = time.perf_counter()
+        masks = GrammarMasks(folder, vocab)
+        first = masks.row(batch.grammars[0], batch.response_ids[0])
+        compile_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        batch.allowed_bits = [first] + [masks.row(g, r) for g, r in zip(batch.grammars[1:], batch.response_ids[1:])]
+        walk_ms = (time.perf_counter() - t0) * 1e3 / max(1, batch.num_rows - 1)
+        tokens = int(sum(len(r) for r in batch.response_ids))
+        out.update(rows=batch.num_rows, response_tokens=tokens, mask_first_row_s=compile_s,
+                   mask_ms_per_row_after=walk_ms, mismatched_rows=masks.mismatched_rows)
+        say(f"constrained: {batch.num_rows} rows, {tokens} response tokens; masks: first row {compile_s:.2f} s "
+            f"(tokenizer info + compile), then {walk_ms:.1f} ms per row; rows the grammar rejects: "
+            f"{masks.mismatched_rows}")
+        cpu = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        ref = np.concatenate(_logprobs(cpu, batch, "cpu"))
+        bits, batch.allowed_bits = batch.allowed_bits, None
+        unmasked = np.concatenate(_logprobs(cpu, batch, "cpu"))
+        batch.allowed_bits = bits
+        del cpu
+        forced = np.concatenate([(np.unpackbits(b.view(np.uint8), axis=1, bitorder="little").sum(1) == 1)
+                                 for b in bits])
+        out.update(mean_logprob_cpu=float(ref.mean()), mean_log_z=float((ref - unmasked).mean()),
+                   forced_share=float(forced.mean()), forced_max_abs_cpu=float(np.abs(ref[forced]).max()))
+        say(f"constrained: CPU fp32 masked mean log-prob {ref.mean():.3f} (unmasked {unmasked.mean():.3f}: "
+            f"-log Z = {(ref - unmasked).mean():.3f} nat per token); forced tokens {forced.mean():.0%}, "
+            f"max |log-prob| there {np.abs(ref[forced]).max():.1e}")
+        if cuda:
+            torch.backends.cuda.matmul.allow_tf32 = False
+            for name, dtype in (("gpu_fp32", torch.float32), ("gpu_bf16", torch.bfloat16)):
+                gpu = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to("cuda").eval()
+                d = np.abs(np.concatenate(_logprobs(gpu, batch, "cuda")) - ref)
+                out[name] = {"mean": float(d.mean()), "max": float(d.max())}
+                say(f"constrained: masked log-probs {name} vs CPU fp32: mean |delta| {d.mean():.2e}, "
+                    f"max {d.max():.2e}")
+                del gpu
+                torch.cuda.empty_cache()
+        trainer = PolicyTrainer(folder, cfg, dtype="auto")
+        steps = []
+        for i in range(args.steps + 1):
+            batch = build_batch(constrained_groups(tokenizer, vocab, cfg.groups_per_batch, seed=100 + i, **size),
+                                cfg)
+            t0 = time.perf_counter()
+            metrics = trainer.train_step(batch, update=i)
+            if cuda:
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            row = {"s": dt, "grammar_mask_s": metrics.get("time/grammar_mask_s", float("nan")),
+                   "loss": metrics.get("train/loss", float("nan")),
+                   "tokens": int(batch.row_lengths().sum())}
+            say(f"constrained: learner step {i}{' (warm-up)' if i == 0 else ''} on {trainer.device}: "
+                f"{row['tokens']} tokens, {dt:.2f} s, of which masks {row['grammar_mask_s']:.2f} s, "
+                f"loss {row['loss']:.4f}")
+            steps.append(row)
+        lp = np.concatenate(trainer.compute_logprobs(batch))
+        forced = np.concatenate([(np.unpackbits(b.view(np.uint8), axis=1, bitorder="little").sum(1) == 1)
+                                 for b in batch.allowed_bits])
+        out.update(learner_steps=steps, learner_device=str(trainer.device),
+                   learner_forced_max_abs=float(np.abs(lp[forced]).max()), learner_logprob_finite=bool(
+                       np.isfinite(lp).all()))
+        say(f"constrained: the learner's log-probs after training: all finite {np.isfinite(lp).all()}, "
+            f"forced tokens' max |log-prob| {np.abs(lp[forced]).max():.1e}")
+        trainer.close()
+
+
 def _ipc_child(queue, done) -> None:
     tensor, checksum = queue.get()           # opened through a CUDA IPC handle
     t0 = time.perf_counter()
@@ -337,8 +469,11 @@ def main() -> int:
                     help="learner part's model.head_dtype (float32: the lm_head's product in fp32)")
     ap.add_argument("--logprob-shape", default="smollm2-135m", choices=sorted(SHAPES))
     ap.add_argument("--logprob-init", type=float, default=0.1, help="init std of the log-prob part's model")
+    ap.add_argument("--tokenizer", default=os.path.join(os.environ.get("GIGPO_MODELS", "data/models"),
+                                                        "smollm2-135m-instruct"),
+                    help="constrained part: SmolLM2-135M-Instruct's folder (`make model`; the tokenizer is read)")
     ap.add_argument("--ipc-mb", type=int, default=1024, help="MB sent by CUDA IPC and by NCCL")
-    ap.add_argument("--parts", default="learner,logprobs,ipc,nccl")
+    ap.add_argument("--parts", default="learner,logprobs,constrained,ipc,nccl")
     ap.add_argument("--out", help="write the figures as JSON here")
     ap.add_argument("--cpu", action="store_true", help="run the learner and log-prob parts without CUDA "
                                                        "(a check of this script, not a measurement)")

@@ -5,12 +5,10 @@
     set_learner_inference(workers, inference_actors, timeout_s=1200)   # `gigpo scale --inference`
     workers.nodes[r]                                     # the node rank r runs on
 
-Start-up, in three steps with a deadline each, so that a cluster that cannot run the learner says why
-instead of hanging:
-1. the workers start (a light constructor) and report their nodes: PLACEMENT_TIMEOUT_S;
-2. rank 0 names a rendezvous address on its own node (its Ray IP and a port free there), and every rank
-   joins torch.distributed there: RENDEZVOUS_TIMEOUT_S (the error names each rank's node);
-3. each rank builds its `learner.loop.Learner` from the model as its node sees it.
+Start-up takes three steps, each with a deadline, so that a cluster that cannot run the learner says why
+instead of hanging: the workers start and report their nodes (PLACEMENT_TIMEOUT_S); every rank joins
+torch.distributed at an address rank 0 names on its node (RENDEZVOUS_TIMEOUT_S; the error names each rank's
+node); each rank builds its `learner.loop.Learner` from the model as its node sees it.
 """
 from __future__ import annotations
 
@@ -112,10 +110,8 @@ class LearnerWorker:
 def _interface_of(ip: str) -> str:
     """The network interface holding `ip` on this machine ("" if none does)."""
     import psutil
-    for name, addresses in psutil.net_if_addrs().items():
-        if any(a.address == ip for a in addresses):
-            return name
-    return ""
+    return next((name for name, addresses in psutil.net_if_addrs().items()
+                 if any(a.address == ip for a in addresses)), "")
 
 
 class LearnerWorkers(list):
@@ -132,9 +128,9 @@ class LearnerWorkers(list):
 
 
 def _wait_all(refs: list, timeout_s: float, on_wait=None) -> list[int]:
-    """Wait up to timeout_s for every ref; the indices of those still not ready. A call that failed raises
-    its error at once (the other ranks may be waiting for it in a collective that would never end).
-    on_wait: called every ON_WAIT_EVERY_S while waiting (the driver looks after its other actors)."""
+    """Wait up to timeout_s for every ref; the indices of those still not ready. A failed call raises at once
+    (the other ranks may wait for it in a collective that never ends). on_wait: called every ON_WAIT_EVERY_S
+    while waiting (the driver looks after its other actors)."""
     deadline = time.monotonic() + timeout_s
     pending = list(refs)
     while pending:
@@ -194,29 +190,30 @@ def create_learner_workers(cfg: ExperimentConfig, model, stream_url: str | None,
     return workers
 
 
-def step_learner(workers: list, timeout_s: float | None = None, deadline_s: float = STEP_TIMEOUT_S,
-                 on_wait=None) -> dict | None:
-    """One update on every rank (they run collectives together); rank 0's metrics. Raises TimeoutError
-    naming the ranks and their nodes when they have not finished within timeout_s (the wait for data)
-    + deadline_s. on_wait: called every ON_WAIT_EVERY_S while the update runs."""
-    refs = [w.step.remote(timeout_s) for w in workers]
-    limit = (timeout_s or 0.0) + deadline_s
-    late = _wait_all(refs, limit, on_wait)
+def _rank0_answer(workers: list, refs: list, timeout_s: float, on_wait, late_means: str):
+    """Rank 0's answer to a call every rank made; TimeoutError naming the late ranks and their nodes when
+    they have not answered within timeout_s (`late_means`: what it says and why it may be)."""
+    late = _wait_all(refs, timeout_s, on_wait)
     if late:
         where = workers.where(late) if isinstance(workers, LearnerWorkers) else f"rank(s) {late}"
-        raise TimeoutError(f"learner {where} did not finish an update within {limit:.0f} s (a hung collective or "
-                           f"a dead node?); see learner-<rank>.log in the run's logs")
-    return ray.get(refs)[0]
+        raise TimeoutError(f"learner {where} did not {late_means}; see learner-<rank>.log in the run's logs")
+    return ray.get(refs[0]) if refs else None
+
+
+def step_learner(workers: list, timeout_s: float | None = None, deadline_s: float = STEP_TIMEOUT_S,
+                 on_wait=None) -> dict | None:
+    """One update on every rank (they run collectives together); rank 0's metrics. Raises TimeoutError when
+    they have not finished within timeout_s (the wait for data) + deadline_s. on_wait: called every
+    ON_WAIT_EVERY_S while the update runs."""
+    limit = (timeout_s or 0.0) + deadline_s
+    return _rank0_answer(workers, [w.step.remote(timeout_s) for w in workers], limit, on_wait,
+                         f"finish an update within {limit:.0f} s (a hung collective or a dead node?)")
 
 
 def set_learner_inference(workers: list, inference_actors: list, timeout_s: float, on_wait=None) -> dict:
     """Every rank takes a new list of inference actors (`Learner.set_inference_actors`: an added actor gets
-    the current weights); rank 0's answer. Raises TimeoutError naming the ranks and their nodes when they
-    have not answered within timeout_s. on_wait: as in step_learner."""
+    the current weights); rank 0's answer. Raises TimeoutError when they have not answered within timeout_s.
+    on_wait: as in step_learner."""
     refs = [w.set_inference_actors.remote(inference_actors) for w in workers]
-    late = _wait_all(refs, timeout_s, on_wait)
-    if late:
-        where = workers.where(late) if isinstance(workers, LearnerWorkers) else f"rank(s) {late}"
-        raise TimeoutError(f"learner {where} did not take the new inference actors within {timeout_s:.0f} s (a "
-                           f"weight push to them that hangs?); see learner-<rank>.log in the run's logs")
-    return ray.get(refs[0]) if refs else {}
+    return _rank0_answer(workers, refs, timeout_s, on_wait, f"take the new inference actors within "
+                         f"{timeout_s:.0f} s (a weight push to them that hangs?)") or {}

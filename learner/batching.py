@@ -1,16 +1,15 @@
 """From episode groups to training tensors: rows, advantages, mini-batches, token-budget micro-batches.
 
     batch = build_batch(groups, learner_cfg, invalid_action_penalty=0.1)
-    for rows in mini_batches(batch, learner_cfg.mini_batch_rows, seed=update):
+    for rows in mini_batches(batch.num_rows, learner_cfg.mini_batch_rows, seed=update):
         plan = plan_micro_batches(batch, rows, micro_batch_tokens, world_size)
         for idx in plan.per_rank[rank]:
             mb = collate(batch, idx, pad_id)
 
 Every step row is one training row (one prompt, one response). Advantages are computed over the kept
-groups only (nothing is padded or duplicated before the statistics). Micro-batches are packed by a token
-budget on the *padded* size (rows x longest row), so a micro-batch costs about the same whatever the row
-lengths; rows are sorted by length first so that little of that budget is padding. Rows are left-padded
-so that only the response window's logits are computed (see `MicroBatch`).
+groups only (nothing padded or duplicated before the statistics). Micro-batches are packed by a token budget
+on the *padded* size (rows x longest row), rows sorted by length so that little of it is padding, and
+left-padded so that only the response window's logits are computed (`MicroBatch`).
 """
 from __future__ import annotations
 
@@ -37,17 +36,11 @@ class TrainBatch:
     skipped_group_ids: list[str]          # groups dropped by dynamic sampling (all returns equal)
     metrics: dict[str, float] = field(default_factory=dict)
     env_error_group_ids: list[str] = field(default_factory=list)  # too few trajectories without env error
-    # per row, bool: which response tokens take part in the loss (False: forced by the action grammar,
-    # see learner/gigpo.py); None: all of them
-    token_masks: list[np.ndarray] | None = None
-    # per row: the regex its response was sampled under ("" none; learner/grammar_mask.py); None: no row had one
-    grammars: list[str] | None = None
-    # per row, int32 [response tokens, words]: the tokens its grammar allowed at each position, set by the
-    # trainer (learner/grammar_mask.py); None: unconstrained
-    allowed_bits: list[np.ndarray] | None = None
-    # per row, float32: the weight of each response token's policy-gradient term (learner.gigpo's
-    # correction_weights, set by the trainer); None: all 1
-    weights: list[np.ndarray] | None = None
+    # The rest per row; None: all tokens in the loss / no grammar / unconstrained / weight 1.
+    token_masks: list[np.ndarray] | None = None    # bool per token: in the loss (False: forced, learner/gigpo.py)
+    grammars: list[str] | None = None              # the regex the response was sampled under ("": none)
+    allowed_bits: list[np.ndarray] | None = None   # int32 [tokens, words], set by the trainer (grammar_mask.py)
+    weights: list[np.ndarray] | None = None        # float32 policy-gradient weight per token (correction_weights)
 
     @property
     def num_rows(self) -> int:
@@ -62,22 +55,17 @@ class TrainBatch:
 
     def token_mask(self, row: int) -> np.ndarray:
         """The loss mask of one row's response tokens (all True without token_masks)."""
-        if self.token_masks is None:
-            return np.ones(len(self.response_ids[row]), dtype=bool)
-        return self.token_masks[row]
+        return np.ones(len(self.response_ids[row]), dtype=bool) if self.token_masks is None else self.token_masks[row]
 
     def trained_token_counts(self) -> np.ndarray:
         """Response tokens per row that take part in the loss (the loss normalizer counts these)."""
-        if self.token_masks is None:
-            return self.response_lengths()
-        return np.array([int(m.sum()) for m in self.token_masks], dtype=np.int64)
+        return np.array([int(self.token_mask(r).sum()) for r in range(self.num_rows)], dtype=np.int64)
 
 
 def check_group(group: EpisodeGroup, vocab_size: int | None = None) -> None:
-    """Raise a ValueError naming the group when its rows cannot be trained on: values the row schema
-    refuses (`common.records.check_values`: negative ids, NaN or infinite log-probs or rewards, text that
-    is not UTF-8), positive log-probs, an empty prompt, token ids outside [0, vocab_size) (an id past the
-    embedding table would crash the learner's forward pass)."""
+    """Raise a ValueError naming the group when its rows cannot be trained on: values the row schema refuses
+    (`common.records.check_values`), positive log-probs, an empty prompt, token ids outside [0, vocab_size)
+    (one past the embedding table would crash the forward pass)."""
     rows = group.rows
     problem = check_values(rows)
     if not problem and len(rows["response_logprobs"]) and rows["response_logprobs"].max() > 1e-4:
@@ -103,8 +91,7 @@ def forced_token_mask(logprobs: np.ndarray) -> np.ndarray:
 
 
 def _cosine(a: np.ndarray, b: np.ndarray) -> float:
-    """Cosine of two advantage vectors. Two zero vectors are the same vector (1); a zero vector against a
-    non-zero one shares no direction with it (0)."""
+    """Cosine of two advantage vectors: 1 for two zero vectors, 0 for a zero vector against a non-zero one."""
     na, nb = float(np.linalg.norm(a)), float(np.linalg.norm(b))
     if na == 0.0 or nb == 0.0:
         return 1.0 if na == nb else 0.0
@@ -113,32 +100,31 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> float:
 
 def build_batch(groups: list[EpisodeGroup], cfg: LearnerConfig, *, invalid_action_penalty: float = 0.1
                 ) -> TrainBatch:
-    """Flatten groups into rows and compute the advantage of every row with cfg.algorithm's estimator
-    (learner.gigpo.ADVANTAGE_ESTIMATORS): check, drop env errors, dynamic sampling, flatten, advantages, metrics.
+    """Flatten groups into rows, each with its advantage by cfg.algorithm's estimator
+    (learner.gigpo.ADVANTAGE_ESTIMATORS), and the batch's metrics.
 
-    Rows with an empty response carry no token to train on and are left out after the advantages are
-    computed (they still count in the group statistics: they are steps the agent took). With
-    cfg.dynamic_sampling, groups whose episode returns are all equal are skipped (and counted).
+    Trajectories ended by an environment error (unknown outcome, not the policy's failure) are left out
+    before any statistic, and a group left with fewer than MIN_TRAJECTORIES whole (counted in
+    batch/trajectories_env_error, batch/groups_dropped_env_error). With cfg.dynamic_sampling, groups whose
+    returns are all equal are skipped (counted). Rows with an empty response count in the statistics (steps
+    the agent took) but are not trained. Forced tokens (behaviour log-prob exactly 0) get mask False in
+    `token_masks` (batch/forced_tokens).
 
-    Trajectories ended by an environment error (Termination.ENV_ERROR: the env crashed or hung, the
-    episode's outcome is unknown) are not failures of the policy: they are left out before any statistic,
-    and a group left with fewer than MIN_TRAJECTORIES trajectories is left out whole (both counted in
-    `batch/trajectories_env_error` and `batch/groups_dropped_env_error`; the group is still consumed).
-
-    Tokens whose behaviour log-prob is exactly 0 (forced by the action grammar) get mask False in
-    `token_masks`: they are left out of the loss (see learner/gigpo.py), and counted in `batch/forced_tokens`.
-
-    Diagnostics of the advantages (metrics `diag/*`), over the trained rows: the cosine between the
-    trained advantages and GRPO's (the episode advantage alone, same normalization and penalties), and
-    the share of rows where their signs differ (np.sign: a zero is a sign of its own, so a row that only
-    GiGPO's step advantage trains counts). For cfg.algorithm="grpo" they are 1 and 0. Over the groups
-    received (env-error trajectories left out, before dynamic sampling): the share of groups whose
-    rollouts all succeeded (GRPO has no signal there, GiGPO's step advantage can), and the mean length of
-    the successful trajectories (NaN when none succeeded; shorter is what GiGPO's step signal rewards).
+    diag/*, over the trained rows: cosine between the advantages and GRPO's (same normalization and
+    penalties), and the share of rows whose np.sign differs (a zero is a sign of its own, so a row only
+    GiGPO's step advantage trains counts); "grpo" gets 1 and 0. Over the groups before dynamic sampling:
+    the share whose rollouts all succeeded (no GRPO signal there, a GiGPO step signal can be), and the mean
+    length of the successful trajectories (NaN: none; shorter is what GiGPO's step signal rewards).
     """
     estimate = _estimator(groups, cfg)
     usable, env_error_groups = _without_env_errors(groups)
-    kept, skipped = _dynamic_sampling(usable, cfg)
+    kept, skipped = [], []
+    for g, r, trajs in usable:
+        returns = np.array([t.episode_return for t in trajs], dtype=np.float64)
+        if cfg.dynamic_sampling and len(returns) and np.all(returns == returns[0]):
+            skipped.append(g.group_id)
+        else:
+            kept.append((g, r, trajs))
     rows = advantage_rows([(g, r) for g, r, _ in kept], invalid_action_penalty)
     advantages, metrics = estimate(rows, cfg)
     # The baseline of the diagnostics: GRPO's advantages of the same rows (already computed when it trains).
@@ -188,18 +174,6 @@ def _without_env_errors(groups: list[EpisodeGroup]) -> tuple[list[tuple[EpisodeG
     return usable, dropped
 
 
-def _dynamic_sampling(usable: list, cfg: LearnerConfig) -> tuple[list, list[str]]:
-    """(the usable groups to train on, the ids of those cfg.dynamic_sampling skips)."""
-    kept, skipped = [], []
-    for g, rows, trajs in usable:
-        returns = np.array([t.episode_return for t in trajs], dtype=np.float64)
-        if cfg.dynamic_sampling and len(returns) and np.all(returns == returns[0]):
-            skipped.append(g.group_id)
-        else:
-            kept.append((g, rows, trajs))
-    return kept, skipped
-
-
 def advantage_rows(chosen: list[tuple[EpisodeGroup, np.ndarray]], invalid_action_penalty: float
                    ) -> AdvantageRows:
     """The given rows of each group, flattened group after group, for the advantage estimators."""
@@ -212,9 +186,13 @@ def advantage_rows(chosen: list[tuple[EpisodeGroup, np.ndarray]], invalid_action
         steps.append(g.rows["step"][rows])
         rewards.append(g.rows["reward"][rows])
         valid.append(g.rows["valid"][rows])
-    flat = lambda parts, dtype: np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)  # noqa: E731
-    return AdvantageRows(group_ids=gid, traj_ids=tid, steps=flat(steps, np.int64), rewards=flat(rewards, np.float64),
-                         anchors=anchors, penalties=np.where(flat(valid, bool), 0.0, invalid_action_penalty))
+    return AdvantageRows(group_ids=gid, traj_ids=tid, steps=_concat(steps, np.int64),
+                         rewards=_concat(rewards, np.float64), anchors=anchors,
+                         penalties=np.where(_concat(valid, bool), 0.0, invalid_action_penalty))
+
+
+def _concat(parts: list[np.ndarray], dtype) -> np.ndarray:
+    return np.concatenate(parts).astype(dtype) if len(parts) else np.zeros(0, dtype=dtype)
 
 
 def _train_batch(groups: list[EpisodeGroup], kept: list, rows: AdvantageRows, advantages: np.ndarray,
@@ -285,21 +263,16 @@ def mini_batches(num_rows: int, mini_batch_rows: int, seed: int) -> list[np.ndar
 
 @dataclass
 class MicroBatchPlan:
-    """The micro-batches of one mini-batch, per learner process. All processes get the same number of
-    micro-batches (an empty list is a do-nothing micro-batch that still joins the collectives), and
-    `response_tokens` is the count of the whole mini-batch's response tokens that take part in the loss
-    (forced tokens left out), the loss normalizer on every process."""
+    """The micro-batches of one mini-batch per learner process, as many on each (an empty one does nothing but
+    join the collectives); `response_tokens`: the whole mini-batch's loss tokens, every process's normalizer."""
 
     per_rank: list[list[np.ndarray]]
     response_tokens: int
 
 
 def pack_by_tokens(rows: np.ndarray, lengths: np.ndarray, budget: int) -> list[np.ndarray]:
-    """Pack rows into micro-batches whose padded size (rows x longest) stays within `budget` tokens.
-
-    Rows are taken longest first, so each micro-batch holds rows of similar length. A row longer than the
-    budget forms a micro-batch of its own (it has to be trained on somehow; the budget is a target).
-    """
+    """Pack rows, longest first (similar lengths together), into micro-batches whose padded size (rows x
+    longest) stays within `budget` tokens; a longer row gets one of its own (the budget is a target)."""
     if budget < 1:
         raise ValueError(f"micro_batch_tokens must be >= 1, got {budget}")
     order = rows[np.argsort(-lengths[rows], kind="stable")]
@@ -320,9 +293,8 @@ def pack_by_tokens(rows: np.ndarray, lengths: np.ndarray, budget: int) -> list[n
 
 def plan_micro_batches(batch: TrainBatch, rows: np.ndarray, micro_batch_tokens: int, world_size: int = 1
                        ) -> MicroBatchPlan:
-    """Split a mini-batch across processes (balanced by tokens: longest rows first, each to the process
-    with the fewest tokens so far) and pack each share by the token budget. Deterministic, so every
-    process computes the same plan from the same batch without talking to the others."""
+    """Split a mini-batch across processes (longest rows first, each to the one with the fewest tokens so far)
+    and pack each share by the token budget; deterministic, so every process computes the same plan."""
     lengths = batch.row_lengths()
     shares: list[list[int]] = [[] for _ in range(world_size)]
     load = np.zeros(world_size, dtype=np.int64)
@@ -340,14 +312,10 @@ def plan_micro_batches(batch: TrainBatch, rows: np.ndarray, micro_batch_tokens: 
 
 @dataclass
 class MicroBatch:
-    """Padded model inputs of some rows, and flat per-response-token tensors in row-major order.
-
-    Rows are LEFT-padded so that every response ends at the last position: the logits of the response
-    tokens then all lie in the last `window` positions, and the model is asked for those only
-    (`logits_to_keep`), never for the [rows x length x vocab] logits of the prompts. `target_mask[r, j]`
-    says whether logits position L - window + j of row r predicts a response token; logits[:, :-1] of that
-    window, masked, line up with targets / old_logprobs / advantages / loss_mask.
-    """
+    """Padded model inputs of some rows, and flat per-response-token tensors in row-major order. Rows are
+    LEFT-padded, so every response's logits lie in the last `window` positions, the only ones the model is
+    asked for (`logits_to_keep`). `target_mask[r, j]`: logits position L - window + j of row r predicts a
+    response token; logits[:, :-1] of the window, masked, line up with the flat tensors."""
 
     input_ids: torch.Tensor        # long [R, L], left-padded
     attention_mask: torch.Tensor   # long [R, L]
@@ -360,8 +328,7 @@ class MicroBatch:
     rows: np.ndarray               # batch row indices, in order
     loss_mask: torch.Tensor        # float32 [N]: 1 for tokens in the loss, 0 for forced ones
     weights: torch.Tensor          # float32 [N]: each token's policy-gradient weight (1 without a correction)
-    allowed_bits: torch.Tensor | None = None   # int32 [N, words]: the tokens the sampler could pick at each
-                                               # (learner/grammar_mask.py); None: any
+    allowed_bits: torch.Tensor | None = None   # int32 [N, words]: tokens the sampler could pick; None: any
 
 
 def collate(batch: TrainBatch, rows: np.ndarray, pad_id: int = 0) -> MicroBatch:
@@ -381,20 +348,18 @@ def collate(batch: TrainBatch, rows: np.ndarray, pad_id: int = 0) -> MicroBatch:
         att[i, width - n:] = 1
         pos[i, width - n:] = np.arange(n)
         tmask[i, longest - len(a):] = True
-    flat = lambda xs, dt: (np.concatenate([xs[r] for r in rows]).astype(dt) if len(rows)
-                           else np.zeros(0, dtype=dt))
-    adv = (np.concatenate([np.full(len(batch.response_ids[r]), batch.advantages[r]) for r in rows])
-           if len(rows) else np.zeros(0))
+    per_token = lambda values, dtype: torch.from_numpy(_concat(values, dtype))  # noqa: E731
+    sizes = [len(batch.response_ids[r]) for r in rows]
     return MicroBatch(
         input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(att),
         position_ids=torch.from_numpy(pos), window=longest + 1, target_mask=torch.from_numpy(tmask),
-        targets=torch.from_numpy(flat(batch.response_ids, np.int64)),
-        old_logprobs=torch.from_numpy(flat(batch.old_logprobs, np.float32)),
-        advantages=torch.from_numpy(adv.astype(np.float32)), rows=np.asarray(rows, dtype=np.int64),
-        loss_mask=torch.from_numpy(np.concatenate([batch.token_mask(r) for r in rows]).astype(np.float32)
-                                   if len(rows) else np.zeros(0, dtype=np.float32)),
-        weights=torch.from_numpy(flat(batch.weights, np.float32) if batch.weights is not None
-                                 else np.ones(sum(len(batch.response_ids[r]) for r in rows), dtype=np.float32)),
+        targets=per_token([batch.response_ids[r] for r in rows], np.int64),
+        old_logprobs=per_token([batch.old_logprobs[r] for r in rows], np.float32),
+        advantages=per_token([np.full(n, batch.advantages[r]) for n, r in zip(sizes, rows)], np.float32),
+        rows=np.asarray(rows, dtype=np.int64),
+        loss_mask=per_token([batch.token_mask(r) for r in rows], np.float32),
+        weights=per_token([np.ones(n) if batch.weights is None else batch.weights[r] for n, r in zip(sizes, rows)],
+                          np.float32),
         allowed_bits=(torch.from_numpy(np.concatenate([batch.allowed_bits[r] for r in rows]))
                       if batch.allowed_bits is not None and len(rows) else None),
     )

@@ -1,9 +1,9 @@
-"""The algorithm, in one file: group-based advantages for multi-step agents (GiGPO, and GRPO and RLOO as
-baselines) and the policy loss they are trained with. The config's names map to their functions in two
-registries: ADVANTAGE_ESTIMATORS (learner.algorithm) and CORRECTIONS (learner.logprob_correction).
+"""The algorithm in one file: group-based advantages for multi-step agents (GiGPO; GRPO and RLOO as
+baselines) and the policy loss they train with. Config names map to functions in ADVANTAGE_ESTIMATORS
+(learner.algorithm) and CORRECTIONS (learner.logprob_correction).
 
-Advantages: pure NumPy, array in, array out: one value per training row (one environment step), rows in any
-order. Equation numbers are those of the GiGPO paper (Feng et al., arXiv 2505.10978):
+Advantages: pure NumPy, one value per training row (one environment step), rows in any order. Equation
+numbers are those of the GiGPO paper (Feng et al., arXiv 2505.10978):
 
     R(tau)   = sum_t r_t                                   episode return
     R_t      = sum_{k>=t} gamma^(k-t) r_k                  discounted return-to-go          (Eq. 5)
@@ -15,41 +15,29 @@ order. Equation numbers are those of the GiGPO paper (Feng et al., arXiv 2505.10
 
 Conventions (those of the reference implementation, verl-agent, unless noted):
 - An episode-statistics group of one member has mean 0 and std 1; an anchor group of one row has A^S = 0.
-- A group whose values are all equal has advantage exactly 0. Everything is computed in float64 and such
-  groups are detected explicitly (the reference's float32 path leaves noise of up to ~0.5 there).
-- `penalties` (e.g. 0.1 for each invalid action) are subtracted from that row's episode score and from its
-  step return only; they are not discounted into earlier steps.
-- `episode_stats="rows"` takes mean/std over all step rows of the episode group (the reference code's
-  default since June 2025: longer trajectories weigh more); `"trajectories"` over the N trajectory scores
-  (the paper's Eq. 3), where a trajectory's score is the mean of its rows' scores (= R(tau) without
-  penalties). "All equal" refers to the members the statistics are taken over.
+- A group whose values are all equal has advantage exactly 0: computed in float64 and detected explicitly
+  (the reference's float32 path leaves noise of up to ~0.5 there).
+- `penalties` (e.g. 0.1 per invalid action) are subtracted from that row's episode score and step return
+  only; they are not discounted into earlier steps.
+- `episode_stats="rows"`: mean/std over all step rows of the episode group (the reference's default since
+  June 2025: longer trajectories weigh more); `"trajectories"`: over the N trajectory scores (Eq. 3), a
+  trajectory's score being the mean of its rows' scores (= R(tau) without penalties). "All equal" refers
+  to the members the statistics are taken over.
 
-The loss (below the advantages), of GiGPO/GRPO training alike (reference §2): token-level PPO with dual
-clip, k3 KL to a frozen reference, and an entropy bonus (Eq. 8's objective). Pure torch, tensors in, scalar
-loss and metrics out.
+The loss (reference §2): token-level PPO with dual clip, k3 KL to a frozen reference and an entropy bonus
+(Eq. 8's objective); pure torch. A micro-batch's loss is the *sum* of its token terms divided by the token
+count of the whole mini-batch (`token_normalizer`), so the summed micro-batch gradients are exactly those of
+the mini-batch token mean, however the rows were split across micro-batches and processes.
 
-Token-mean over a mini-batch that is split into micro-batches (and across learner processes) must not
-depend on the split. So the loss of one micro-batch is the *sum* of its per-token terms divided by the
-token count of the whole mini-batch (`token_normalizer`); summing the micro-batch gradients then gives
-exactly the gradient of the token mean over the mini-batch, however the rows were packed.
-
-Which distribution the log-probs are of. The PPO ratio exp(logp - old_logp) is an importance weight from
-the distribution the tokens were drawn from to the one being trained, so both sides must be the same
-function of the weights. Rollouts sample from softmax(logits / T), T = rollout.temperature; the inference
-actors report the log-probs of that distribution (vLLM's processed log-probs), and the learner computes
-log_softmax(logits / T) too (learner.trainer.PolicyTrainer, `temperature`), for the new log-probs and for
-recomputed old ones alike. (At T = 1 this is the raw model distribution.)
-
-Constrained responses (rollout.constrain_actions): the acting policy is the model's softmax over the tokens
-the action grammar allows at each position, and the learner computes that same distribution
-(`token_logprobs_and_entropy`'s `allowed`, from learner/grammar_mask.py), so both sides of PPO's ratio are
-one policy. Where the grammar leaves a single allowed token (the rest of "</action>" once "</" is written,
-the tail of an action whose prefix is unique) no choice was made: p = 1 whatever the weights, log-prob 0
-on both sides, gradient 0. Those forced tokens get mask 0 (learner.batching.forced_token_mask, decided
-from the rollout's log-probs) and do not count in the token normalizer: they would only dilute the token
-means and the clip-fraction and KL metrics. An unconstrained sampler reaches log-prob 0 in float32 only
-for p > 1 - 6e-8, where the gradient of log p is of that size too: leaving those out changes nothing but
-the count.
+Both sides of PPO's ratio exp(logp - old_logp) must be the distribution the tokens were drawn from:
+softmax(logits / T), T = rollout.temperature, as vLLM reports it and the learner computes it
+(learner.trainer.PolicyTrainer's `temperature`). Under rollout.constrain_actions it is the softmax over the
+tokens the action grammar allows (`token_logprobs_and_entropy`'s `allowed`, learner/grammar_mask.py).
+Forced tokens: where the grammar leaves a single token (the rest of "</action>", the tail of a unique
+prefix), p = 1 whatever the weights, log-prob 0 on both sides, gradient 0. They get mask 0
+(learner.batching.forced_token_mask, from the rollout's log-probs) and do not count in the token
+normalizer, where they would only dilute the token means and the clip and KL metrics. (An unconstrained
+sampler reaches log-prob 0 in float32 only for p > 1 - 6e-8, whose gradient is that small too.)
 """
 from __future__ import annotations
 
@@ -67,9 +55,8 @@ from common.config import LearnerConfig
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The definition: GiGPO one episode group at a time, with loops (Eqs. 3-8). The tests' oracle; the
-# vectorized `gigpo_advantages` below equals it (to 1e-9, tests/test_advantages.py) and is what runs.
-# ----------------------------------------------------------------------------------------------------------
+# The definition: GiGPO one episode group at a time, with loops (Eqs. 3-8). The tests' oracle: the vectorized
+# `gigpo_advantages` below, which is what runs, equals it to 1e-9 (tests/test_advantages.py).
 
 def gigpo_readable(group_ids, traj_ids, steps, rewards, anchors, *, gamma=0.95, omega=1.0, normalize_std=True,
                    episode_stats="rows", similarity=None, eps=1e-6, penalties=None) -> list[float]:
@@ -138,7 +125,6 @@ def _anchor_groups(rows: list[int], anchors, similarity: float | None) -> list[l
 
 # ----------------------------------------------------------------------------------------------------------
 # Small vectorized building blocks
-# ----------------------------------------------------------------------------------------------------------
 
 def factorize(values: Sequence[Any] | np.ndarray) -> np.ndarray:
     """Dense int64 codes 0..K-1 for any hashable values, numbered by first appearance."""
@@ -164,17 +150,9 @@ def scoped_codes(outer: np.ndarray, inner: np.ndarray) -> np.ndarray:
     return factorize(outer * (int(inner.max()) + 1) + inner)
 
 
-@dataclass(frozen=True)
-class GroupStats:
-    """Per-group mean, unbiased std, size, and whether all members are equal, for dense codes."""
-
-    mean: np.ndarray
-    std: np.ndarray
-    size: np.ndarray
-    all_equal: np.ndarray
-
-
-def group_stats(codes: np.ndarray, values: np.ndarray, num_groups: int) -> GroupStats:
+def group_stats(codes: np.ndarray, values: np.ndarray, num_groups: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per dense group code: (mean, unbiased std, size, whether all members are equal)."""
     size = np.bincount(codes, minlength=num_groups)
     mean = np.bincount(codes, weights=values, minlength=num_groups) / np.maximum(size, 1)
     sq = np.bincount(codes, weights=(values - mean[codes]) ** 2, minlength=num_groups)
@@ -183,7 +161,7 @@ def group_stats(codes: np.ndarray, values: np.ndarray, num_groups: int) -> Group
     vmin = np.full(num_groups, np.inf)
     np.maximum.at(vmax, codes, values)
     np.minimum.at(vmin, codes, values)
-    return GroupStats(mean=mean, std=std, size=size, all_equal=vmax == vmin)
+    return mean, std, size, vmax == vmin
 
 
 def normalize_in_groups(codes: np.ndarray, values: np.ndarray, *, normalize_std: bool, eps: float,
@@ -192,9 +170,8 @@ def normalize_in_groups(codes: np.ndarray, values: np.ndarray, *, normalize_std:
     "mean0_std1" (the reference's episode convention: mean 0, std 1). `members`: (group code, value) of
     what the statistics are taken over, when not the rows themselves (an episode group's trajectories)."""
     num_groups = int(codes.max()) + 1 if len(codes) else 0
-    st = group_stats(*(members or (codes, values)), num_groups)
-    mean, std = st.mean.copy(), st.std.copy()
-    single = st.size == 1
+    mean, std, size, all_equal = group_stats(*(members or (codes, values)), num_groups)
+    single = size == 1
     if singleton == "mean0_std1":
         mean[single], std[single] = 0.0, 1.0
     out = values - mean[codes]
@@ -202,18 +179,16 @@ def normalize_in_groups(codes: np.ndarray, values: np.ndarray, *, normalize_std:
         out = out / (std[codes] + eps)
     # Exact zeros: all-equal groups (float mean of equal values need not equal them), and singleton
     # anchor groups. An episode singleton keeps its score (mean 0), as in the reference.
-    zero = st.all_equal & ~single if singleton == "mean0_std1" else st.all_equal | single
+    zero = all_equal & ~single if singleton == "mean0_std1" else all_equal | single
     out[zero[codes]] = 0.0
     return out
 
 
 def discounted_returns(traj_codes: np.ndarray, steps: np.ndarray, rewards: np.ndarray,
                        gamma: float) -> np.ndarray:
-    """R_t = sum_{k>=t} gamma^(k-t) r_k inside each trajectory (Eq. 5), following the order of `steps`.
-
-    Rows are scattered into a [trajectories x max_len] matrix and the recursion R_t = r_t + gamma R_{t+1}
-    runs over columns, so the Python loop is over time steps (<= 50 in ALFWorld), not over rows.
-    """
+    """R_t = sum_{k>=t} gamma^(k-t) r_k inside each trajectory (Eq. 5), in the order of `steps`. The recursion
+    R_t = r_t + gamma R_{t+1} runs over the columns of a [trajectories x max_len] grid: the Python loop is
+    over time steps (<= 50 in ALFWorld), not rows."""
     n = len(rewards)
     if n == 0:
         return np.zeros(0)
@@ -238,11 +213,10 @@ def discounted_returns(traj_codes: np.ndarray, steps: np.ndarray, rewards: np.nd
 
 
 def similarity_codes(group_codes: np.ndarray, anchors: Sequence[Any], threshold: float) -> np.ndarray:
-    """Anchor groups by text similarity: inside each episode group, greedily (in order of first
-    appearance) join an anchor to the first earlier cluster whose representative has a similarity ratio
-    >= threshold, else start a new cluster. The ratio is the normalized Indel similarity
-    2*LCS/(len_a+len_b) (difflib-style); pairs are scored in C++ by rapidfuzz, and only distinct texts
-    are compared, so the cost is O(distinct^2) per group, not O(rows^2) in Python."""
+    """Anchor groups by text similarity (Eq. 6 relaxed): inside each episode group, in order of first
+    appearance, an anchor joins the first earlier cluster whose representative is >= threshold similar, else
+    starts one. The ratio is difflib's 2*LCS/(len_a+len_b), scored in C++ by rapidfuzz over distinct texts
+    only: O(distinct^2) per group, not O(rows^2) in Python."""
     from rapidfuzz import fuzz, process
 
     exact = scoped_codes(group_codes, factorize(anchors))
@@ -271,7 +245,6 @@ def similarity_codes(group_codes: np.ndarray, anchors: Sequence[Any], threshold:
 
 # ----------------------------------------------------------------------------------------------------------
 # Input checking
-# ----------------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class _Rows:
@@ -282,9 +255,9 @@ class _Rows:
     penalties: np.ndarray
 
 
-def _check_rows(group_ids, traj_ids, steps, rewards, penalties, extra=()) -> _Rows:
-    """The rows, coded, once their lengths and values are checked. (The settings' ranges, gamma, omega,
-    similarity, episode_stats, are the rules of the learner.* fields, checked when the config loads.)"""
+def _check_rows(group_ids, traj_ids, steps, rewards, penalties, extra=(), eps: float = 0.0) -> _Rows:
+    """The rows, coded, once their lengths and values (and eps) are checked. (The settings' ranges, gamma,
+    omega, similarity, episode_stats, are the rules of the learner.* fields, checked when the config loads.)"""
     n = len(group_ids)
     named = [("traj_ids", traj_ids), ("steps", steps), ("rewards", rewards)] + list(extra)
     if penalties is not None:
@@ -301,19 +274,15 @@ def _check_rows(group_ids, traj_ids, steps, rewards, penalties, extra=()) -> _Ro
     steps = np.asarray(steps).reshape(-1)
     if n and steps.dtype.kind not in "iu":
         raise ValueError(f"steps must be integers, got dtype {steps.dtype}")
+    if not (np.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
     group = factorize(group_ids)
     traj = scoped_codes(group, factorize(traj_ids))
     return _Rows(group, traj, steps.astype(np.int64), rewards, pen)
 
 
-def _check_positive(name: str, value: float) -> None:
-    if not (np.isfinite(value) and value >= 0):
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-
-
 # ----------------------------------------------------------------------------------------------------------
 # Estimators
-# ----------------------------------------------------------------------------------------------------------
 
 def _episode_scores(rows: _Rows) -> np.ndarray:
     """Each row's episode score: its trajectory's return R(tau) minus the row's own penalty."""
@@ -350,8 +319,7 @@ def gigpo_parts(group_ids, traj_ids, steps, rewards, anchors, *, gamma: float = 
                 normalize_std: bool = True, episode_stats: str = "rows", similarity: float | None = None,
                 eps: float = 1e-6, penalties=None) -> GiGPOParts:
     """Episode and step advantages of GiGPO, separately. See `gigpo_advantages`."""
-    rows = _check_rows(group_ids, traj_ids, steps, rewards, penalties, extra=[("anchors", anchors)])
-    _check_positive("eps", eps)
+    rows = _check_rows(group_ids, traj_ids, steps, rewards, penalties, extra=[("anchors", anchors)], eps=eps)
     if len(rows.rewards) == 0:
         empty = np.zeros(0)
         return GiGPOParts(empty, empty, np.zeros(0, dtype=np.int64), empty)
@@ -368,25 +336,14 @@ def gigpo_parts(group_ids, traj_ids, steps, rewards, anchors, *, gamma: float = 
 def gigpo_advantages(group_ids, traj_ids, steps, rewards, anchors, *, gamma: float = 0.95,
                      omega: float = 1.0, normalize_std: bool = True, episode_stats: str = "rows",
                      similarity: float | None = None, eps: float = 1e-6, penalties=None) -> np.ndarray:
-    """GiGPO advantage per row: A = A^E + omega * A^S (Eq. 8). Vectorized; equals `gigpo_readable`.
+    """GiGPO advantage per row, float64 in the input order: A = A^E + omega * A^S (Eq. 8). Vectorized; equals
+    `gigpo_readable`.
 
-    Args:
-        group_ids: episode-group id per row (any hashable).
-        traj_ids: trajectory id per row, scoped by its episode group.
-        steps: integer step index per row; gives the order inside a trajectory.
-        rewards: environment reward r_t per row.
-        anchors: anchor-state key per row (any hashable: the raw observation text, bytes, tuples).
-        gamma: discount of the step returns (Eq. 5).
-        omega: weight of the step advantage (Eq. 8).
-        normalize_std: divide by (std + eps) ("mean_std_norm"); False subtracts the mean only.
-        episode_stats: "rows" (reference default) or "trajectories" (paper Eq. 3).
-        similarity: None groups identical anchors; a ratio in (0, 1) groups anchor texts at least this
-            similar (search-style tasks).
-        eps: added to the std.
-        penalties: optional per-row penalty (e.g. invalid action), subtracted from that row's episode score
-            and step return only.
-    Returns:
-        float64 array, one advantage per row, in the input order.
+    Per row: group_ids (episode group, any hashable), traj_ids (scoped by the group), steps (integer order
+    inside the trajectory), rewards (r_t), anchors (anchor-state key: observation text, bytes, tuples) and
+    optional penalties (see the module). gamma: Eq. 5's discount; omega: Eq. 8's weight; normalize_std:
+    divide by std + eps, else subtract the mean only; episode_stats: "rows" (reference) or "trajectories"
+    (Eq. 3); similarity: None groups identical anchors, a ratio in (0, 1) anchor texts at least this similar.
     """
     parts = gigpo_parts(group_ids, traj_ids, steps, rewards, anchors, gamma=gamma,
                         normalize_std=normalize_std, episode_stats=episode_stats, similarity=similarity,
@@ -397,8 +354,7 @@ def gigpo_advantages(group_ids, traj_ids, steps, rewards, anchors, *, gamma: flo
 def grpo_advantages(group_ids, traj_ids, steps, rewards, *, normalize_std: bool = True,
                     episode_stats: str = "rows", eps: float = 1e-6, penalties=None) -> np.ndarray:
     """GRPO: the episode advantage A^E alone (Eq. 3); equals GiGPO with omega = 0."""
-    rows = _check_rows(group_ids, traj_ids, steps, rewards, penalties)
-    _check_positive("eps", eps)
+    rows = _check_rows(group_ids, traj_ids, steps, rewards, penalties, eps=eps)
     if len(rows.rewards) == 0:
         return np.zeros(0)
     return _episode_advantages(rows, normalize_std=normalize_std, episode_stats=episode_stats, eps=eps)
@@ -406,11 +362,8 @@ def grpo_advantages(group_ids, traj_ids, steps, rewards, *, normalize_std: bool 
 
 def rloo_advantages(group_ids, traj_ids, steps, rewards, *, episode_stats: str = "trajectories",
                     penalties=None) -> np.ndarray:
-    """RLOO: score minus the mean score of the *other* members of the group (leave-one-out baseline).
-
-    Members are the trajectories ("trajectories": each row gets R(tau) - penalty minus the mean of the
-    other trajectories' scores) or the rows ("rows"). A group of one member gets its score (baseline 0).
-    """
+    """RLOO: score minus the mean score of the group's *other* members (leave-one-out baseline), members being
+    the trajectories (each row: R(tau) - penalty minus the others' mean) or the rows. Alone: baseline 0."""
     rows = _check_rows(group_ids, traj_ids, steps, rewards, penalties)
     if len(rows.rewards) == 0:
         return np.zeros(0)
@@ -420,49 +373,38 @@ def rloo_advantages(group_ids, traj_ids, steps, rewards, *, episode_stats: str =
         member_group, member_score = rows.group, scores
     else:
         member_group, member_score = _trajectory_scores(rows, scores)
-    st = group_stats(member_group, member_score, num_groups)
-    n = st.size[rows.group].astype(np.float64)
-    total = (st.mean * st.size)[rows.group]
+    mean, _, size, all_equal = group_stats(member_group, member_score, num_groups)
+    n = size[rows.group].astype(np.float64)
+    total = (mean * size)[rows.group]
     own = scores if episode_stats == "rows" else member_score[rows.traj]
     baseline = np.where(n > 1, (total - own) / np.maximum(n - 1, 1), 0.0)
     out = scores - baseline
-    out[(st.all_equal & (st.size > 1))[rows.group]] = 0.0
+    out[(all_equal & (size > 1))[rows.group]] = 0.0
     return out
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Monitoring
-# ----------------------------------------------------------------------------------------------------------
 
 def anchor_group_summary(parts: GiGPOParts) -> dict[str, float]:
-    """Per-batch summary of the anchor-state groups (paper Sec. 5 reports < 35% singletons).
-
-    Keys: num_groups, singleton_share, size_ge_10_share (shares of anchor groups), mean_group_size
-    (rows per anchor group), nonzero_step_adv_share (share of rows with A^S != 0), and hist_<bucket>
-    (count of anchor groups per size bucket: 1, 2, 3-4, 5-9, >=10).
-    """
+    """Per-batch summary of the anchor-state groups (paper Sec. 5 reports < 35% singletons): num_groups,
+    singleton_share and size_ge_10_share (of anchor groups), mean_group_size (rows), nonzero_step_adv_share
+    (of rows) and hist_<bucket> (anchor groups per size bucket: 1, 2, 3-4, 5-9, >=10)."""
     if len(parts.anchor_group) == 0:
         return {"num_groups": 0.0, "singleton_share": 0.0, "size_ge_10_share": 0.0, "mean_group_size": 0.0,
                 "nonzero_step_adv_share": 0.0}
     sizes = np.bincount(parts.anchor_group)
     sizes = sizes[sizes > 0]
-    buckets = {"hist_1": sizes == 1, "hist_2": sizes == 2, "hist_3_4": (sizes >= 3) & (sizes <= 4),
-               "hist_5_9": (sizes >= 5) & (sizes <= 9), "hist_ge_10": sizes >= 10}
-    summary = {
-        "num_groups": float(len(sizes)),
-        "singleton_share": float(np.mean(sizes == 1)),
-        "size_ge_10_share": float(np.mean(sizes >= 10)),
-        "mean_group_size": float(sizes.mean()),
-        "nonzero_step_adv_share": float(np.mean(parts.step != 0.0)),
-    }
-    summary.update({k: float(v.sum()) for k, v in buckets.items()})
-    return summary
+    buckets = {"hist_1": (1, 1), "hist_2": (2, 2), "hist_3_4": (3, 4), "hist_5_9": (5, 9), "hist_ge_10": (10, np.inf)}
+    return {"num_groups": float(len(sizes)), "singleton_share": float(np.mean(sizes == 1)),
+            "size_ge_10_share": float(np.mean(sizes >= 10)), "mean_group_size": float(sizes.mean()),
+            "nonzero_step_adv_share": float(np.mean(parts.step != 0.0)),
+            **{k: float(((sizes >= lo) & (sizes <= hi)).sum()) for k, (lo, hi) in buckets.items()}}
 
 
 # ----------------------------------------------------------------------------------------------------------
 # The estimators by learner.algorithm: (rows, config) -> (advantage per row, metrics of its own). A new one
 # is a function and its entry in ADVANTAGE_ESTIMATORS, its name in the config's Literal (tests/test_registries)
-# ----------------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class AdvantageRows:
@@ -510,12 +452,10 @@ ADVANTAGE_ESTIMATORS = {"gigpo": estimate_gigpo, "grpo": estimate_grpo, "rloo": 
 
 # ----------------------------------------------------------------------------------------------------------
 # The policy loss: token-level PPO with dual clip, k3 KL, entropy bonus (torch; see the module's docstring)
-# ----------------------------------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class LossSettings:
-    """The coefficients of the loss (defaults: the config's, the paper's values, reference §2). Their ranges are the rules of the
-    learner.* fields of the same names (common/config.py), checked when the config loads."""
+    """The loss's coefficients; defaults and ranges: the learner.* fields of the same names (the paper's values)."""
 
     clip_ratio: float = LearnerConfig.clip_ratio         # PPO ratio clip epsilon
     dual_clip: float = LearnerConfig.dual_clip           # c of the dual clip for negative advantages (> 1); 0: off
@@ -525,18 +465,15 @@ class LossSettings:
 
 def low_var_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """k3 estimator of KL(policy || reference) per token: exp(ref - logp) - (ref - logp) - 1, clamped to
-    [-10, 10] (as the reference implementation does, so one far-off token cannot blow up the loss)."""
+    [-10, 10] as the reference does, so that one far-off token cannot blow up the loss."""
     log_ratio = ref_logp - logp
     return torch.clamp(torch.exp(log_ratio) - log_ratio - 1.0, min=-10.0, max=10.0)
 
 
 def ppo_token_losses(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                      clip_ratio: float, dual_clip: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token PPO policy loss with dual clip.
-
-    Returns (loss, clipped, dual_clipped): the per-token loss and two bool masks saying where the ratio
-    clip and the dual clip were the active terms (for the clip-fraction metrics).
-    """
+    """Per-token PPO policy loss with dual clip, and bool masks of where the ratio clip and the dual clip were
+    the active terms (for the clip-fraction metrics)."""
     ratio = torch.exp(logp - old_logp)
     unclipped = -advantages * ratio
     clipped_term = -advantages * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio)
@@ -554,20 +491,17 @@ def ppo_token_losses(logp: torch.Tensor, old_logp: torch.Tensor, advantages: tor
 
 # ----------------------------------------------------------------------------------------------------------
 # The sampler is not the learner: the gap between their log-probs, and corrections for it (NumPy)
-# ----------------------------------------------------------------------------------------------------------
 #
-# The tokens were sampled by vLLM (mu: another kernel, often another precision, possibly the grammar's
-# mask), not by the learner's old policy (pi_old) that PPO's ratio pi_theta / pi_old refers to. With the
-# learner's own old log-probs (learner.recompute_old_logprobs) the ratio starts at 1, and what is left is
-# that the samples came from mu. An importance weight w = pi_old / mu per token corrects for it; since a
-# few tokens can be off by nats, it is bounded by a cap C > 1:
-#   tis            w = min(pi_old / mu, C)                truncated importance sampling (the weight's variance
-#                                                          stays bounded; the bias is on tokens above C only)
+# The tokens were sampled by vLLM (mu: another kernel, often another precision), not by the learner's old
+# policy pi_old of PPO's ratio. With the learner's own old log-probs (learner.recompute_old_logprobs) the
+# ratio starts at 1, and a per-token importance weight w = pi_old / mu, bounded by a cap C > 1 because a
+# few tokens can be off by nats, corrects for the samples coming from mu:
+#   tis            w = min(pi_old / mu, C)                truncated importance sampling (bounded variance;
+#                                                          biased on tokens above C only)
 #   mask_token     w = 1 if 1/C <= pi_old / mu <= C else 0 tokens the two policies disagree on are dropped
 #   mask_sequence  w = 1 for a whole row if 1/C <= geometric mean of its ratios <= C, else 0 for the row
-# w multiplies the token's policy-gradient term (not the KL or entropy terms); the loss stays normalized by
-# the count of loss tokens, dropped ones included, so a correction never inflates the other tokens' weight.
-# The cap's range (C > 1) is learner.correction_cap's rule, checked when the config loads.
+# w multiplies the policy-gradient term only (not KL or entropy); the normalizer still counts dropped tokens,
+# so a correction never inflates the other tokens' weight.
 
 GAP_THRESHOLD = 0.1     # nat: tokens whose |log pi_old - log mu| exceeds it count in logprob_gap_share
 
@@ -632,23 +566,14 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 settings: LossSettings, *, token_normalizer: float | torch.Tensor | None = None,
                 ref_logp: torch.Tensor | None = None, entropy: torch.Tensor | None = None,
                 weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The loss of one micro-batch and its metrics.
+    """The loss of one micro-batch, and its metrics: detached *sums over tokens* (keys ending in `_sum`) and
+    `tokens`, for callers to add over micro-batches and divide once.
 
-    Args:
-        logp: [R, T] log-probs of the response tokens under the policy being trained (with grad).
-        old_logp: [R, T] log-probs under the behaviour policy (rollout's, or recomputed).
-        advantages: same shape as logp, or [R] / [R, 1] for [R, T] inputs (one value per row).
-        mask: [R, T] 1 for real response tokens, 0 for padding.
-        settings: coefficients.
-        token_normalizer: number of response tokens of the whole mini-batch this micro-batch belongs to;
-            None: this micro-batch's own count (plain token mean).
-        ref_logp: [R, T] log-probs under the frozen reference (needed when settings.kl_coef > 0).
-        entropy: [R, T] per-token entropy of the policy (with grad; needed when entropy_coef > 0).
-        weights: per-token weights of the policy-gradient term (`correction_weights`); None: all 1.
-
-    Returns:
-        (loss, metrics): the scalar to backpropagate; metrics are detached *sums over tokens* (keys ending
-        in `_sum`) plus `tokens`, so that callers can add them over micro-batches and divide once.
+    logp (with grad), old_logp (behaviour policy: the rollout's or recomputed), mask (1: a token of the loss,
+    0: padding or forced), ref_logp (frozen reference; needed when kl_coef > 0), entropy (with grad; needed
+    when entropy_coef > 0) and weights (`correction_weights`; None: all 1) are per token, of one shape [R, T]
+    or [N]; advantages too, or one per row ([R] for [R, T] inputs). token_normalizer: the token count of the
+    whole mini-batch (None: this micro-batch's own, a plain token mean).
     """
     if logp.shape != old_logp.shape or logp.shape != mask.shape:
         raise ValueError(f"shape mismatch: logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)}, "
@@ -697,13 +622,10 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
 
 def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool = True,
                                allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(target) and the entropy of each position's distribution, computed in float32.
-
-    logits: [..., V]; targets: [...] token ids. Callers pass only the response positions, so the float32
-    copy of the logits is as small as it can be. allowed: bool [..., V], the tokens the sampler could pick
-    (an action grammar, learner/grammar_mask.py); the distribution is then softmax over those alone,
-    p(t) = exp(z_t) / sum_{allowed} exp(z), the one a constrained sampler draws from. None: every token.
-    """
+    """log p(target) and the entropy of each position's distribution, in float32 (callers pass the response
+    positions only, to keep the float32 copy small). logits: [..., V]; targets: [...] token ids. allowed:
+    bool [..., V], the tokens a constrained sampler could pick (learner/grammar_mask.py): the distribution is
+    then softmax over those alone, as that sampler's. None: every token."""
     logits = logits.float()
     scored = logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
     logz = torch.logsumexp(scored, dim=-1)

@@ -1,19 +1,13 @@
-"""The policy that sampled a constrained response: the model's distribution over the tokens the action
-grammar allowed at each position (`rollout.constrain_actions`).
+"""The policy that sampled a constrained response (`rollout.constrain_actions`): the model's distribution over
+the tokens the action grammar allowed at each position.
 
-vLLM samples a constrained response token by token from softmax(logits / T) over the tokens its
-structured-output backend (xgrammar) allows after the text so far, and reports those log-probs. PPO's ratio
-and gradient are only those of the sampling policy if the learner computes the same distribution: over the
-whole vocabulary instead, the learner's log-prob of a sampled token is lower by log Z (Z: the mass the
-model puts on the allowed tokens), its ratio is not the sampler's, and an update may move mass onto tokens
-the sampler can never pick. (Measured on `make run` before this module: the gap between vLLM's and the
-learner's log-probs of the same tokens grew from 1.7 to 6.4 nat per token over 24 updates.)
-
-So each row carries the regex it was sampled under (`StepRow.grammar`), and `GrammarMasks` walks xgrammar's
-matcher, built as vLLM builds it (the tokenizer's vocabulary at the model's vocabulary size, the same stop
-tokens), along the row's response: per response token, a bitmask of the allowed tokens. The trainer applies
-it to the logits (`allowed_tokens`, then learner.gigpo.token_logprobs_and_entropy). Rows without a grammar
-are unconstrained (every bit set)."""
+vLLM samples such a response from softmax(logits / T) over the tokens xgrammar allows after the text so far.
+Over the whole vocabulary instead, the learner's log-prob of a sampled token is lower by log Z (Z: the mass
+on the allowed tokens), PPO's ratio is not the sampler's, and an update may move mass onto tokens the sampler
+can never pick (measured on `make run` without this module: the vLLM-learner gap grew from 1.7 to 6.4 nat per
+token over 24 updates). So each row carries its regex (`StepRow.grammar`), and `GrammarMasks` walks
+xgrammar's matcher, built as vLLM builds it, along the response: per token, a bitmask of the allowed tokens,
+which the trainer applies to the logits (`allowed_tokens`). Rows without a grammar are unconstrained."""
 from __future__ import annotations
 
 import functools
@@ -27,8 +21,8 @@ log = logging.getLogger(__name__)
 
 
 def stop_token_ids(model_path: str, tokenizer) -> list[int]:
-    """The tokens that end a response in vLLM (its sampling parameters' stop tokens with our defaults): the
-    tokenizer's end-of-sequence token and those the model's generation config names."""
+    """The tokens that end a response in vLLM with our sampling defaults: the tokenizer's end-of-sequence token
+    and those the model's generation config names."""
     from transformers import GenerationConfig
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     try:
@@ -59,27 +53,48 @@ class GrammarMasks:
                                                   cache_enabled=False)
         self._stop = stop_token_ids(model_path, tokenizer)
         self._compile = functools.lru_cache(maxsize=cache_size)(self._compiler.compile_regex)
+        self._batch = xgrammar.BatchGrammarMatcher(max_threads=max(1, torch.get_num_threads()))
         self.mismatched_rows = 0    # rows whose response the grammar rejects (then unconstrained from there)
 
     def row(self, grammar: str, response_ids: np.ndarray) -> np.ndarray:
-        """int32 [len(response_ids), width]: bit t (word t // 32, bit t % 32) of line i is set when token t
-        was allowed at response position i. No grammar: every bit set. A response the grammar rejects
-        (the sampler's state differs from ours: should not happen) is unconstrained from the rejected token
-        on, counted in `mismatched_rows` and logged."""
-        bits = torch.full((len(response_ids), self.width), -1, dtype=torch.int32)
-        if not grammar:
-            return bits.numpy()
-        matcher = self._xgr.GrammarMatcher(self._compile(grammar), override_stop_tokens=self._stop)
-        for i, token in enumerate(np.asarray(response_ids).tolist()):
-            if not matcher.is_terminated():
-                matcher.fill_next_token_bitmask(bits, i)
-            if matcher.is_terminated() or not matcher.accept_token(token):
-                bits[i:] = -1
-                self.mismatched_rows += 1
-                log.warning("a response the grammar it was sampled under rejects at token %d of %d (id %d): "
-                            "unconstrained from there; grammar %.120r", i, len(response_ids), token, grammar)
+        """int32 [len(response_ids), width]: bit t (word t // 32, bit t % 32) of line i is set when token t was
+        allowed at response position i; no grammar: every bit. A response the grammar rejects (should not
+        happen) is unconstrained from the rejected token on, counted in `mismatched_rows` and logged."""
+        return self.rows([grammar], [response_ids])[0]
+
+    def rows(self, grammars: list[str], responses: list[np.ndarray]) -> list[np.ndarray]:
+        """`row` of each (grammar, response). The matchers walk the responses in lockstep and xgrammar fills
+        each position's masks on the learner's compute threads: 4.6-5.2x faster than row by row on 16 cores
+        (156 rows, 2026-11-27), where the serial walk was 14-31% of a GPU learner step."""
+        tokens = [np.asarray(r).tolist() for r in responses]
+        bits = [torch.full((len(t), self.width), -1, dtype=torch.int32) for t in tokens]
+        matchers = {k: self._xgr.GrammarMatcher(self._compile(g), override_stop_tokens=self._stop)
+                    for k, g in enumerate(grammars) if g}
+        line = torch.empty((len(matchers), self.width), dtype=torch.int32)
+        active, i = list(matchers), 0
+        while active:
+            active = [k for k in active if i < len(tokens[k])]
+            for k in [k for k in active if matchers[k].is_terminated()]:
+                self._rejected(grammars[k], tokens[k], i)
+            active = [k for k in active if not matchers[k].is_terminated()]
+            if not active:
                 break
-        return bits.numpy()
+            walking = [matchers[k] for k in active]
+            self._batch.batch_fill_next_token_bitmask(walking, line)
+            accepted = self._batch.batch_accept_token(walking, [tokens[k][i] for k in active])
+            for j, (k, ok) in enumerate(zip(active, accepted)):
+                if ok:
+                    bits[k][i] = line[j]
+                else:       # this line stays all ones: unconstrained from the rejected token on
+                    self._rejected(grammars[k], tokens[k], i)
+            active = [k for k, ok in zip(active, accepted) if ok]
+            i += 1
+        return [b.numpy() for b in bits]
+
+    def _rejected(self, grammar: str, tokens: list[int], i: int) -> None:
+        self.mismatched_rows += 1
+        log.warning("a response the grammar it was sampled under rejects at token %d of %d (id %d): "
+                    "unconstrained from there; grammar %.120r", i, len(tokens), tokens[i], grammar)
 
 
 def allowed_tokens(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:

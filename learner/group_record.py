@@ -4,14 +4,12 @@
     recorder = GroupRecorder(cfg, resume=resume)                  # learner rank 0
     recorder.record(groups, batch, update, recomputed=...)        # after the update's training step
 
-`group_record` builds the line from what the update already holds (arrays in, a dict out; no forward pass):
-the first run.record_groups groups the update trained on, and for every step row of their trajectories
-the observation (the anchor text, each distinct one stored once per group and cut at MAX_TEXT_CHARS), the
-action, reward, validity, the anchor group (the rows of the group that share the anchor state), GiGPO's
-episode and step advantages and GRPO's (learner.gigpo's functions on the recorded groups' rows: every
-statistic is taken within one episode group, so these are the values of the whole batch), the advantage the
-learner trained with (read off the TrainBatch), the policy version that sampled it and, when the update
-recomputed the old log-probs, the mean |learner - vLLM| log-prob gap of its tokens. One line:
+`group_record` builds the line from what the update holds (no forward pass): the first run.record_groups
+groups it trained on and every step row of their trajectories, with GiGPO's episode and step advantages and
+GRPO's (learner.gigpo on the recorded groups alone: every statistic is within one episode group, so these
+are the batch's values), the advantage trained with (from the TrainBatch) and, when the update recomputed
+the old log-probs, the mean |learner - vLLM| log-prob gap of the row's tokens. Texts are cut at
+MAX_TEXT_CHARS, each distinct observation (anchor text) stored once per group. One line:
 
     {"update": 3, "algorithm": "gigpo", "omega": 1.0, "groups_in_update": 4, "groups": [
       {"group_id": "...", "task_id": "...", "env": "alfworld", "task_type": "pick_and_place_simple",
@@ -23,10 +21,9 @@ recomputed the old log-probs, the mean |learner - vLLM| log-prob gap of its toke
                  "anchor_group": 0, "adv": 0.53, "episode_adv": 0.2, "step_adv": 0.33, "grpo_adv": 0.2,
                  "policy_version": 2, "logprob_gap": 0.004}, ...]}]}
 
-"traj" indexes the group's "trajectories" (those the advantages were computed over: trajectories ended by
-an env error are left out, as build_batch does, and counted), "obs" its "observations", "anchor_group"
-numbers its anchor groups by first appearance. "adv" is null for a row the learner did not train (an empty
-response: it counts in the statistics but carries no token); "logprob_gap" is null without a recompute.
+"traj" indexes the group's "trajectories" (env-error ones left out, as build_batch does, and counted), "obs"
+its "observations"; "anchor_group" numbers its anchor groups by first appearance. "adv" is null for a row
+not trained (an empty response), "logprob_gap" without a recompute.
 """
 from __future__ import annotations
 
@@ -53,9 +50,8 @@ def cut(text: str, limit: int = MAX_TEXT_CHARS) -> str:
 
 
 def batch_rows(groups: list[EpisodeGroup], batch: TrainBatch) -> list[tuple[EpisodeGroup, np.ndarray, np.ndarray]]:
-    """(group, its usable rows, the batch row of each, -1 where untrained) of every group the batch trained
-    on, in batch order. build_batch lays the rows out group after group (skipped and env-error groups left
-    out), usable rows in order, empty responses dropped; a batch that does not line up so raises ValueError."""
+    """(group, its usable rows, the batch row of each or -1) of every group the batch trained on, in order, as
+    build_batch lays them out (skipped and env-error groups and empty responses left out); ValueError else."""
     left_out = set(batch.skipped_group_ids) | set(batch.env_error_group_ids)
     out, start = [], 0
     for g in groups:
@@ -78,9 +74,9 @@ def batch_rows(groups: list[EpisodeGroup], batch: TrainBatch) -> list[tuple[Epis
 def group_record(groups: list[EpisodeGroup], batch: TrainBatch, cfg: LearnerConfig, *, keep: int, update: int,
                  invalid_action_penalty: float, learner_logprobs: list[np.ndarray] | None = None,
                  max_text_chars: int = MAX_TEXT_CHARS) -> dict:
-    """The groups.jsonl line of one update (see the module docstring): `groups` and the `batch` build_batch
-    made of them with `cfg` and `invalid_action_penalty`; `keep`: how many of the trained groups;
-    `learner_logprobs`: the learner's old log-probs of each batch row where it recomputed them, else None."""
+    """The groups.jsonl line of one update: `groups`, the `batch` build_batch made of them with `cfg` and
+    `invalid_action_penalty`; `keep`: how many trained groups; `learner_logprobs`: the recomputed old
+    log-probs per batch row, or None."""
     chosen = batch_rows(groups, batch)[:keep]
     # The chosen groups' rows, flattened as build_batch flattens them, for learner.gigpo's estimators.
     flat = advantage_rows([(g, rows) for g, rows, _ in chosen], invalid_action_penalty)
@@ -112,7 +108,7 @@ def _group_entry(g: EpisodeGroup, rows: np.ndarray, where: np.ndarray, batch: Tr
                "obs": obs_codes.tolist(), "action": [cut(actions[i], max_text_chars) for i in rows.tolist()],
                "valid": g.rows["valid"][rows].tolist(), "reward": g.rows["reward"][rows].tolist(),
                "anchor_group": factorize(anchor_codes).tolist(),     # numbered within the group
-               "adv": _trained_advantages(batch, where),
+               "adv": [None if b < 0 else float(batch.advantages[b]) for b in where.tolist()],
                **{name: values.tolist() for name, values in advantages.items()},
                "policy_version": g.rows["policy_version"][rows].tolist(),
                "logprob_gap": (_logprob_gaps(g, rows, where, batch, learner_logprobs) if learner_logprobs is not None
@@ -129,15 +125,6 @@ def _group_entry(g: EpisodeGroup, rows: np.ndarray, where: np.ndarray, batch: Tr
                          for i in first_of_obs.tolist()],
         "rows": [dict(zip(columns, values)) for values in zip(*columns.values())],
     }
-
-
-def _trained_advantages(batch: TrainBatch, where: np.ndarray) -> list[float | None]:
-    """The batch's advantage of each row, None where the row was not trained."""
-    out: list[float | None] = [None] * len(where)
-    trained = np.flatnonzero(where >= 0)
-    for j, value in zip(trained.tolist(), batch.advantages[where[trained]].tolist()):
-        out[j] = value
-    return out
 
 
 def _logprob_gaps(g: EpisodeGroup, rows: np.ndarray, where: np.ndarray, batch: TrainBatch,
@@ -163,9 +150,8 @@ def _logprob_gaps(g: EpisodeGroup, rows: np.ndarray, where: np.ndarray, batch: T
 
 
 class GroupRecorder:
-    """Learner rank 0's writer of groups.jsonl. A new run starts the file anew, a resumed one appends to it
-    (as metrics.jsonl). A record that cannot be built or written is logged and skipped: it never stops the
-    training."""
+    """Learner rank 0's writer of groups.jsonl (a new run starts it anew, a resumed one appends). A record
+    that cannot be built or written is logged and skipped: it never stops the training."""
 
     def __init__(self, cfg: ExperimentConfig, *, resume: bool):
         self.cfg = cfg

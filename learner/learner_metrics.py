@@ -1,6 +1,5 @@
-"""The learner's Prometheus metrics (common/metrics.py declares them): what one update, or a wait that brought
-no batch, adds to them. Rank 0 alone records them: it reads the stream and pushes weights, and its phases are
-the learner's (the other ranks train in step). Outside Ray every call is a no-op."""
+"""The learner's Prometheus metrics (declared in common/metrics.py): what an update, or a wait that brought no
+batch, adds. Rank 0 alone records them (its phases are the learner's); outside Ray every call is a no-op."""
 from __future__ import annotations
 
 import time
@@ -9,8 +8,7 @@ import numpy as np
 
 from common.metrics import METRICS, ActorMetrics
 
-# The gauges set from an update's metrics (common/metrics.py: MetricSpec.update_key); the inference actors'
-# and the driver's figures are not in the learner's metrics.
+# The gauges set from an update's metrics (MetricSpec.update_key; the learner's own, not inference's or driver's).
 UPDATE_GAUGES = [spec for spec in METRICS.values() if spec.type == "gauge" and spec.update_key]
 # The drops counted in the trajectory source's stats, {reason: stats key}, as groups_dropped declares them.
 STREAM_DROPS = {labels["reason"]: key.removeprefix("stream/")

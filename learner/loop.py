@@ -5,24 +5,20 @@
         metrics = learner.step()          # one update; None if no full batch arrived in time
     learner.close()
 
-`Learner` is a plain object with a single-step API, so it runs as is in a script, a test, or inside a Ray
-actor (one per learner process; the lead's wrapper sets the torchrun-style RANK/WORLD_SIZE/MASTER_* env
-vars before constructing it). With several processes, rank 0 reads the stream, pushes weights and acks;
-the batch is broadcast to the other ranks, which train on their share and join the collectives.
+`Learner` is a plain object with a single-step API: it runs in a script, a test, or a Ray actor (one per
+learner process, `learner.actor`, which sets the torchrun-style RANK/WORLD_SIZE/MASTER_* variables first).
+With several processes rank 0 reads the stream, pushes weights and acks; the batch is broadcast to the
+other ranks, which train on their share and join the collectives.
 
-Exactly-once training across restarts. A group id enters `trained_group_ids` when its update is done. The
-checkpoint stores that set and the policy version with the DeepSpeed state. When checkpointing is on,
-groups are acked only once a checkpoint that contains their update is written: a learner killed between
-checkpoints loses those updates, and their groups are still pending in the stream, so the resumed learner
-(same consumer name, or after the stream reclaims them) trains on them again -- no gap -- while groups
-already in the checkpoint are skipped by the read policy (`learner.read_policy`: acked untrained) -- no
-duplicate. Unacked groups occupy the stream's bound (stream.max_stream_groups), so a checkpoint is forced
+Exactly-once training across restarts. A group id enters `trained_group_ids` when its update is done; the
+checkpoint stores that set and the policy version with the DeepSpeed state. With checkpointing on, groups
+are acked only once a checkpoint containing their update is written: a learner killed between checkpoints
+loses those updates, but their groups are still pending in the stream and the resumed learner trains on
+them again (no gap), while groups inside the checkpoint are acked untrained by the read policy (no
+duplicate). Unacked groups occupy the stream's bound (stream.max_stream_groups), so a checkpoint is forced
 whenever they would leave the producers no room for the next batch. Without a checkpoint directory, or with
-learner.ack_on_checkpoint=false, groups are acked right after their update (a crash then loses the
-updates since the last checkpoint together with their groups).
-
-After a crash the lost updates' groups come back and are trained again, none dropped as stale, and the
-policy lag is measured in the learner's own history: see `Learner._resume`.
+learner.ack_on_checkpoint=false, groups are acked right after their update (a crash then loses them with
+the updates since the last checkpoint). Versions and policy lag after a crash: `Learner._resume`.
 """
 from __future__ import annotations
 
@@ -64,24 +60,16 @@ class Learner:
                  checkpoint_dir: str | None = None, resume: bool | None = None,
                  consumer_name: str = "learner-0", read_block_ms: int = 1000, read_only: bool = False):
         """
-        Args:
-            cfg: the experiment config (learner, stream, model, rollout sections are used).
-            model_path: local path of the initial policy (Hugging Face format).
-            trajectories: where rank 0 reads groups (common.transport.TrajectorySource): a Redis URL (the
-                run's stream) or the source itself; None: groups come through `step(groups)`.
-            publisher: where the weights go (common.transport.WeightPublisher; `needs_push` optional);
-                None builds `common.weight_transfer.create_weight_transfer` over `inference_actors` when
-                those are given (inference.weight_transfer picks the way).
-            checkpoint_dir: where checkpoints go (default: <run.output_dir>/checkpoints); "" disables them.
-            resume: load the latest checkpoint there, or cfg.run.resume_tag (default: cfg.run.resume).
-                Without it, a checkpoint_dir that holds checkpoints is refused (ValueError) unless
-                cfg.run.overwrite, which deletes them (`learner.trainer.prepare_checkpoint_dir`).
-            consumer_name: Redis consumer name; keep it stable across restarts of the same learner.
-            read_only: serve a checkpoint without touching the run (`gigpo eval`, possibly while the run
-                still trains): nothing is written under checkpoint_dir, `step` is refused, and the weights
-                are pushed under the checkpoint's own policy version (no new version was trained).
+        model_path: the initial policy (local, Hugging Face format). trajectories: where rank 0 reads groups, a
+        Redis URL or a common.transport.TrajectorySource (None: groups come through `step(groups)`).
+        publisher: a common.transport.WeightPublisher (`needs_push` optional); None builds
+        `common.weight_transfer.create_weight_transfer` over `inference_actors` when given. checkpoint_dir:
+        default <run.output_dir>/checkpoints, "" none. resume: load the latest checkpoint there, or
+        cfg.run.resume_tag (default cfg.run.resume); without it, existing checkpoints are refused unless
+        cfg.run.overwrite (`learner.trainer.prepare_checkpoint_dir`). consumer_name: the Redis consumer, stable
+        across restarts. read_only: serve a checkpoint without touching the run (`gigpo eval`): nothing
+        written, `step` refused, weights pushed under the checkpoint's own policy version.
         """
-
         self.cfg = cfg
         self.read_only = read_only
         resume = cfg.run.resume if resume is None else resume
@@ -123,39 +111,25 @@ class Learner:
         self.metrics = LearnerMetrics(self.rank, self.stream) if self.rank == 0 else None
         if resume:
             self._resume()
-        if self._pushes:
-            # Inference actors that started without the model's weights (not on their node) wait for them.
-            self.repush_if_needed()
+        self.repush_if_needed()     # inference actors that started without the model's weights wait for them
         if self.metrics is not None:
             self.metrics.set("policy_version", self.policy_version)
         # groups.jsonl, for `gigpo view`: started anew by a new run, appended to by a resumed one
         self.recorder = GroupRecorder(cfg, resume=resume) if self.rank == 0 and not read_only else None
 
-    # ------------------------------------------------------------------------------------------------
-
     def _resume(self) -> None:
         """Continue the run in checkpoint_dir from its latest checkpoint (or run.resume_tag): weights,
         optimizer, update count, trained group ids and policy version.
 
-        Versions. The updates after the checkpoint (at version c) were lost, but their weights may have
-        reached the actors as versions c+1..P, P the highest version pushed (PUSHED_VERSION; written before
-        each push). A version number never names two different weights, so the resumed learner continues
-        above P: with a publisher it pushes the checkpoint's weights at once, as P+1, so that the actors
-        stop sampling from lost weights. That is the only push of a resume (the orchestrator adds none).
-
-        Lost groups. The groups of the lost updates were never acked: the stream hands them back first, in
-        the order they were first read (this consumer's own pending entries, or reclaimed from a dead
-        consumer), and the resumed learner redoes the lost updates on them. They are not judged stale
-        again (they passed when first delivered, sampled by versions in [c - max_policy_lag, P]): judged
-        against the resumed version P+1, every one sampled more than max_policy_lag versions before the
-        crash would be acked and deleted untrained -- with checkpoints rarer than the lag, most of them.
-
-        Lag. The version numbers jump from P to P+1 while the weights go back to those of c, so the learner
-        measures lag in its own history (`policy_lag`): the resumed weights stand where version c
-        stood, each later version one step further, and a lost version v stands at v, since the redo
-        retraces the lost updates on the same groups in the same order. Hence the groups sampled just
-        before the crash, unread then, are as fresh when the redo reaches them as they would have been
-        without the crash, and groups sampled by the resumed weights age as usual.
+        The updates after the checkpoint (at version c) were lost, but their weights may have reached the
+        actors as versions c+1..P (P: PUSHED_VERSION, written before each push). A version never names two
+        weights, so the checkpoint's weights go out at once as P+1 (the resume's only push). The lost updates'
+        groups, never acked, come back first in the order first read and are trained again, not judged stale
+        anew (against P+1, with checkpoints rarer than max_policy_lag, most would be deleted untrained). Lag is
+        counted in the learner's own history (`policy_lag`): the resumed weights stand where c stood, each
+        later version one step further, a lost version v at v (the redo retraces the lost updates on the same
+        groups in order), so groups sampled just before the crash are as fresh when the redo reaches them as
+        without it.
         """
         if not self.checkpoint_dir:
             return
@@ -184,11 +158,9 @@ class Learner:
                  self.policy_version, len(self.trained_group_ids))
 
     def policy_lag(self, version: int) -> int:
-        """Versions of this learner's own history between the weights that sampled `version` and the
-        current ones (the read policy drops groups whose lag exceeds stream.max_policy_lag). Without a resume
-        it is policy_version - version. After one from a checkpoint at version c whose weights went out
-        as version r (P+1, see `_resume`), version r + k stands at c + k, and a version v < r (before the
-        checkpoint, or a lost one redone by this learner) at v."""
+        """Versions of this learner's own history between the weights that sampled `version` and the current
+        ones: policy_version - version without a resume; after one from a checkpoint at version c pushed as r
+        (`_resume`), version r + k stands at c + k and a version v < r at v."""
         if self._resumed_versions is None:
             return self.policy_version - version
         checkpoint, resumed = self._resumed_versions
@@ -213,9 +185,8 @@ class Learner:
         return batch
 
     def _valid(self, received: list) -> list:
-        """The groups that can be trained on; the others (token ids outside the vocabulary, non-finite
-        numbers, positive log-probs: `learner.batching.check_group`) go to the dead-letter stream with the
-        reason, so that one bad group neither crashes the learner nor comes back."""
+        """The groups that pass `learner.batching.check_group`; the others go to the dead-letter stream with
+        the reason, so that one bad group neither crashes the learner nor comes back."""
         good = []
         for r in received:
             try:
@@ -244,7 +215,9 @@ class Learner:
         t_start = time.perf_counter()
         groups, received = self._next_groups(groups, timeout_s)          # read (stale groups: not returned)
         if groups is None:
-            self._no_batch(time.perf_counter() - t_start)
+            self.repush_if_needed()      # an inference actor back from a restart without weights
+            if self.metrics is not None:
+                self.metrics.record_no_batch(time.perf_counter() - t_start)
             return None
         times = {"time/wait_data_s": time.perf_counter() - t_start}
         with _timed(times, "time/build_batch_s"):
@@ -277,15 +250,9 @@ class Learner:
             groups = None if received is None else [r.group for r in received]
         return self._broadcast(groups), received
 
-    def _no_batch(self, waited_s: float) -> None:
-        self.repush_if_needed()      # an inference actor back from a restart without weights
-        if self.metrics is not None:
-            self.metrics.record_no_batch(waited_s)
-
     def _build_batch(self, groups: list[EpisodeGroup], received: list | None):
-        """(batch, groups, received) with advantages. A group the checks on read let through but that cannot
-        be batched is dropped: the others are trained, the bad ones go to the dead-letter stream with the
-        reason (a retry would fail the same way)."""
+        """(batch, groups, received) with advantages. Groups that passed the checks on read but cannot be batched
+        go to the dead-letter stream with the reason (a retry would fail the same way); the others train."""
         penalty = self.cfg.rollout.invalid_action_penalty
         try:
             return build_batch(groups, self.cfg.learner, invalid_action_penalty=penalty), groups, received
@@ -317,9 +284,9 @@ class Learner:
         return train
 
     def _commit(self, received: list | None) -> bool:
-        """Ack the update's stream entries: at once, or (learner.ack_on_checkpoint) with the checkpoint that
-        covers them, taken every learner.checkpoint_every updates or earlier when the unacked groups crowd
-        the stream. Returns whether a checkpoint was taken."""
+        """Ack the update's stream entries at once, or (learner.ack_on_checkpoint) with the checkpoint covering
+        them, taken every learner.checkpoint_every updates or when unacked groups crowd the stream. Returns
+        whether a checkpoint was taken."""
         if received is not None:
             self._unacked.extend(received)
         checkpointed = False
@@ -340,8 +307,8 @@ class Learner:
 
     def _step_metrics(self, batch, train: dict, push_info: dict, groups: list[EpisodeGroup], lags: list[int],
                       times: dict[str, float], checkpointed: bool) -> dict[str, float]:
-        """The update's metrics (metrics.jsonl, TensorBoard): the batch's, the training's, the push's, lags,
-        phase times, the stream's and the learner's counters."""
+        """The update's metrics (metrics.jsonl, TensorBoard): batch, training, push, lags, phase times, the
+        stream's and the learner's counters."""
         now = time.time()
         ages = [now - g.created_at for g in groups if g.created_at > 0]
         metrics: dict[str, float] = dict(batch.metrics)
@@ -365,10 +332,9 @@ class Learner:
         return metrics
 
     def publish_weights(self) -> dict:
-        """Push the current weights as the next policy version (all processes call this; rank 0 sends).
-        The version is recorded beside the checkpoints before the push (a crash in between skips a number,
-        never reuses one), so that a resumed learner never reuses a version number for different weights.
-        Read-only: the checkpoint's own version, and nothing recorded."""
+        """Push the current weights as the next policy version (all processes call it). The version is recorded
+        beside the checkpoints first (a crash in between skips a number), so that a resumed learner never
+        reuses a number for different weights. Read-only: the checkpoint's own version, nothing recorded."""
         version = self.policy_version + (0 if self.read_only else 1)
         info: dict = {}
         if self._pushes:
@@ -378,22 +344,17 @@ class Learner:
                 tmp = path.with_suffix(".tmp")
                 tmp.write_text(str(version))
                 tmp.replace(path)
-            if self.rank == 0:
-                info = self.publisher.push(self.trainer.named_weights(), version) or {}
-            elif self.cfg.learner.zero_stage == 3:
-                for _ in self.trainer.named_weights():   # join rank 0's (collective) gathers
-                    pass
+            info = self._push(version)
         self.policy_version = version
         if self.metrics is not None:
             self.metrics.set("policy_version", version)
         return info
 
     def repush_if_needed(self) -> dict:
-        """Push the current weights again, under the current version, when some inference actor lacks them
-        (it started with dummy weights, or came back from a restart without them): at start (version 0)
-        and when a step finds no batch, so that an actor is served even while no update happens. All
-        processes call it (ZeRO-3 gathers are collective); rank 0 asks the publisher (`needs_push`). A
-        failed check is logged and tried again at the next call."""
+        """Push the current weights again, as the current version, when an inference actor lacks them (started
+        with dummy weights, or restarted): at start and when a step finds no batch, so that an actor is served
+        even while no update happens. All processes call it; rank 0 asks the publisher (`needs_push`), and a
+        failed check is logged and asked again next time."""
         if not self._pushes:
             return {}
         need = False
@@ -404,21 +365,26 @@ class Learner:
                 log.warning("could not ask the inference actors for their weights: %s", exc)
         if not self._broadcast(need):
             return {}
-        info: dict = {}
+        info = self._push(self.policy_version)
         if self.rank == 0:
-            info = self.publisher.push(self.trainer.named_weights(), self.policy_version) or {}
             log.info("pushed version %d again to inference actors without it (%.2f s, %s)", self.policy_version,
                      info.get("total_s", 0.0), info.get("transfer", "?"))
-        elif self.cfg.learner.zero_stage == 3:
-            for _ in self.trainer.named_weights():   # join rank 0's (collective) gathers
-                pass
         return info
 
+    def _push(self, version: int) -> dict:
+        """Rank 0 pushes the weights as `version` (returns the publisher's timings); at ZeRO-3 the other ranks
+        join its collective gathers."""
+        if self.rank == 0:
+            return self.publisher.push(self.trainer.named_weights(), version) or {}
+        if self.cfg.learner.zero_stage == 3:
+            for _ in self.trainer.named_weights():
+                pass
+        return {}
+
     def set_inference_actors(self, inference_actors: list) -> dict:
-        """Push to these inference actors from now on (the driver's `gigpo scale --inference`, between two
-        updates); an added one that lacks the current version (it started without weights, or with an
-        older manifest) gets it now, as a repush. All processes call it. Returns the repush's timings (empty
-        when none was needed) and the current policy version."""
+        """Push to these inference actors from now on (`gigpo scale --inference`, between two updates); an added
+        one that lacks the current version gets it now (a repush). All processes call it. Returns the repush's
+        timings (none when not needed) and the current policy version."""
         if self._pushes and self.rank == 0:
             self.publisher.set_actors(inference_actors)
         return {**self.repush_if_needed(), "policy_version": self.policy_version}

@@ -1,18 +1,15 @@
 """The learner's read policy: which of the groups a trajectory source hands out it trains on.
 
 A source (`common.transport.TrajectorySource`: the Redis stream, or in memory) delivers each complete group
-at least once and knows nothing of policy versions. The learner judges every group it receives, whatever
-the source:
+at least once and knows nothing of policy versions. Whatever the source, the learner judges every group:
 
-* a group that claims a policy version above the newest the learner has published is dead-lettered: no
-  weights of this learner sampled it;
-* a duplicate -- its id already trained on, held from an earlier read, or twice in this read -- is acked
-  untrained and counted as "duplicates_skipped": a group duplicated by a retried publish, or redelivered
-  after a crash between commit and ack, is trained once;
-* a stale group -- sampled by weights more than stream.max_policy_lag versions behind the learner's -- is
-  acked untrained and counted as "dropped_stale". A redelivered group (pending after a learner crash)
-  passed that check when it was first read and is not judged again (see `learner.loop.Learner._resume`),
-  nor is a group that carries no version (-1).
+* one claiming a policy version above the newest the learner published is dead-lettered (no weights of this
+  learner sampled it);
+* a duplicate (id already trained on, held from an earlier read, or twice in this read: a retried publish,
+  a redelivery after a crash between commit and ack) is acked untrained as "duplicates_skipped";
+* a stale one (sampled more than stream.max_policy_lag versions behind the learner) is acked untrained as
+  "dropped_stale"; a redelivered group passed that check when first read and is not judged again
+  (`learner.loop.Learner._resume`), nor is one without a version (-1).
 """
 from __future__ import annotations
 
@@ -25,9 +22,8 @@ def admit(source: TrajectorySource, received: list[Received], *, trained_ids: Co
           newest_version: int, max_policy_lag: int, held_ids: Iterable[str] = (),
           policy_lag: Callable[[int], int] | None = None) -> list[Received]:
     """The groups of `received` to train on, in order; the others are dead-lettered or acked untrained
-    (counted in source.stats). `held_ids`: groups the learner holds, read and not yet trained.
-    `policy_lag(v)`: how many versions the learner's weights stand past v (default newest_version - v;
-    a resumed learner counts in its own history: `learner.loop.Learner.policy_lag`)."""
+    (counted in source.stats). `held_ids`: groups read and not yet trained. `policy_lag(v)`: versions the
+    learner stands past v (default newest_version - v; `learner.loop.Learner.policy_lag` after a resume)."""
     policy_lag = policy_lag or (lambda version: newest_version - version)
     taken = set(held_ids)
     keep, duplicates, stale = [], [], []

@@ -6,15 +6,12 @@
     for name, tensor in trainer.named_weights(): ...   # full weights (gathered at ZeRO-3), for the push
     trainer.save_checkpoint(dir, {"trained_group_ids": [...], "policy_version": 8})
 
-Several processes (one per device) each call `train_step` with the *same* batch; each trains on its own
-share of every mini-batch (see `batching.plan_micro_batches`), and all of them run the same number of
-forward/backward passes, as ZeRO's collectives need. The loss of a micro-batch is its token sum divided
-by the token count of the whole mini-batch (all processes), times the number of processes because
-DeepSpeed averages gradients across processes: the gradient is that of the token mean over the
-mini-batch, independent of how it was split.
-
-On CPU: fp32, gloo, a `torch.optim.AdamW` object (DeepSpeed's own optimizers JIT-compile for minutes) and
-the shared-memory comm op skipped (stack-notes). On GPU: bf16, nccl.
+Several processes (one per device) call `train_step` with the *same* batch; each trains on its share of
+every mini-batch (`batching.plan_micro_batches`), all running the same number of forward/backward passes,
+as ZeRO's collectives need. A micro-batch's loss is its token sum over the whole mini-batch's token count,
+times the number of processes (DeepSpeed averages gradients across them): the gradient of the mini-batch
+token mean, however it was split. On CPU: fp32, gloo, a plain `torch.optim.AdamW` (DeepSpeed's own
+optimizers JIT-compile for minutes); on GPU: bf16, nccl.
 """
 from __future__ import annotations
 
@@ -40,15 +37,10 @@ from learner.gigpo import (LossSettings, correction_weights, logprob_gap, policy
                            token_logprobs_and_entropy)
 
 LEARNER_STATE = "learner_state.json"   # written next to each DeepSpeed checkpoint tag, for humans and tools
-
-
 LATEST = "latest"                      # DeepSpeed's file naming the newest checkpoint tag
 PUSHED_VERSION = "pushed_version"      # file beside the checkpoints: highest policy version ever pushed
+RUN_ID_FILE = "run_id"                 # in run.output_dir: the run's id (stream.run_id), for a resume
 _TAG_PREFIX = "update_"
-
-
-def checkpoint_tag(update: int) -> str:
-    return f"{_TAG_PREFIX}{update:07d}"
 
 
 def tag_update(name: str) -> int | None:
@@ -58,8 +50,8 @@ def tag_update(name: str) -> int | None:
 
 
 def checkpoint_tags(root: str | os.PathLike) -> list[Path]:
-    """The checkpoint directories under `root`, oldest update first. By number, not by name: the names are
-    zero-padded to 7 digits, so update_10000000 sorts before update_9999999 as a string."""
+    """The checkpoint directories under `root`, oldest update first (by number: update_10000000 sorts before
+    update_9999999 as a string)."""
     tags = [p for p in Path(root).glob(_TAG_PREFIX + "*") if p.is_dir() and tag_update(p.name) is not None]
     return sorted(tags, key=lambda p: tag_update(p.name))
 
@@ -71,11 +63,10 @@ def is_complete_checkpoint(tag_dir: str | os.PathLike) -> bool:
 
 
 def prune_checkpoints(root: str | os.PathLike, keep: int, just_written: str) -> list[str]:
-    """Delete all but the `keep` newest checkpoints (by update number) under `root`; returns the deleted
-    names. The one `just_written` is always kept: `latest` names it, and the groups of its updates are
-    acked on the strength of it. Checkpoints numbered above it are left alone: they belong to a history
-    this run branched off (resumed from an older run.resume_tag) and are overwritten as the run reaches
-    their numbers. keep <= 0 keeps everything."""
+    """Delete all but the `keep` newest checkpoints under `root` (keep <= 0: none); returns the deleted names.
+    `just_written` is always kept (`latest` names it, its groups are acked on its strength); those numbered
+    above it are left alone: a history this run branched off (resumed from an older run.resume_tag), which
+    it overwrites as it reaches their numbers."""
     if keep <= 0:
         return []
     newest = tag_update(just_written)
@@ -93,9 +84,9 @@ def checkpoint_dir_of(cfg) -> Path:
 
 def prepare_checkpoint_dir(checkpoint_dir: str | os.PathLike, *, resume: bool, overwrite: bool,
                            rank: int = 0) -> None:
-    """Before a learner starts: refuse (ValueError, one line) to start a fresh run in a directory holding
-    another run's checkpoints, which it would mix with its own (pruning, `latest`, resume); with
-    `overwrite`, delete them instead (on rank 0 only). Resuming uses what is there and changes nothing."""
+    """Before a learner starts: refuse (ValueError) to start a fresh run in a directory holding another run's
+    checkpoints, which it would mix with its own (pruning, `latest`, resume); with `overwrite`, delete them
+    (rank 0). Resuming uses what is there."""
     if resume and overwrite:
         raise ValueError("run.resume=true continues the run in run.output_dir, run.overwrite=true deletes its "
                          "checkpoints: set one of them")
@@ -116,20 +107,12 @@ def prepare_checkpoint_dir(checkpoint_dir: str | os.PathLike, *, resume: bool, o
             (root / name).unlink(missing_ok=True)
 
 
-RUN_ID_FILE = "run_id"
-
-
 def prepare_output_dir(cfg) -> str:
-    """`prepare_checkpoint_dir` for a run's own checkpoint directory, from run.resume and run.overwrite
-    (call it before anything of the run is started); then the run's id (`run_id_of`), set in the config."""
+    """`prepare_checkpoint_dir` for the run's checkpoints (before anything of the run starts); returns the
+    run's id, set in the config (stream.run_id): the configured one; else, resuming, the one in
+    <output_dir>/run_id; else a new one (the run name and 8 random hex digits), written there. Stream,
+    consumer-group and control keys and every record carry it, so runs that share a Redis never mix."""
     prepare_checkpoint_dir(checkpoint_dir_of(cfg), resume=cfg.run.resume, overwrite=cfg.run.overwrite)
-    return run_id_of(cfg)
-
-
-def run_id_of(cfg) -> str:
-    """The run's id (stream.run_id): the configured one; else, resuming, the one in <output_dir>/run_id;
-    else a new one (the run name and 8 random hex digits), written there. Stream, consumer-group and
-    control keys and every record carry it, so runs that share a Redis never mix."""
     if not cfg.stream.run_id:
         path = Path(cfg.run.output_dir) / RUN_ID_FILE
         known = path.read_text().strip() if cfg.run.resume and path.is_file() else ""
@@ -143,10 +126,9 @@ def run_id_of(cfg) -> str:
 
 
 def setup_distributed() -> tuple[int, int]:
-    """Initialize torch.distributed through DeepSpeed (idempotent); returns (rank, world_size).
-
-    Without launcher variables this is a world of one on a free local port. On CPU the backend is gloo
-    and the shared-memory comm op, which would JIT-compile for ~2 minutes, is skipped."""
+    """Initialize torch.distributed through DeepSpeed (idempotent; without launcher variables a world of one on
+    a free local port); returns (rank, world_size). On CPU: gloo, and DeepSpeed's shared-memory comm op,
+    which would JIT-compile for ~2 minutes, skipped."""
     cuda = torch.cuda.is_available()
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")     # before deepspeed picks its accelerator
@@ -192,12 +174,9 @@ class PolicyTrainer:
 
     def __init__(self, model_path: str, cfg: LearnerConfig, *, dtype: str = "auto", head_dtype: str = "model",
                  seed: int = 0, pad_id: int | None = None, temperature: float = 1.0):
-        """dtype, head_dtype: model.dtype and model.head_dtype (`project_head_in_float32`).
-        temperature: the sampling temperature of the rollouts (rollout.temperature). Every log-prob
-        the learner computes is of softmax(logits / temperature), the distribution the tokens were drawn
-        from, which is also what the inference actors report (vLLM's processed log-probs): both sides of
-        the PPO ratio are then the same function of the weights. The KL to the reference and the entropy
-        are those of the tempered distributions too. (The other values' ranges are the config's rules.)"""
+        """dtype, head_dtype: model.dtype and model.head_dtype (`project_head_in_float32`). temperature:
+        rollout.temperature; every log-prob, KL and entropy is of softmax(logits / temperature), the
+        distribution the tokens were drawn from and vLLM reports (see learner/gigpo.py)."""
         import deepspeed
         from transformers import AutoModelForCausalLM
 
@@ -221,9 +200,8 @@ class PolicyTrainer:
         self.pad_id = pad_id if pad_id is not None else (model.config.pad_token_id or 0)
         self.settings = LossSettings(clip_ratio=cfg.clip_ratio, dual_clip=cfg.dual_clip, kl_coef=cfg.kl_coef,
                                      entropy_coef=cfg.entropy_coef)
-        # Frozen reference for the KL term: a plain module in the compute dtype on every process.
-        # (At ZeRO-3 scale it would be partitioned too; for the models this repo trains on one box a full
-        # copy is the simpler and faster choice.)
+        # Frozen reference for the KL term: a full copy in the compute dtype on every process (not partitioned
+        # at ZeRO-3: simpler and faster for the models this repo trains on one box).
         self.ref_model = None
         if cfg.kl_coef > 0:
             self.ref_model = AutoModelForCausalLM.from_pretrained(
@@ -242,47 +220,41 @@ class PolicyTrainer:
         self.model_path = model_path
         self._grammar_masks: GrammarMasks | None = None     # built for the first row with a grammar
 
-    # ------------------------------------------------------------------------------------------------
-    # Log-probs
-    # ------------------------------------------------------------------------------------------------
-
-    def _forward_logprobs(self, model, mb: MicroBatch, with_entropy: bool
-                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _logprobs(self, model, mb: MicroBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         return response_logprobs(model, mb, self.temperature, self.device, with_entropy)
 
-    def _plan_all(self, batch: TrainBatch, rows: np.ndarray):
+    def _plan(self, batch: TrainBatch, rows: np.ndarray):
         return plan_micro_batches(batch, rows, self.cfg.micro_batch_tokens, self.world_size)
 
     def _micro(self, batch: TrainBatch, rows: np.ndarray, fallback_row: int) -> tuple[MicroBatch, float]:
-        """The micro-batch of `rows`, or (for a process with nothing left) a one-row stand-in with
-        weight 0 that keeps the collectives of every process in step."""
+        """The micro-batch of `rows` and weight 1, or for a process with nothing left a one-row stand-in with
+        weight 0 that keeps the collectives in step."""
         if len(rows):
             return collate(batch, rows, self.pad_id), 1.0
         return collate(batch, np.array([fallback_row]), self.pad_id), 0.0
 
     def constrain(self, batch: TrainBatch) -> float:
-        """Set `batch.allowed_bits` from its rows' grammars (once): every log-prob of a constrained row is
-        then of the distribution it was sampled from (learner/grammar_mask.py). Returns the seconds taken."""
+        """Set `batch.allowed_bits` from its rows' grammars, once (learner/grammar_mask.py); returns the seconds
+        taken."""
         if batch.grammars is None or batch.allowed_bits is not None:
             return 0.0
         t = time.perf_counter()
         if self._grammar_masks is None:
             self._grammar_masks = GrammarMasks(self.model_path, self.vocab_size)
-        batch.allowed_bits = [self._grammar_masks.row(g, r) for g, r in zip(batch.grammars, batch.response_ids)]
+        batch.allowed_bits = self._grammar_masks.rows(batch.grammars, batch.response_ids)
         return time.perf_counter() - t
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch) -> list[np.ndarray]:
-        """Log-probs of every row's response under the current weights (all processes join; every
-        process gets all rows)."""
+        """Log-probs of every row's response under the current weights (all processes join and get all rows)."""
         self.constrain(batch)
         rows = np.arange(batch.num_rows)
-        plan = self._plan_all(batch, rows)
+        plan = self._plan(batch, rows)
         mine: dict[int, np.ndarray] = {}
         self.engine.eval()
         for rows_mb in plan.per_rank[self.rank]:
             mb, weight = self._micro(batch, rows_mb, 0)
-            logp, _ = self._forward_logprobs(self.engine, mb, with_entropy=False)
+            logp, _ = self._logprobs(self.engine, mb, with_entropy=False)
             if weight:
                 splits = torch.split(logp.float().cpu(), [len(batch.response_ids[r]) for r in mb.rows])
                 mine.update({int(r): s.numpy() for r, s in zip(mb.rows, splits)})
@@ -294,10 +266,6 @@ class PolicyTrainer:
                 mine.update(part)
         return [mine[r] for r in range(batch.num_rows)]
 
-    # ------------------------------------------------------------------------------------------------
-    # Training
-    # ------------------------------------------------------------------------------------------------
-
     @property
     def recomputes_old_logprobs(self) -> bool:
         """train_step replaces a batch's old log-probs by the learner's own (learner.recompute_old_logprobs,
@@ -305,11 +273,10 @@ class PolicyTrainer:
         return self.cfg.recompute_old_logprobs or self.cfg.logprob_correction != "none"
 
     def train_step(self, batch: TrainBatch, update: int | None = None) -> dict[str, float]:
-        """ppo_epochs passes over the batch, one optimizer step per mini-batch; returns metrics
-        (token means over the whole batch, on every process). With learner.recompute_old_logprobs, or a
-        learner.logprob_correction, the batch's old_logprobs are replaced by the learner's own before
-        training (and a correction's weights computed from both); the log-prob gap between the sampler
-        and the learner is measured every update (train/logprob_gap_*)."""
+        """ppo_epochs passes over the batch, one optimizer step per mini-batch; returns metrics (token means over
+        the whole batch, on every process). With `recomputes_old_logprobs` the batch's old_logprobs are first
+        replaced by the learner's own (and a correction's weights computed from both); the sampler-learner
+        log-prob gap is measured every update (train/logprob_gap_*)."""
         update = self.updates if update is None else update
         if batch.num_rows == 0:
             return {"train/skipped_empty_batch": 1.0}
@@ -348,7 +315,7 @@ class PolicyTrainer:
         for epoch in range(self.cfg.ppo_epochs):
             seed = (update * 1000003 + epoch) % (2 ** 32)
             for rows in mini_batches(batch.num_rows, self.cfg.mini_batch_rows, seed=seed):
-                plan = self._plan_all(batch, rows)
+                plan = self._plan(batch, rows)
                 # Loss x world_size: DeepSpeed averages gradients over processes, we want their sum.
                 scale = float(self.world_size) / max(plan.response_tokens, 1)
                 measure = gap_in_first_mini_batch and steps == 0
@@ -401,18 +368,17 @@ class PolicyTrainer:
         return metrics
 
     def _train_micro(self, mb: MicroBatch, scale: float) -> tuple[dict[str, float], torch.Tensor]:
-        """Forward + backward of one micro-batch; `scale` turns the token sum into its share of the
-        mini-batch token mean (0 for a stand-in micro-batch). Returns its metrics and its log-probs
-        (detached, float32, on the CPU)."""
-        # Entropy is reported even when its coefficient is 0 (cheap next to the forward pass); then it
-        # is detached so that its softmax is not kept for the backward pass.
-        logp, entropy = self._forward_logprobs(self.engine, mb, with_entropy=True)
+        """Forward + backward of one micro-batch; `scale` turns its token sum into its share of the mini-batch
+        token mean (0: a stand-in). Returns its metrics and its log-probs (detached, float32, on the CPU)."""
+        # Entropy is reported even at coefficient 0 (cheap next to the forward pass), detached then so that
+        # its softmax is not kept for the backward pass.
+        logp, entropy = self._logprobs(self.engine, mb, with_entropy=True)
         if self.settings.entropy_coef == 0:
             entropy = entropy.detach()
         ref_logp = None
         if self.ref_model is not None:
             with torch.no_grad():
-                ref_logp, _ = self._forward_logprobs(self.ref_model, mb, with_entropy=False)
+                ref_logp, _ = self._logprobs(self.ref_model, mb, with_entropy=False)
         loss, ms = policy_loss(logp, mb.old_logprobs.to(self.device), mb.advantages.to(self.device),
                                mb.loss_mask.to(self.device), self.settings, token_normalizer=1.0,
                                ref_logp=ref_logp, entropy=entropy, weights=mb.weights.to(self.device))
@@ -420,15 +386,10 @@ class PolicyTrainer:
         self.engine.backward(loss * scale, scale_wrt_gas=False)
         return {k: float(v) for k, v in ms.items()}, logp.detach().float().cpu()
 
-    # ------------------------------------------------------------------------------------------------
-    # Weights and checkpoints
-    # ------------------------------------------------------------------------------------------------
-
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, full tensor) of every parameter, in the module's order (tied weights once), for the
-        weight push. Every process must iterate it to the end (ZeRO-3 gathers are collective); the
-        tensors are only meaningful where the caller uses them (rank 0). At stage 1/2 the tensors are the
-        live parameters (no copy); at stage 3 each is gathered, copied, and released again."""
+        """(name, full tensor) of every parameter in the module's order (tied weights once), for the weight
+        push. Every process must iterate it to the end (ZeRO-3 gathers are collective). Stage 1/2: the live
+        parameters; stage 3: each gathered, copied and released again."""
         module = self.engine.module
         if self.cfg.zero_stage == 3:
             import deepspeed
@@ -441,13 +402,12 @@ class PolicyTrainer:
                 yield name, p.detach()
 
     def save_checkpoint(self, root: str | os.PathLike, client_state: dict, keep: int = 2) -> str:
-        """DeepSpeed checkpoint (model, optimizer, engine state) under root/<tag>, with `client_state`
-        (e.g. trained group ids and policy version) stored inside it and as JSON beside it. DeepSpeed
-        rewrites root/latest only after the tag is complete, so a learner killed mid-save resumes from
-        the previous checkpoint. Keeps the `keep` newest tags by update number (`prune_checkpoints`).
-        All processes must call it."""
+        """DeepSpeed checkpoint (model, optimizer, engine state) under root/<tag>, with `client_state` inside it
+        and as JSON (LEARNER_STATE, written last) beside it; keeps the `keep` newest (`prune_checkpoints`).
+        DeepSpeed rewrites root/latest only once the tag is complete, so a learner killed mid-save resumes from
+        the previous one. All processes call it."""
         root = Path(root)
-        tag = checkpoint_tag(self.updates)
+        tag = f"{_TAG_PREFIX}{self.updates:07d}"
         state = dict(client_state, trainer_updates=self.updates)
         if self.rank == 0:
             # A tag of the same number from an abandoned history (see prune_checkpoints) is rewritten in
@@ -464,23 +424,20 @@ class PolicyTrainer:
         return str(root / tag)
 
     def load_checkpoint(self, root: str | os.PathLike, tag: str | None = None) -> dict | None:
-        """Load the checkpoint `tag` under root (a directory name such as update_0000008; None: the
-        latest); returns its client_state, or None when there is no checkpoint at all. A `tag` that is not
-        there raises FileNotFoundError: asked for one checkpoint, never silently start from another."""
+        """Load the checkpoint `tag` under root (such as update_0000008; None: the latest); returns its
+        client_state, or None when there is no checkpoint at all. A `tag` that is not there raises
+        FileNotFoundError: asked for one checkpoint, never silently start from another."""
         root = Path(root)
-        if tag is not None:
-            if not is_complete_checkpoint(root / tag):
-                have = [p.name for p in checkpoint_tags(root) if is_complete_checkpoint(p)]
-                raise FileNotFoundError(f"no checkpoint {tag!r} under {root} (complete ones there: {have or 'none'})")
-        elif not (root / LATEST).exists():
-            return None
-        else:
-            # DeepSpeed would fail on a missing tag with a bare AssertionError.
+        have = lambda: [p.name for p in checkpoint_tags(root) if is_complete_checkpoint(p)] or "none"  # noqa: E731
+        if tag is None:
+            if not (root / LATEST).exists():
+                return None
             latest = (root / LATEST).read_text().strip()
-            if not (root / latest).is_dir():
-                have = [p.name for p in checkpoint_tags(root) if is_complete_checkpoint(p)]
+            if not (root / latest).is_dir():    # DeepSpeed would fail on it with a bare AssertionError
                 raise FileNotFoundError(f"{root / LATEST} names {latest!r}, which is not there (complete "
-                                        f"checkpoints: {have or 'none'}); pick one with run.resume_tag")
+                                        f"checkpoints: {have()}); pick one with run.resume_tag")
+        elif not is_complete_checkpoint(root / tag):
+            raise FileNotFoundError(f"no checkpoint {tag!r} under {root} (complete ones there: {have()})")
         path, client = self.engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
                                                    load_lr_scheduler_states=True)
         if path is None:
@@ -516,11 +473,11 @@ def train_only_last_layers(model, n: int) -> int:
 
 
 def project_head_in_float32(model) -> None:
-    """Make `model`'s final projection (lm_head) compute its logits in float32: the (bf16) hidden state and
-    weight are cast up before the product, so the logits carry no bf16 rounding (model.head_dtype; vLLM does
-    the same with hf_overrides head_dtype=float32). The weight stays bf16 and still gets its gradient through
-    the cast. The forward is replaced on the instance, so hooks on the module (ZeRO-3 gathers its weight
-    in one) still run around it. Costs a float32 copy of the head's weight per call (vocabulary x hidden)."""
+    """Make `model`'s lm_head compute its logits in float32 (model.head_dtype; vLLM's hf_overrides
+    head_dtype=float32 does the same): the bf16 hidden state and weight are cast up before the product, so
+    the logits carry no bf16 rounding, and the bf16 weight still gets its gradient through the cast. The
+    forward is replaced on the instance, so the module's hooks (ZeRO-3 gathers its weight in one) still run.
+    Costs a float32 copy of the head's weight per call."""
     head = model.get_output_embeddings()
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
@@ -532,10 +489,8 @@ def project_head_in_float32(model) -> None:
 
 def response_logprobs(model, mb: MicroBatch, temperature: float = 1.0, device="cpu", with_entropy: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p and entropy of the response tokens of `mb` under the sampling distribution
-    softmax(logits / temperature), flat [N] in row-major order. The model computes logits for the
-    response window only, and only response positions go through the float32 log-softmax. (The
-    trainer's forward pass, and the supervised warm start's.)"""
+    """log p and entropy of `mb`'s response tokens under softmax(logits / temperature), flat [N] in row-major
+    order; logits of the response window only (the trainer's forward pass, and the warm start's)."""
     logits = model(input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device),
                    position_ids=mb.position_ids.to(device), logits_to_keep=mb.window, use_cache=False).logits
     picked = logits[:, :-1][mb.target_mask.to(device)]

@@ -63,6 +63,24 @@ def test_no_grammar_allows_everything_and_a_rejected_response_is_unconstrained_f
     assert masks.mismatched_rows == rejected_before + 1
 
 
+def test_many_rows_at_once_are_each_row_alone(tiny):
+    """`rows` walks all rows in lockstep (xgrammar's thread pool): rows of different lengths, one without a
+    grammar, one rejected half way and one that runs on past its end give each row's own masks."""
+    _, tokenizer, masks, _ = tiny
+    responses = [_response(tokenizer, a) for a in ANSWERS]
+    responses.append(np.concatenate([responses[0], responses[0][:2]]))      # tokens after the end of sequence
+    grammars = [action_regex(ACTIONS, 0), "", action_regex(["look"], 0), action_regex(ACTIONS, 0),
+                action_regex(ACTIONS, 0)]
+    rejected_before = masks.mismatched_rows
+    alone = [masks.row(g, r) for g, r in zip(grammars, responses)]
+    assert masks.mismatched_rows == rejected_before + 2
+    together = masks.rows(grammars, responses)
+    assert masks.mismatched_rows == rejected_before + 4
+    assert len(set(map(len, responses))) > 1
+    for a, b in zip(alone, together):
+        assert np.array_equal(a, b)
+
+
 def test_constrained_logprobs_and_entropy_are_those_of_the_allowed_tokens_alone():
     """By hand: log p(t) = z_t - log sum over the allowed of exp(z), the entropy of that distribution, and no
     gradient reaches a token the sampler could not pick."""

@@ -2,17 +2,15 @@
 
     cfg = load_config("configs/alfworld_gigpo_1.5b.yaml", ["learner.lr=2e-6", "rollout.group_size=4"])
 
-Every field has a default and a one-line doc (`describe()` prints them all). Unknown keys, values of the
-wrong type or out of range, and fields that contradict each other are errors (ConfigError) that name the
-field and where it was set (`configs/x.yaml:12: ...` or `override 'x=y': ...`), at load time, so a typo
-never silently falls back to a default and a bad value never fails minutes into a run.
+Every field has a default and a one-line doc (`describe()`). Unknown keys, wrong types, values out of range
+and contradicting fields are ConfigErrors at load time naming the field and where it was set
+(`configs/x.yaml:12: ...` or `override 'x=y': ...`): a typo never silently falls back to a default.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import re
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,14 +47,12 @@ class ModelConfig:
     dtype: Literal["auto", "bfloat16", "float32"] = F(
         "auto", 'weights dtype: "auto" (bf16 on GPU, fp32 on CPU), "bfloat16", "float32"')
     head_dtype: Literal["model", "float32"] = F(
-        "model", 'dtype of the final projection (lm_head) in the learner and in vLLM: "model" (the weights\' '
-                 'dtype) or "float32" (bf16 hidden state and weight cast up before the product; narrows the '
-                 'bf16 gap between vLLM\'s and the learner\'s log-probs; no effect on fp32 weights)')
+        "model", 'dtype of the lm_head product in the learner and in vLLM: "model" (the weights\') or "float32" '
+                 "(inputs cast up first: narrows the bf16 gap between vLLM's and the learner's log-probs)")
     ship_max_mb: float = F(2048.0, "a local model of at most this size travels through Ray to nodes that "
                                    "cannot see its path (no shared filesystem needed); 0 never ships it")
-    warm_start_steps: int = F(0, "supervised warm start before RL: optimizer steps of fine-tuning on the "
-                                 "solutions (walkthroughs) of training games, replayed through the env with "
-                                 "the rollout's prompts; 0 disables. Kept short so RL has room to improve", AT_LEAST_0)
+    warm_start_steps: int = F(0, "supervised warm start before RL: optimizer steps on training games' walkthroughs "
+                                 "with the rollout's prompts; 0 disables it (keep it short: RL needs room)", AT_LEAST_0)
     warm_start_games: int = F(16, "training games whose walkthroughs the warm start learns from (the first "
                                   "ones of env.train_split; never eval games)", AT_LEAST_1)
     warm_start_lr: float = F(1e-3, "AdamW learning rate of the warm start", POSITIVE)
@@ -67,20 +63,17 @@ class ModelConfig:
 class EnvConfig:
     name: Literal["alfworld", "webshop"] = F("alfworld", '"alfworld" or "webshop"')
     source: Literal["generated", "data"] = F(
-        "generated", 'ALFWorld game source: "generated" (small games built locally) or "data" (the standard '
-                     'game set under $ALFWORLD_DATA)')
+        "generated", 'ALFWorld games: "generated" (small ones built locally) or "data" (the set in $ALFWORLD_DATA)')
     train_split: str = F("train", "split the training tasks come from", NAMED)
     eval_split: str = F("eval", 'split for evaluation ("valid_unseen" is the paper\'s ALFWorld table)', NAMED)
     max_steps: int = F(50, "steps per episode before it ends as max_steps (paper: ALFWorld 50, WebShop 15)", AT_LEAST_1)
     num_generated_games: int = F(64, "games to generate when source is generated", AT_LEAST_1)
-    generator: dict = F({}, 'options of the small-game generator: {} is the tiny preset (1 room, 3-5 '
-                            'receptacles, 1-3 objects, pick_and_place_simple); {"preset": "default"} all six task '
-                            'types, 4-8 receptacles, 2-6 objects; or set rooms, receptacles, objects, task_types, '
-                            'openable, seed')
+    generator: dict = F({}, 'small-game generator options: {} is the tiny preset (1 room, 3-5 receptacles, 1-3 '
+                            'objects, pick_and_place_simple); {"preset": "default"}: six task types, 4-8 receptacles, '
+                            "2-6 objects; or set rooms, receptacles, objects, task_types, openable, seed")
     step_timeout_s: float = F(60.0, "an env call slower than this counts as hung: the instance restarts", POSITIVE)
     instances_per_process: int = F(4, "env instances per worker subprocess of a rollout actor's env pool (a "
-                                      "crashed or hung worker restarts, and all its instances lose their "
-                                      "episode)", AT_LEAST_1)
+                                      "crashed or hung worker restarts: its instances lose their episode)", AT_LEAST_1)
     engine: Literal["fast", "upstream"] = F(
         "fast", 'ALFWorld text engine: "fast" (memoized, byte-identical) or "upstream"')
 
@@ -99,8 +92,7 @@ class RolloutConfig:
     success_reward: float = F(10.0, "reward on the winning step", POSITIVE)
     reward: Literal["success", "score"] = F(
         "success", 'what the final step earns: "success" (the paper: success_reward on a win, else 0); "score": '
-                   "success_reward x the env's native score in [0, 1] (WebShop's purchase reward), a denser "
-                   "signal for a policy that rarely wins outright (configs/webshop-embedded.yaml)")
+                   "success_reward x the env's native score in [0, 1] (WebShop), denser for a rarely winning policy")
     cpus_per_actor: float = F(0.5, "CPUs Ray reserves for one rollout actor", AT_LEAST_0)
     resources: dict = F({}, 'Ray custom resources each rollout actor needs, e.g. {"cpu_node": 1}')
 
@@ -115,22 +107,18 @@ class InferenceConfig:
                                       ((lambda v: 0 < v <= 1), "must be in (0, 1], a share of the memory"))
     max_num_seqs: int = F(256, "most sequences vLLM batches at once", AT_LEAST_1)
     weight_bucket_mb: int = F(512, "size of the buckets weights travel in on update", AT_LEAST_1)
-    weights_dir: str = F("", 'shared-memory directory of the weight buckets + manifest (shm transfer); '
-                             '"" picks /dev/shm/gigpo-weights-<run>')
+    weights_dir: str = F("", 'the shm transfer\'s bucket + manifest directory; "" picks /dev/shm/gigpo-weights-<run>')
     weight_transfer: Literal["auto", "shm", "collective", "ipc"] = F(
-        "auto", 'how weights reach the inference actors: "shm" (buckets in the node\'s /dev/shm: one node), '
-                '"collective" (a process group between learner rank 0 and the vLLM workers: gloo on CPU, NCCL '
-                'on GPU; any nodes), "ipc" (CUDA IPC: learner and vLLM on one GPU); "auto": shm when learner '
-                'rank 0 and every inference actor share a node, else collective')
+        "auto", 'how weights reach the inference actors: "shm" (/dev/shm: one node), "collective" (learner rank 0 '
+                'to the vLLM workers over gloo on CPU, NCCL on GPU: any nodes), "ipc" (CUDA IPC: one GPU); "auto": '
+                "shm when learner rank 0 and every inference actor share a node, else collective")
     transfer_timeout_s: float = F(600.0, "deadline of one weight push (and of the collective's rendezvous): "
                                          "past it the push fails with an error instead of hanging", POSITIVE)
-    generate_timeout_s: float = F(900.0, "deadline of one generation on one inference actor (a request waits "
-                                         "for a weight load in progress, so keep it above transfer_timeout_s): "
-                                         "an actor that has not answered by then (hung, or its node lost) is "
-                                         "given up and the request retried on the next actor; a request that "
-                                         "finds no live actor for this long fails its trajectory's actor", POSITIVE)
-    resources: dict = F({}, 'Ray custom resources each inference actor needs, e.g. {"gpu_node": 1} (the '
-                            "node kinds it may run on: `ray start --resources`)")
+    generate_timeout_s: float = F(900.0, "deadline of one generation on one inference actor (keep it above "
+                                         "transfer_timeout_s: a request waits for a weight load): past it the "
+                                         "request moves to the next actor; with no live actor that long, its "
+                                         "trajectory's actor fails", POSITIVE)
+    resources: dict = F({}, 'Ray custom resources each inference actor needs, e.g. {"gpu_node": 1} (`ray start`)')
 
 
 @dataclass
@@ -138,29 +126,24 @@ class StreamConfig:
     redis_url: str = F("", 'Redis URL (redis:// or rediss://, with password/ACL user, or the password from '
                            'redis_password_file or $GIGPO_REDIS_PASSWORD); "" starts an embedded redis-server with '
                            "a generated password on 127.0.0.1, and on a Ray cluster also on the driver node's IP")
-    redis_password_file: str = F("", "a file holding the password of redis_url's Redis (e.g. a Kubernetes Secret "
-                                     "mounted as a file), for a URL without one: the password then appears in no "
-                                     "command line or config; `gigpo status`/`scale` read it from there too")
+    redis_password_file: str = F("", "file with the password of redis_url's Redis, for a URL without one (e.g. a "
+                                     "mounted Kubernetes Secret: in no command line or config; `gigpo status` too)")
     stream: str = F("", 'Redis stream key of the episode groups; "" names it after the run: gigpo:<run_id>:groups')
     run_id: str = F("", "the run's id, written into every record and the stream, consumer-group and control keys "
                         "(runs sharing one Redis never see each other's groups or commands); \"\": generated at "
                         "a run's first start and kept in <output_dir>/run_id, so that a resume continues it")
     max_stream_groups: int = F(64, "backpressure: producers wait while the stream holds more groups", AT_LEAST_1)
-    max_policy_lag: int = F(4, "the learner drops groups generated by weights older than this many versions",
-                            AT_LEAST_0)
+    max_policy_lag: int = F(4, "the learner drops groups from weights more than this many versions old", AT_LEAST_0)
     reclaim_idle_s: float = F(60.0, "pending groups of a consumer idle this long are reclaimed by another "
                                     "(must exceed the longest read-to-ack time of a live learner)", POSITIVE)
     publish_timeout_s: float = F(600.0, "a producer blocked by backpressure this long raises TimeoutError", POSITIVE)
     embedded_dir: str = F("", 'data dir of the embedded redis-server; "" makes a temporary one')
     embedded_aof: bool = F(True, "embedded redis-server keeps an append-only file (survives a restart)")
-    embedded_maxmemory_mb: int = F(4096, "memory bound of the embedded redis-server (untrained groups + dead "
-                                         "letters); when full, producers wait for the learner, then fail with a "
-                                         "message; 0: no bound", AT_LEAST_0)
-    max_deliveries: int = F(3, "a group is handed to the learner at most this many times; delivered once more "
-                               "(a learner crashed on it each time) it goes to the dead-letter stream instead",
-                            AT_LEAST_1)
-    dead_letter_max: int = F(200, "the dead-letter stream keeps this many newest entries (each holds a whole group)",
-                             AT_LEAST_1)
+    embedded_maxmemory_mb: int = F(4096, "memory bound of the embedded redis-server; when full, producers wait "
+                                         "for the learner, then fail with a message; 0: no bound", AT_LEAST_0)
+    max_deliveries: int = F(3, "a group is handed to the learner at most this many times, then dead-lettered (a "
+                               "learner crashed on it each time)", AT_LEAST_1)
+    dead_letter_max: int = F(200, "newest entries (each a whole group) the dead-letter stream keeps", AT_LEAST_1)
 
 
 @dataclass
@@ -196,9 +179,7 @@ class LearnerConfig:
     correction_cap: float = F(2.0, "C of logprob_correction: the truncation of tis, the bounds [1/C, C] of the masks",
                               ((lambda v: v > 1), "must be > 1"))
     trainable_layers: int = F(0, "0: train every parameter; N: only the last N transformer blocks and the final "
-                                 "norm train, the rest (embeddings included) stay as loaded: the backward pass "
-                                 "stops there, ~2x faster on a CPU for N = 6 of 30 (docs/real-model.md)",
-                              AT_LEAST_0)
+                                 "norm (the backward pass stops there: ~2x faster on CPU for 6 of 30)", AT_LEAST_0)
     zero_stage: Literal[1, 2, 3] = F(2, "DeepSpeed ZeRO stage (1, 2 or 3)")
     offload: bool = F(False, "ZeRO CPU offload of optimizer state (and params at stage 3)")
     num_processes: int = F(1, "learner processes (one per device)", AT_LEAST_1)
@@ -207,10 +188,9 @@ class LearnerConfig:
     checkpoint_every: int = F(10, "updates between checkpoints; 0: no periodic ones", AT_LEAST_0)
     keep_checkpoints: int = F(2, "newest checkpoints kept, older ones deleted (each holds the optimizer state "
                                  "too: several times the model's size); 0 keeps all", AT_LEAST_0)
-    ack_on_checkpoint: bool = F(True, "exactly-once across restarts: ack trained groups only once a "
-                                      "checkpoint holds their update (a crash retrains the updates since "
-                                      "the last checkpoint); a checkpoint is forced early when the unacked "
-                                      "groups would otherwise fill stream.max_stream_groups")
+    ack_on_checkpoint: bool = F(True, "exactly-once across restarts: ack trained groups only once a checkpoint "
+                                      "holds their update (a crash retrains since the last one); a checkpoint is "
+                                      "forced early when the unacked groups would fill stream.max_stream_groups")
 
 
 @dataclass
@@ -221,10 +201,9 @@ class RunConfig:
     iterations: int = F(150, "learner updates to run", AT_LEAST_0)
     eval_every: int = F(5, "updates between evaluations; 0 disables them", AT_LEAST_0)
     eval_episodes: int = F(0, "episodes per evaluation; 0: the whole eval split", AT_LEAST_0)
-    record_groups: int = F(2, "training groups of each update written step by step, with every step's GiGPO and "
-                              "GRPO advantages, to <output_dir>/groups.jsonl for `gigpo view` (learner rank 0, no "
-                              "extra forward pass; observations cut at learner.group_record.MAX_TEXT_CHARS "
-                              "characters); 0: no record", AT_LEAST_0)
+    record_groups: int = F(2, "training groups per update written step by step, with GiGPO and GRPO advantages, "
+                              "to <output_dir>/groups.jsonl for `gigpo view` (learner rank 0; observations cut at "
+                              "learner.group_record.MAX_TEXT_CHARS); 0: none", AT_LEAST_0)
     sync: bool = F(False, "synchronous mode: rollout then train in lockstep (the reference's schedule)")
     ray_address: str = F("", 'Ray cluster address; "" starts a local Ray (RAY_ADDRESS also works)')
     resume: bool = F(False, "resume from the latest checkpoint in output_dir")
@@ -232,16 +211,13 @@ class RunConfig:
                             "<output_dir>/checkpoints (e.g. update_0000008)")
     overwrite: bool = F(False, "start fresh in an output_dir that holds checkpoints: they are deleted first "
                                "(without it, or run.resume, such a run is refused)")
-    rollout_nice: int = F(5, "niceness added to the rollout side (vLLM engines, rollout actors, their env "
-                             "workers): where they share CPUs with the learner, the learner, the critical "
-                             "path of async training, gets them first; 0: equal priority. Ray starts its "
-                             "workers at niceness 15 and the kernel caps it at 19: at most 4 levels apart "
-                             "under Ray's default",
+    rollout_nice: int = F(5, "niceness added to the rollout side (vLLM engines, rollout actors, env workers): "
+                             "the learner, async training's critical path, gets shared CPUs first; 0: equal. Ray "
+                             "starts workers at 15, the kernel caps at 19: at most 4 levels under Ray's default",
                           ((lambda v: 0 <= v <= 19), "must be in 0..19 (Linux niceness levels to add)"))
     learner_cpus: str = F("", 'CPUs the learner processes run on, e.g. "0" or "0-7" (Linux; "" = any): with '
                               "rollout_cpus, gives each side its own CPUs on a shared node")
-    rollout_cpus: str = F("", 'CPUs the inference and rollout actors (and their engines and env workers) run '
-                              'on, e.g. "1" or "8-15" ("" = any)')
+    rollout_cpus: str = F("", 'CPUs the inference and rollout actors (engines, env workers too) run on ("" = any)')
 
 
 @dataclass
@@ -261,9 +237,7 @@ def choices(section: type, name: str) -> tuple:
     return typing.get_args(typing.get_type_hints(section)[name])
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Loading
-# ----------------------------------------------------------------------------------------------------------
+# -- Loading
 
 class ConfigError(ValueError):
     """A config that cannot be used. `fields` are the dotted names the error is about (empty when none), so
@@ -274,23 +248,14 @@ class ConfigError(ValueError):
         self.fields = fields
 
 
-def _choices_text(choices: tuple) -> str:
-    return ", ".join(repr(c) for c in choices[:-1]) + f" or {choices[-1]!r}" if len(choices) > 1 else repr(choices[0])
-
-
 def _coerce(value: Any, tp: Any, where: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
-            return None
-        return _coerce(value, args[0], where)
-    if origin is Literal:
+    if typing.get_origin(tp) is Literal:
         choices = typing.get_args(tp)
         for choice in choices:      # compare types too: True == 1, but `zero_stage: true` is no stage
             if value == choice and type(value) is type(choice):
                 return choice
-        raise ConfigError(f"{where}: {value!r} is not a choice; use {_choices_text(choices)}", where)
+        text = ", ".join(map(repr, choices[:-1])) + f" or {choices[-1]!r}" if len(choices) > 1 else repr(choices[0])
+        raise ConfigError(f"{where}: {value!r} is not a choice; use {text}", where)
     if dataclasses.is_dataclass(tp):
         if value is None:           # a section whose lines are all commented out
             value = {}
@@ -320,11 +285,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):   # YAML reads `run.learner_cpus=0` as 0
             return str(value)
         raise ConfigError(f"{where}: expected a string, got {value!r}", where)
-    if tp in (list, dict) or origin in (list, dict):
-        want = origin or tp
-        if isinstance(value, want):
+    if tp in (list, dict):
+        if isinstance(value, tp):
             return value
-        raise ConfigError(f"{where}: expected a {want.__name__}, got {value!r}", where)
+        raise ConfigError(f"{where}: expected a {tp.__name__}, got {value!r}", where)
     return value
 
 
@@ -342,9 +306,7 @@ def _build(cls: type, data: dict, where: str = "") -> Any:
     return cls(**kwargs)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Validation: each field's rule (F(..., rule)) and the rules across fields, checked once at load
-# ----------------------------------------------------------------------------------------------------------
+# -- Validation: each field's rule (F(..., rule)) and the rules across fields, checked once at load
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
@@ -388,9 +350,7 @@ def validate(cfg: ExperimentConfig) -> None:
             raise ConfigError(f"run.{name}: {exc}; use a Linux CPU list such as 0-3,6", f"run.{name}") from None
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Files and overrides, remembering where each key was set (for errors that point at the line)
-# ----------------------------------------------------------------------------------------------------------
+# -- Files and overrides, remembering where each key was set (for errors that point at the line)
 
 Locations = dict[str, str]      # dotted key -> "configs/x.yaml:12" or "override 'x=y'"
 
@@ -420,7 +380,10 @@ def _record_locations(node: yaml.Node, prefix: str, shown: str, out: Locations) 
         _record_locations(value_node, dotted + ".", shown, out)
 
 
-def _parse_yaml_file(path: Path, shown: str) -> tuple[Any, Locations]:
+def _read_config_file(path: Path, seen: tuple = ()) -> tuple[dict, Locations]:
+    shown = _shown_path(path)
+    if path.resolve() in seen:
+        raise ConfigError(f"{shown}: circular 'extends'")
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -446,18 +409,8 @@ def _parse_yaml_file(path: Path, shown: str) -> tuple[Any, Locations]:
     finally:
         loader.dispose()
     locations: Locations = {}
-    if node is not None:
-        _record_locations(node, "", shown, locations)
-    return tree, locations
-
-
-def _read_config_file(path: Path, seen: tuple = ()) -> tuple[dict, Locations]:
-    shown = _shown_path(path)
-    if path.resolve() in seen:
-        raise ConfigError(f"{shown}: circular 'extends'")
-    tree, locations = _parse_yaml_file(path, shown)
-    if tree is None:
-        tree = {}
+    _record_locations(node, "", shown, locations)
+    tree = {} if tree is None else tree         # an empty file, or one whose document is null
     if not isinstance(tree, dict):
         raise ConfigError(f"{shown}: the top level must be a mapping of sections (run:, model:, env:, ...)")
     parent = tree.pop("extends", None)
@@ -479,30 +432,30 @@ def redact_credentials(text: str) -> str:
     return re.sub(r"://[^/@\s]*@", "://***@", text)
 
 
-def _set_dotted(tree: dict, dotted: str, value: Any, text: str) -> None:
-    text = redact_credentials(text)
-    keys = dotted.split(".")
+def _apply_override(tree: dict, text: str) -> str:
+    """Set `section.field=value` in `tree`, the value read as YAML (numbers, true/false, lists, quoted
+    strings); returns the dotted key."""
+    shown = redact_credentials(text)
+    if "=" not in text:
+        raise ConfigError(f"override {shown!r} must look like section.field=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or "syntax error"
+        raise ConfigError(f"override {shown!r}: the value is not valid YAML ({problem}); quote a "
+                          f"string value, e.g. {key}='\"...\"'") from None
+    keys = key.split(".")
     if not all(keys):
-        raise ConfigError(f"override {text!r} must look like section.field=value")
+        raise ConfigError(f"override {shown!r} must look like section.field=value")
     node = tree
     for k in keys[:-1]:
         node = node.setdefault(k, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"override {text!r}: {k!r} is not a section")
+            raise ConfigError(f"override {shown!r}: {k!r} is not a section")
     node[keys[-1]] = value
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    """`section.field=value`; the value is read as YAML (numbers, true/false, lists, quoted strings)."""
-    if "=" not in text:
-        raise ConfigError(f"override {redact_credentials(text)!r} must look like section.field=value")
-    key, raw = text.split("=", 1)
-    try:
-        return key.strip(), yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as exc:
-        problem = getattr(exc, "problem", None) or "syntax error"
-        raise ConfigError(f"override {redact_credentials(text)!r}: the value is not valid YAML ({problem}); quote a "
-                          f"string value, e.g. {key.strip()}='\"...\"'") from None
+    return key
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -534,8 +487,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     `override 'x=y': ...`)."""
     tree, locations = _read_config_file(Path(path)) if path is not None else ({}, {})
     for item in overrides:
-        key, value = parse_override(item)
-        _set_dotted(tree, key, value, item)
+        key = _apply_override(tree, item)
         locations = {k: v for k, v in locations.items() if not k.startswith(key + ".")}
         locations[key] = f"override {redact_credentials(item)!r}"
     try:

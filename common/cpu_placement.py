@@ -1,14 +1,10 @@
 """Where a process may run and how urgently: CPU affinity and niceness for processes that share a node.
 
-Used by the learner and the rollout side (run.learner_cpus, run.rollout_cpus, run.rollout_nice). Where
-rollout and learner share CPUs, the learner is the critical path of async training: every second it waits
-for a CPU delays the next weights, while rollout work done instead only fills the stream further. So the
-rollout side runs a few nice levels lower; or each side gets its own CPUs, as on a cluster where they own
-different devices.
-
-On Linux affinity and niceness belong to each thread, not to the process: every thread that exists is
-placed, and threads and processes started later (vLLM's engine processes, env workers) inherit the
-placement of the thread that starts them.
+Set by run.learner_cpus, run.rollout_cpus and run.rollout_nice. Where rollout and learner share CPUs, the
+learner is async training's critical path: a second it waits delays the next weights, while rollout work done
+instead only fills the stream. So the rollout side runs a few nice levels lower, or each side gets its own CPUs.
+On Linux affinity and niceness belong to each thread: every existing thread is placed, and threads and
+processes started later (vLLM's engines, env workers) inherit the placement of the thread that starts them.
 """
 from __future__ import annotations
 

@@ -4,12 +4,10 @@
         terminal.print("one line a person reads")
     send_output_to(log_dir, "inference-0")                 # first thing in an actor's constructor
 
-The terminal shows a progress bar, one line per evaluation, the final summary and the warnings of this
-project's own code. Everything else goes to `<log_dir>/<component>.log` (`driver.log` for the driver):
-each process's Python logging (vLLM's, DeepSpeed's and Ray's loggers included), its prints, and the output
-of C/C++ libraries (xgrammar, gloo, the env engines), which no Python logger can filter. That is why the
-redirect is of the file descriptors 1 and 2, not of sys.stdout: it catches C++ output, and child processes
-(vLLM's engine core, env workers, the Redis server) inherit it.
+The terminal shows a progress bar, one line per evaluation, the final summary and this project's warnings.
+Everything else goes to `<log_dir>/<component>.log`: Python logging (vLLM's, DeepSpeed's, Ray's), prints,
+and C/C++ libraries' output (xgrammar, gloo, the env engines). Hence the redirect is of file descriptors 1
+and 2, not of sys.stdout: it catches C++ output, and child processes (vLLM's engine, env workers) inherit it.
 """
 from __future__ import annotations
 
@@ -110,17 +108,13 @@ class _TerminalHandler(logging.Handler):
 
 @contextlib.contextmanager
 def run_output(log_dir: str | os.PathLike, log_name: str = "driver") -> Iterator[Terminal]:
-    """For the driver's process, while the run lasts: fds 1 and 2 (and so every library's output and every
-    child process started meanwhile) go to `<log_dir>/<log_name>.log`, and so does Python logging at INFO;
-    the returned Terminal writes to the real terminal, where warnings of this project's loggers appear
-    too. Everything is restored on exit; an exception is logged to the file and propagates (Python prints
-    it on the restored terminal)."""
+    """For the driver's process, while the run lasts: fds 1 and 2 (every library's output, every child
+    process started meanwhile) and Python logging at INFO go to `<log_dir>/<log_name>.log`; the returned
+    Terminal writes to the real terminal, with this project's warnings. All is restored on exit; an
+    exception is logged to the file and propagates (Python prints it on the restored terminal)."""
     path = Path(log_dir) / f"{log_name}.log"
     path.parent.mkdir(parents=True, exist_ok=True)
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    saved = {1: os.dup(1), 2: os.dup(2)}
+    saved = {1: os.dup(1), 2: os.dup(2)}        # (_point_fds_at flushes Python's buffers before the switch)
     terminal = Terminal(os.fdopen(os.dup(saved[1]), "w", buffering=1),
                         os.fdopen(os.dup(saved[2]), "w", buffering=1))
     root = logging.getLogger()

@@ -7,15 +7,10 @@ Each actor makes one `ActorMetrics` and records by short name:
     m.set("stream_depth", depth)             # gauge: last value wins
     m.set("policy_lag", 2, stat="max")       # a metric with an extra label names it as a keyword
 
-Ray's metrics API (`ray.util.metrics`) sends the values to the metrics agent of the node, which serves
-them in Prometheus text format at `metrics_url()`. Ray prefixes every name with `ray_` and counters get
-`_total`, so `env_steps` is scraped as `ray_gigpo_env_steps_total`; `exported_name()` spells it. Every
-series carries the labels `kind` (env_server, rollout, inference, learner, driver) and `actor_id`, plus
-Ray's own (SessionName, NodeAddress, WorkerId, ...).
-
-Outside Ray (a unit test, a script before `ray.init`) every call is a no-op, so planes can record
-metrics unconditionally. A wrong name, kind, label or value is an error at the call, never a silently
-missing series on the dashboard.
+Ray's metrics API sends the values to the node's metrics agent, which serves them to Prometheus at
+`metrics_url()` as `ray_gigpo_<name>` (`_total` for a counter: `exported_name()` spells it), labelled `kind`
+and `actor_id` plus Ray's own. Outside Ray every call is a no-op, so planes record unconditionally. A wrong
+name, kind, label or value is an error at the call, never a silently missing series on the dashboard.
 """
 from __future__ import annotations
 
@@ -220,14 +215,11 @@ def _ray_active() -> bool:
     return ray.is_initialized()
 
 
-# Ray 2.60 drops a gauge series from the scrape ~20 s after its last `set` (measured; its metrics agent
-# evicts gauge observations that were not refreshed), so a learner gauge would vanish between two slow
-# updates and a dashboard would show gaps. Every gauge value set in this process is therefore recorded
-# again every GAUGE_REFRESH_S by one daemon thread: a gauge holds its last value for as long as its
-# process lives in the Ray session that saw it set, as Prometheus gauges do. A process that leaves one
-# session and joins another (a driver that calls ray.init again: a notebook, a test suite) must not go on
-# exporting the old session's values into the new one, so each value remembers its session (the node's id,
-# new with every `ray start`) and is forgotten once the process is in another.
+# Ray 2.60's metrics agent drops a gauge series ~20 s after its last `set` (measured), so a learner gauge
+# would vanish between two slow updates. One daemon thread therefore records every gauge value set in this
+# process again every GAUGE_REFRESH_S, for as long as the process stays in the Ray session that saw it set:
+# each value remembers its session (the node's id, new with every `ray start`) and is forgotten in another
+# (a driver that calls ray.init again must not export the old session's values into the new one).
 GAUGE_REFRESH_S = 2.0
 _LIVE_GAUGES: dict[tuple, tuple[MetricSpec, float, dict, str]] = {}  # (name, tags) -> (spec, value, tags, session)
 _LIVE_GAUGES_LOCK = threading.Lock()
@@ -253,26 +245,22 @@ def _remember_gauge(spec: MetricSpec, value: float, tags: dict[str, str]) -> Non
             _refresher.start()
 
 
-def _refresh_once() -> None:
-    """Record every gauge of the current session again and forget those of earlier sessions."""
-    if not _ray_active():
-        return
-    session = _ray_session()
-    with _LIVE_GAUGES_LOCK:
-        for key in [k for k, (*_, seen) in _LIVE_GAUGES.items() if seen != session]:
-            del _LIVE_GAUGES[key]
-        live = list(_LIVE_GAUGES.values())
-    for spec, value, tags, _ in live:
-        try:
-            _ray_metric(spec).set(value, tags=tags)
-        except Exception:  # noqa: BLE001 - a refresh must never take the process down
-            pass
-
-
 def _refresh_gauges() -> None:
+    """Every GAUGE_REFRESH_S: record every gauge of the current session again, forget those of earlier ones."""
     while True:
         time.sleep(GAUGE_REFRESH_S)
-        _refresh_once()
+        if not _ray_active():
+            continue
+        session = _ray_session()
+        with _LIVE_GAUGES_LOCK:
+            for key in [k for k, (*_, seen) in _LIVE_GAUGES.items() if seen != session]:
+                del _LIVE_GAUGES[key]
+            live = list(_LIVE_GAUGES.values())
+        for spec, value, tags, _ in live:
+            try:
+                _ray_metric(spec).set(value, tags=tags)
+            except Exception:  # noqa: BLE001 - a refresh must never take the process down
+                pass
 
 
 def _ray_metric(spec: MetricSpec):
@@ -284,15 +272,14 @@ def _ray_metric(spec: MetricSpec):
         if metric is not None:
             return metric
         from ray.util import metrics as rm
-        if spec.type == "counter":
-            metric = rm.Counter(spec.ray_name, spec.doc, tag_keys=spec.label_keys)
-        elif spec.type == "gauge":
-            metric = rm.Gauge(spec.ray_name, spec.doc, tag_keys=spec.label_keys)
-        else:
-            metric = rm.Histogram(spec.ray_name, spec.doc, boundaries=list(spec.boundaries),
-                                  tag_keys=spec.label_keys)
+        kind = {"counter": rm.Counter, "gauge": rm.Gauge, "histogram": rm.Histogram}[spec.type]
+        extra = {"boundaries": list(spec.boundaries)} if spec.type == "histogram" else {}
+        metric = kind(spec.ray_name, spec.doc, tag_keys=spec.label_keys, **extra)
         _RAY_METRICS[spec.name] = metric
     return metric
+
+
+_VERBS = {"counter": "inc", "gauge": "set", "histogram": "observe"}    # the recording method of each type
 
 
 class ActorMetrics:
@@ -328,14 +315,12 @@ class ActorMetrics:
         """Add one observation to a histogram."""
         self._record(self._check(name, "histogram", value, labels), value, labels)
 
-    # ------------------------------------------------------------------------------------------------
     def _check(self, name: str, want_type: str, value: float, labels: dict[str, str]) -> MetricSpec:
         spec = _spec(name)
         if self.kind not in spec.recorded_by:
             raise ValueError(f"metric {name!r} is recorded by {', '.join(spec.recorded_by)}, not by a {self.kind}")
         if spec.type != want_type:
-            verb = {"counter": "inc", "gauge": "set", "histogram": "observe"}[spec.type]
-            raise TypeError(f"metric {name!r} is a {spec.type}: use .{verb}()")
+            raise TypeError(f"metric {name!r} is a {spec.type}: use .{_VERBS[spec.type]}()")
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"metric {name!r}: value must be a number, got {value!r}")
         if value != value or value in (float("inf"), float("-inf")):
@@ -352,30 +337,20 @@ class ActorMetrics:
         if not _ray_active():
             return
         tags = {"kind": self.kind, "actor_id": self.actor_id, **labels}
-        metric = _ray_metric(spec)
-        if spec.type == "counter":
-            metric.inc(float(value), tags=tags)
-        elif spec.type == "gauge":
-            metric.set(float(value), tags=tags)
+        getattr(_ray_metric(spec), _VERBS[spec.type])(float(value), tags=tags)
+        if spec.type == "gauge":
             _remember_gauge(spec, float(value), tags)
-        else:
-            metric.observe(float(value), tags=tags)
 
 
-# ----------------------------------------------------------------------------------------------------
-# Where the metrics are served
-# ----------------------------------------------------------------------------------------------------
+# -- Where the metrics are served
 
 def ray_init_metrics_options(export_port: int | None = None,
                              report_interval_ms: int = FAST_REPORT_INTERVAL_MS) -> dict:
-    """Extra `ray.init` keyword arguments for STARTING a local Ray whose metrics a Prometheus scrapes
-    (Ray refuses `_system_config` when connecting to an existing cluster: there, `ray start
-    --metrics-export-port=8080` sets the port and the report interval stays Ray's default 10 s).
-
-    The metrics agent runs without the dashboard (`include_dashboard=False` is enough, and saves ~1 GB
-    of RSS on a small machine); `_metrics_export_port` fixes its port (default: a random free one), and
-    a short report interval makes values show within about a second instead of ten.
-    """
+    """Extra `ray.init` keyword arguments for STARTING a local Ray whose metrics a Prometheus scrapes: a fixed
+    export port (default: a random free one) and a short report interval (values show within about a second,
+    not ten). Ray refuses `_system_config` when connecting to a cluster: there, `ray start
+    --metrics-export-port=8080` sets the port. The agent runs without the dashboard (`include_dashboard=False`
+    is enough, and saves ~1 GB of RSS)."""
     options: dict = {"_system_config": {"metrics_report_interval_ms": int(report_interval_ms)}}
     if export_port:
         options["_metrics_export_port"] = int(export_port)
@@ -387,11 +362,8 @@ def metrics_urls() -> list[str]:
     import ray
     if not ray.is_initialized():
         raise RuntimeError("metrics_urls() needs a connected Ray (call ray.init first)")
-    urls = []
-    for node in ray.nodes():
-        if node.get("Alive") and node.get("MetricsExportPort"):
-            urls.append(f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics")
-    return urls
+    return [f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics" for node in ray.nodes()
+            if node.get("Alive") and node.get("MetricsExportPort")]
 
 
 def metrics_url() -> str:

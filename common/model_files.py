@@ -5,45 +5,26 @@
     path = source.local_path()                    # in an actor, on any node: a directory it can load
     path = source.local_path(weights=False)       # config + tokenizer only (vLLM's dummy load)
 
-The driver builds or finds the model (`tiny`, a warm start, a local checkpoint) in its own output
-directory, which other nodes do not see. A local model directory of at most `model.ship_max_mb` is put
-in Ray's object store once, and an actor on a node that lacks the path writes it to a cache directory
-there (`<tmp>/gigpo-models/<content hash>`, shared by the actors of that node). A hub name is passed on as
-it is: every node loads it from the hub (or its own cache). A larger local model must be on a filesystem
-every node sees; where it is not, `local_path` says which node and which path.
+The driver's model directory (`tiny`, a warm start, a checkpoint) is one other nodes do not see: one of at
+most `model.ship_max_mb` goes into Ray's object store once, and an actor on a node that lacks the path writes
+it to `<tmp>/gigpo-models/<content hash>`, shared by that node's actors. A hub name is passed on as it is. A
+larger local model must be on a filesystem every node sees; where not, `local_path` names the node and path.
 """
 from __future__ import annotations
 
 import hashlib
 import os
 import shutil
-import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+
+from common.placement import node_for_messages as node_name    # (actors.inference imports it from here)
 
 # Files that hold weights: left out with weights=False (the inference side then loads dummy weights and
 # waits for the learner's first push).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 CACHE_DIR_NAME = "gigpo-models"
-
-
-def node_name() -> str:
-    """This node as a person finds it in `ray status`: its Ray IP address, and the host name."""
-    try:
-        import ray
-        ip = ray.util.get_node_ip_address()
-    except Exception:  # noqa: BLE001 - outside Ray
-        ip = "?"
-    return f"{ip} ({socket.gethostname()})"
-
-
-def _is_weight_file(name: str) -> bool:
-    return name.endswith(WEIGHT_SUFFIXES)
-
-
-def _read_dir(path: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
 
 
 @dataclass
@@ -70,7 +51,7 @@ class ModelSource:
         if size > max_mb * 1024 * 1024:
             return cls(path=str(local.resolve()))
         import ray
-        files = _read_dir(local)
+        files = {str(p.relative_to(local)): p.read_bytes() for p in sorted(local.rglob("*")) if p.is_file()}
         digest = hashlib.sha256()
         for name, data in files.items():
             digest.update(name.encode() + b"\0" + hashlib.sha256(data).digest())
@@ -99,7 +80,7 @@ class ModelSource:
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         try:
             for name, data in files.items():
-                if not weights and _is_weight_file(name):
+                if not weights and name.endswith(WEIGHT_SUFFIXES):
                     continue
                 out = staging / name
                 out.parent.mkdir(parents=True, exist_ok=True)

@@ -5,14 +5,14 @@ each actor landed on.
     wait_placeable({"rollout": need}, timeout_s=600)     # PlacementError when no node ever offers it
     node = this_node()           # inside an actor: {"ip": ..., "node_id": ..., "hostname": ...}
 
-A role's need is what `.options(num_cpus=..., num_gpus=..., resources=...)` asks of one node. Ray keeps an
-actor whose need no node has pending forever, without a word; checking the cluster's nodes turns that into
-one line naming the role, its need and what the nodes offer (`ray start --resources` adds custom ones).
-(Ray is imported where it is used: the CLI names PlacementError without starting Ray.)
+Ray keeps an actor whose need (`.options(num_cpus=..., num_gpus=..., resources=...)`) no node has pending
+forever, without a word: checking the nodes turns that into one line naming the role, its need and what the
+nodes offer. (Ray is imported where it is used: the CLI names PlacementError without starting Ray.)
 """
 from __future__ import annotations
 
 import socket
+import sys
 import time
 
 PLACEMENT_TIMEOUT_S = 600.0    # how long a role may wait for a node that offers its need (an autoscaler's start)
@@ -36,6 +36,18 @@ def this_node() -> dict:
     import ray
     return {"ip": ray.util.get_node_ip_address(), "node_id": ray.get_runtime_context().get_node_id(),
             "hostname": socket.gethostname()}
+
+
+def node_for_messages() -> str:
+    """'<Ray node IP> (<hostname>)' of this process, or the hostname outside Ray."""
+    host = socket.gethostname()
+    ray = sys.modules.get("ray")      # never import Ray just to name the node
+    try:
+        if ray is not None and ray.is_initialized():
+            return f"{ray.util.get_node_ip_address()} ({host})"
+    except Exception:  # noqa: BLE001 - a name for a message: the hostname will do
+        pass
+    return host
 
 
 def node_label(node: dict | None) -> str:

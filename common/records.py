@@ -1,16 +1,12 @@
 """The records every plane shares: a step, a trajectory, an episode group (its steps stored by column).
 
-Data flows one way: env instances produce observations, a rollout actor turns each environment step into a
-`StepRow`, ends each rollout with a `Trajectory` (how it went), and packs the N rollouts of one task into an
-`EpisodeGroup`, whose steps are `Rows`: one array per `StepRow` field, rows trajectory after trajectory. The
-learner trains on the rows. The wire format (below) sends those arrays as they are.
+A rollout actor turns each environment step into a `StepRow`, ends each rollout with a `Trajectory` and
+packs the N rollouts of one task into an `EpisodeGroup`, whose steps are `Rows`: one array per `StepRow`
+field, trajectory after trajectory. `StepRow` is the row schema, defined once (each field's dtype, whether it
+is ragged: one array per row, stored back to back with a length column, and what its values must satisfy);
+`Rows`, the wire format, the checks and the learner's batching derive from it.
 
-`StepRow` is the row schema, defined once: each field says its dtype, whether it is ragged (one array per
-row, stored back to back with a length column) and what its values must satisfy. `Rows`, the wire
-format, the checks and the learner's batching are derived from it.
-
-Wire format. An encoded group (`encode_group`) is a few named parts; the trajectory stream stores each as
-one field of the group's entry:
+Wire format. An encoded group (`encode_group`) is three named parts, each one field of the stream entry:
 
     "h"           msgpack map {"schema": 4, "group_id": str, "task_id": str, "env_name": str,
                                "created_at": float, "producer": str,
@@ -22,14 +18,12 @@ one field of the group's entry:
                   anchor, action and grammar as UTF-8 bytes, each field's values for all rows back to back, each
                   field starting at a multiple of 8 bytes)
 
-Encoding copies nothing: the parts are views of the group's arrays, and the Redis client sends views as
-they are. Decoding copies nothing: the arrays are read-only numpy views of the received bytes. Any msgpack
-library and any array library read the format. `decode_group` trusts nothing about the layout: every type,
-dtype and length is checked (after that, slicing a row out is safe) and a violation raises `CodecError`
-naming what is wrong. The values (ids >= 0, finite log-probs and rewards, UTF-8 text) are checked once,
-by `check_values`: where a rollout builds its rows, and where the learner reads them
-(`learner.batching.check_group`, which also knows the vocabulary, and dead-letters a bad group). msgpack
-and raw arrays only: no pickle, so a hostile or corrupt payload cannot run code.
+Neither encoding nor decoding copies: the parts are views of the group's arrays (the Redis client sends them
+as they are), decoded arrays read-only views of the received bytes. `decode_group` trusts nothing about the
+layout: every type, dtype and length is checked (then slicing a row out is safe), a violation raises
+`CodecError`. The values (ids >= 0, finite log-probs and rewards, UTF-8 text) are checked by `check_values`
+where a rollout builds its rows and where the learner reads them (`learner.batching.check_group`, which also
+knows the vocabulary). msgpack and raw arrays only: no pickle, so a hostile payload cannot run code.
 """
 from __future__ import annotations
 
@@ -65,25 +59,21 @@ def _column(dtype: str, *, length: str = "", check: str = "", **kw):
 class StepRow:
     """One environment step of one trajectory: one training row (one prompt, one response)."""
 
-    prompt_ids: np.ndarray = _column("<i4", length="prompt_len", check="ids")      # the full prompt the
-                                                      # policy saw (chat template applied)
+    prompt_ids: np.ndarray = _column("<i4", length="prompt_len", check="ids")     # the prompt, chat template applied
     response_ids: np.ndarray = _column("<i4", length="response_len", check="ids")  # the sampled response
-    response_logprobs: np.ndarray = _column("<f4", length="response_len", check="finite")  # log-prob of
-                                                      # each response token under the behaviour policy
-    reward: float = _column("<f8", check="finite")   # environment reward r_t of this step (10 on the winning
-                                                      # step, else 0); the invalid-action penalty is NOT
-                                                      # folded in: it follows from `valid`
+    # log-prob of each response token under the behaviour policy
+    response_logprobs: np.ndarray = _column("<f4", length="response_len", check="finite")
+    # environment reward r_t of this step (10 on the winning step, else 0); the invalid-action penalty is NOT
+    # folded in: it follows from `valid`
+    reward: float = _column("<f8", check="finite")
     valid: bool = _column("|b1", check="bool")       # whether the response parsed as an action
     step: int = _column("<i4")                        # index of this step inside its trajectory, from 0
     policy_version: int = _column("<i8")              # version of the weights that generated the response
     anchor: str = _column("|u1", length="anchor_len", check="utf8")   # anchor-state key: the raw observation
-                                                      # the action was taken from
-    action: str = _column("|u1", length="action_len", check="utf8", default="")   # the action text sent to
-                                                      # the environment (logs, evaluation)
-    grammar: str = _column("|u1", length="grammar_len", check="utf8", default="")  # the regex the response
-                                                      # was sampled under (rollout.constrain_actions); ""
-                                                      # if none. The learner's policy is the model's
-                                                      # distribution restricted to what it allows
+    action: str = _column("|u1", length="action_len", check="utf8", default="")   # the action text sent to the env
+    # the regex the response was sampled under (rollout.constrain_actions; "" if none): the learner's policy is
+    # the model's distribution restricted to what it allows
+    grammar: str = _column("|u1", length="grammar_len", check="utf8", default="")
 
     def __post_init__(self) -> None:
         for name in RAGGED:
@@ -94,10 +84,7 @@ class StepRow:
                              f"{self.response_logprobs.shape[0]} log-probs")
 
 
-# The schema, derived from StepRow. A group's rows are two arrays: the table (a numpy structured array,
-# dtype `TABLE`: one record per row with the per-row fields and the length of each ragged field) and the
-# data block (bytes: each ragged field's values for all rows back to back, field after field in schema
-# order, each starting at a multiple of 8 bytes; `layout` says where).
+# The schema, derived from StepRow: a group's rows are the table (dtype `TABLE`) and the data block (`layout`).
 _FIELDS = dataclasses.fields(StepRow)
 RAGGED: dict[str, str] = {f.name: f.metadata["length"] for f in _FIELDS if f.metadata["length"]}
 TEXT = tuple(f.name for f in _FIELDS if f.metadata["check"] == "utf8")
@@ -165,13 +152,10 @@ def _is_text(data: np.ndarray, lengths: np.ndarray) -> bool:
 
 class Rows:
     """The steps of one group by column: `rows["reward"][i]` is row i's reward; a ragged field (tokens,
-    log-probs, text) holds all rows' values back to back, row i's being `rows.per_row("prompt_ids")[i]`
-    (text: `rows.text("anchor")[i]`), and has a length column (`prompt_len`, `response_len`, `anchor_len`,
-    `action_len`, `grammar_len`). Built from StepRows (`from_steps`, once per group, in the rollout) or
-    received from the wire (the arrays are then read-only views of the received bytes).
-
-    Two arrays hold it all (see `layout`): `table`, one record per row (per-row fields and lengths), and
-    `data`, the ragged fields' values; `rows[name]` of a ragged field is a view of `data`."""
+    log-probs, text) holds all rows' values back to back (row i: `rows.per_row("prompt_ids")[i]`, text:
+    `rows.text("anchor")[i]`) and has a length column (`prompt_len`, ...). Two arrays hold it all (`layout`):
+    `table`, one record per row, and `data`, the ragged fields' values, of which `rows[name]` is a view.
+    Built from StepRows (`from_steps`, in the rollout) or from the wire (read-only views of the bytes)."""
 
     def __init__(self, table: np.ndarray, data: np.ndarray):
         """Raises ValueError when the arrays do not fit together: `table` must be a 1-D array of dtype
@@ -301,17 +285,12 @@ class EpisodeGroup:
     def num_rows(self) -> int:
         return len(self.rows)
 
-    def returns(self) -> np.ndarray:
-        return np.array([t.episode_return for t in self.trajectories], dtype=np.float64)
-
     def row_trajectory(self) -> np.ndarray:
         """The index of each row's trajectory (int64 [rows])."""
         return np.repeat(np.arange(len(self.trajectories)), [t.num_steps for t in self.trajectories])
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Wire format (see the module docstring)
-# ----------------------------------------------------------------------------------------------------------
+# -- Wire format (see the module docstring)
 
 SCHEMA_VERSION = 4
 
@@ -335,8 +314,7 @@ class CodecError(ValueError):
 def encode_group(group: EpisodeGroup) -> dict[str, bytes | memoryview]:
     """The parts of `group` (see the module docstring): the header, and views of its arrays. Raises
     CodecError for a header the decoder would refuse (step counts that do not add up to the rows, a
-    non-finite return or score, text that is not unicode). The rows themselves were checked where they
-    were built (`Rows.from_steps`)."""
+    non-finite return or score, text that is not unicode); the rows were checked by `Rows.from_steps`."""
     trajs, rows = group.trajectories, group.rows
     try:
         columns = {name: [getattr(t, name) for t in trajs] for name in _TRAJ_FIELDS}

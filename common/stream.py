@@ -1,36 +1,26 @@
 """The trajectory stream: rollout actors publish complete episode groups, the learner consumes them.
 
-Transport: one Redis stream (`cfg.stream`), one entry per `EpisodeGroup`, read by the learner through a
-consumer group. Delivery is at-least-once on the wire and effectively once for training:
+One Redis stream (`cfg.stream`), one entry per `EpisodeGroup`, read by the learner through a consumer group:
+at-least-once on the wire, effectively once for training. The learner `ack()`s a group only once the
+optimizer step that used it is committed, so a learner that dies mid-step leaves its groups pending: its next
+incarnation (same consumer name) re-reads them, or another consumer reclaims them (XCLAIM) once idle for
+`cfg.reclaim_idle_s` (`Received.redelivered`). Skipping groups already trained on, or sampled too many
+policy versions ago, is the learner's read policy (`learner.read_policy`), not the stream's.
 
-* the learner `ack()`s a group only after the optimizer step that used it is committed, so a learner that
-  dies mid-step leaves its groups pending; they are redelivered (`Received.redelivered`) to its next
-  incarnation (same consumer name: its own pending entries are re-read) or reclaimed by another consumer
-  (XCLAIM) once idle for `cfg.reclaim_idle_s`;
-* the learner skips (acks untrained) a group it already trained on, and one sampled too many policy
-  versions ago: its read policy (`learner.read_policy`), not the stream's.
-
-Acked entries are deleted (XACK + XDEL in one transaction); nothing unacked is ever trimmed. Hence the
-stream length is exactly "groups not yet trained", and backpressure is simple: `publish()` reserves a slot
-atomically (a small Lua script over the stream length and `<stream>:reserved`) only while the stream holds
-fewer than `cfg.max_stream_groups` entries, and otherwise waits. Entries that are not valid groups of this
-schema go, with the reason and the original bytes, to the dead-letter stream `<stream>:dead`.
+Acked entries are deleted (XACK + XDEL in one transaction) and nothing unacked is trimmed, so the stream
+length is exactly "groups not yet trained", and backpressure is simple: `publish()` reserves a slot
+atomically (a Lua script over the stream length and `<stream>:reserved`) only while the stream holds fewer
+than `cfg.max_stream_groups` entries, and otherwise waits.
 
 Entry fields: v (schema version), r (run id), g (group id), p0 / p1 (oldest / newest policy version), then
-the group's parts (`common.records.encode_group`: header h, rows table, data block). Version and run sit
-beside the group so that other schemas' and other runs' records are dead-lettered without decoding; the
-reader checks that id and versions agree with the group.
+the group's parts (`common.records.encode_group`). Version and run sit beside the group so that other
+schemas' and other runs' records (runs sharing a `stream.stream` key) are dead-lettered without decoding;
+the reader checks that id and versions agree with the group.
 
-Runs sharing one Redis. The stream key, the consumer group and every record carry the run id
-(`stream.run_id`): a learner dead-letters a record of another run (one written under an explicitly shared
-`stream.stream` key) rather than train on it.
-
-Poison pills. A group the learner cannot train on must not stop training: records are checked on read
-(entry fields, the group's layout), the learner checks versions (`learner.read_policy`) and values
-(finite log-probs and rewards, token ids inside the vocabulary: `learner.batching.check_group`) and
-dead-letters what fails (`dead_letter`), and a group handed out more than `stream.max_deliveries` times (a
-learner crashed on it each time) is dead-lettered when it comes back. The dead-letter stream keeps the
-newest `stream.dead_letter_max` entries.
+Poison pills must not stop training: entries that are not valid groups of this schema and run, groups the
+learner refuses (`learner.read_policy`, `learner.batching.check_group`) and groups handed out more than
+`stream.max_deliveries` times (a learner crashed on it each time) go, with the reason and the original
+bytes, to the dead-letter stream `<stream>:dead`, which keeps the newest `stream.dead_letter_max` entries.
 """
 from __future__ import annotations
 
@@ -78,11 +68,8 @@ def stream_key(cfg: StreamConfig) -> str:
 
 class TrajectoryStream:
     """Producer and consumer side of the episode-group stream (one class: both need the same key layout).
-
-    Producers only call `publish()`. A consumer (the learner) calls `read()`, trains, then `ack()`. Consumer
-    names must be unique among live consumers; a restarted learner should reuse its name to get its own
-    pending groups back at once (others' are reclaimed after `cfg.reclaim_idle_s`).
-    """
+    Producers call `publish()`; the learner calls `read()`, trains, then `ack()`. Consumer names must be unique
+    among live consumers; a restarted learner reuses its name to get its own pending groups back at once."""
 
     def __init__(self, url: str, cfg: StreamConfig, consumer_name: str = "learner-0",
                  consumer_group: str | None = None, client: redis.Redis | None = None):
@@ -108,19 +95,14 @@ class TrajectoryStream:
         self._max_block_ms = int(socket_timeout * 1000 * 0.8) if socket_timeout else 2**31
         self._ensure_group()
 
-    # ------------------------------------------------------------------------------------------------------
-    # Producer side
-    # ------------------------------------------------------------------------------------------------------
+    # -- Producer side
 
     def publish(self, group: EpisodeGroup, timeout_s: float | None = None, over_bound: bool = False) -> str:
         """Append `group` (complete: all its trajectories ended) and return its entry id. Waits while the
-        stream holds `max_stream_groups` untrained groups; raises TimeoutError after `timeout_s`
-        (default `cfg.publish_timeout_s`). Raises CodecError for an inconsistent group and ValueError for
-        a group without steps (nothing to train on).
-
-        `over_bound=True` appends even when the stream is full: for the last in-flight groups of a
-        producer that is being removed, so that scaling down never waits on the learner and loses nothing
-        (the overshoot is at most that producer's in-flight groups)."""
+        stream holds `max_stream_groups` untrained groups; raises TimeoutError after `timeout_s` (default
+        `cfg.publish_timeout_s`), CodecError for an inconsistent group, ValueError for one without steps.
+        `over_bound=True` appends even when the stream is full: the last in-flight groups of a producer being
+        removed, so that scaling down never waits on the learner and loses nothing."""
         if group.num_rows == 0:
             raise ValueError(f"group {group.group_id!r} has no steps: nothing to publish")
         if not group.group_id:
@@ -178,18 +160,13 @@ class TrajectoryStream:
                         f"large?). Redis said: {exc}") from exc
                 time.sleep(_OOM_RETRY_S)
 
-    # ------------------------------------------------------------------------------------------------------
-    # Consumer side
-    # ------------------------------------------------------------------------------------------------------
+    # -- Consumer side
 
     def read(self, max_groups: int, block_ms: int = 0) -> list[Received]:
-        """Up to `max_groups` groups, waiting up to `block_ms` (<= 0: no wait) when none is there.
-
-        Own pending groups (from a previous life of this consumer name, or lost in a reconnect) come first,
-        then groups reclaimed from consumers idle for `cfg.reclaim_idle_s` (both `redelivered`), then new
-        ones. Malformed entries, and records of another run, are dead-lettered and do not count towards
-        `max_groups`.
-        """
+        """Up to `max_groups` groups, waiting up to `block_ms` (<= 0: no wait) when none is there. Own pending
+        groups (a previous life of this consumer name, or lost in a reconnect) come first, then groups reclaimed
+        from consumers idle for `cfg.reclaim_idle_s` (both `redelivered`), then new ones. Malformed entries and
+        other runs' records are dead-lettered and do not count towards `max_groups`."""
         if max_groups < 1:
             return []
         out: list[Received] = []
@@ -259,9 +236,7 @@ class TrajectoryStream:
     def close(self) -> None:
         self.redis.close()
 
-    # ------------------------------------------------------------------------------------------------------
-    # Internals
-    # ------------------------------------------------------------------------------------------------------
+    # -- Internals
 
     def _ensure_group(self) -> bool:
         # From id 0: groups published before the first learner started are not skipped.
@@ -306,7 +281,11 @@ class TrajectoryStream:
         if not ids:
             return []
         entries = self._group_call(self.redis.xclaim, self.key, self.consumer_group, self.consumer_name, 0, ids)
-        self._ack_vanished(ids, entries)
+        # Pending ids whose entry was deleted come back empty (or not at all): nothing to train, ack them.
+        got = {e[0] for e in entries if e[0] is not None and e[1]}
+        gone = [i for i in ids if i not in got]
+        if gone:
+            self._group_call(self.redis.xack, self.key, self.consumer_group, *gone)
         self.stats["recovered_own"] += len(entries)
         return self._without_poison(entries)
 
@@ -352,13 +331,6 @@ class TrajectoryStream:
                 continue
             kept.append(entry)
         return kept
-
-    def _ack_vanished(self, ids: list, entries: list) -> None:
-        # Pending ids whose entry was deleted come back empty (or not at all): nothing to train, ack them.
-        got = {e[0] for e in entries if e[0] is not None and e[1]}
-        gone = [i for i in ids if i not in got]
-        if gone:
-            self._group_call(self.redis.xack, self.key, self.consumer_group, *gone)
 
     def _ack_delete(self, ids: list) -> None:
         pipe = self.redis.pipeline(transaction=True)

@@ -2,15 +2,11 @@
 
     path = build_tiny_model("runs/tiny")        # -> "runs/tiny", loadable by transformers and vLLM
 
-Why it looks like this:
-- Qwen2 architecture, so the same code paths (vLLM model class, weight names, chat template) serve the
-  real Qwen2.5 policies. head_dim is 64 because vLLM's CPU attention rejects smaller heads.
-- A small vocabulary (1,024 by default) trained on environment-style text keeps prompts short and
-  generation fast (a 151k vocab makes a tiny model ~20x slower on CPU).
-- "<think>", "</think>", "<action>", "</action>" are single, ordinary (non-special) tokens: they survive
-  `skip_special_tokens` decoding, so a response's text always shows its tags.
-- Offline only: nothing is downloaded. A build is reused when the same parameters (and corpus) were
-  built before into the same directory; a half-written build is never visible (tmp dir + rename).
+Qwen2, so the code paths (vLLM model class, weight names, chat template) of the real Qwen2.5 policies serve
+it; head_dim 64 because vLLM's CPU attention rejects smaller heads. A 1,024-token vocabulary trained on
+env-style text keeps generation fast (151k makes a tiny model ~20x slower on CPU). The tag tokens are single
+ordinary tokens: they survive `skip_special_tokens` decoding. Offline; a build with the same parameters and
+corpus is reused, and a half-written one is never visible (tmp dir + rename).
 """
 from __future__ import annotations
 
@@ -112,13 +108,6 @@ def builtin_corpus(seed: int = 0, size: int = 3000) -> list[str]:
     return lines
 
 
-def _build_info(vocab_size: int, hidden_size: int, num_layers: int, num_heads: int, seed: int,
-                corpus: list[str] | None) -> dict:
-    corpus_hash = hashlib.sha256("\n".join(corpus or []).encode()).hexdigest()[:16]
-    return {"format": _BUILD_FORMAT, "vocab_size": vocab_size, "hidden_size": hidden_size,
-            "num_layers": num_layers, "num_heads": num_heads, "seed": seed, "corpus": corpus_hash}
-
-
 def _train_tokenizer(lines: list[str], vocab_size: int):
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -176,7 +165,9 @@ def build_tiny_model(out_dir: str, corpus: list[str] | None = None, *, vocab_siz
     if vocab_size < 300:
         raise ValueError(f"vocab_size {vocab_size} is too small for a byte-level BPE (needs >= 300)")
     out = Path(out_dir)
-    info = _build_info(vocab_size, hidden_size, num_layers, num_heads, seed, corpus)
+    info = {"format": _BUILD_FORMAT, "vocab_size": vocab_size, "hidden_size": hidden_size, "num_layers": num_layers,
+            "num_heads": num_heads, "seed": seed,
+            "corpus": hashlib.sha256("\n".join(corpus or []).encode()).hexdigest()[:16]}
     info_path = out / BUILD_INFO
     if info_path.exists():
         try:
@@ -214,16 +205,3 @@ def build_tiny_model(out_dir: str, corpus: list[str] | None = None, *, vocab_siz
         raise
     return str(out)
 
-
-def main() -> None:
-    import argparse
-    ap = argparse.ArgumentParser(description="Build the tiny local test policy.")
-    ap.add_argument("out_dir")
-    ap.add_argument("--vocab-size", type=int, default=1024)
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-    print(build_tiny_model(args.out_dir, vocab_size=args.vocab_size, seed=args.seed))
-
-
-if __name__ == "__main__":
-    main()

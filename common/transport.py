@@ -3,18 +3,11 @@
     rollout actors --TrajectorySink.publish--> [stream] --TrajectorySource.read/ack--> learner
     learner --WeightPublisher.push(weights, version)--> [transfer] --> vLLM inference actors
 
-| boundary | interface | the real one (a cluster) | in memory (one process: unit tests) |
-|---|---|---|---|
-| trajectories | `TrajectorySink` (actors), `TrajectorySource` (learner) | `common.stream.TrajectoryStream` (Redis) | `InMemoryTrajectories` |
-| weights | `WeightPublisher` (learner) | `common.weight_transfer.WeightTransfer` (shm / collective / ipc, `inference.weight_transfer`) | `InMemoryWeights` |
-
-`actors.rollout.Rollout` and `learner.loop.Learner` take either a Redis URL (the stream is built from the
-run's `stream` config) or an object with the interface; the learner takes a `WeightPublisher` or builds the
-configured one over its inference actors. The in-memory implementations only work inside one process: the
-system's own parts are separate Ray processes and always use the real ones.
-
-A trajectory source delivers groups and takes them back (ack, dead-letter); which groups to train on (stale
-ones, duplicates) is the learner's read policy (`learner.read_policy`), the same for every source.
+The real ones are `common.stream.TrajectoryStream` (Redis) and `common.weight_transfer.WeightTransfer` (shm /
+collective / ipc); `InMemoryTrajectories` and `InMemoryWeights` only work inside one process (unit tests).
+`actors.rollout.Rollout` and `learner.loop.Learner` take a Redis URL or an object with the interface; the
+learner takes a `WeightPublisher` or builds the configured one. Which groups to train on (stale ones,
+duplicates) is the learner's read policy (`learner.read_policy`), the same for every source.
 """
 from __future__ import annotations
 

@@ -1,34 +1,29 @@
 """A "gloo" backend for vLLM's pluggable weight transfer: the CPU twin of vLLM's own "nccl" backend.
 
-vLLM 0.32 moves a trainer's weights into its workers through a `WeightTransferEngine` (worker side, one per
-vLLM worker, built at model load from the engine's `weight_transfer_config`) and a
-`TrainerWeightTransferEngine` (trainer side), both looked up by backend name in
-`vllm.distributed.weight_transfer.factory`. It ships "nccl" (GPU) and "ipc" (one GPU); this module adds
-"gloo", so that a CPU cluster moves weights the same way, over TCP, between any nodes:
+vLLM 0.32 moves a trainer's weights into its workers through a `WeightTransferEngine` (one per vLLM worker,
+built at model load from the engine's `weight_transfer_config`) and a `TrainerWeightTransferEngine`, both
+looked up by backend name in `vllm.distributed.weight_transfer.factory`. It ships "nccl" (GPU) and "ipc"
+(one GPU); "gloo" lets a CPU cluster move weights the same way, over TCP, between any nodes:
 
     trainer (learner rank 0)                        each vLLM worker
     trainer_init: TCPStore at <ip>:<free port> ---- init_transfer_engine: joins as rank_offset + its rank
-                  gloo group, rank 0                 (a standalone gloo group: vLLM's own
-                                                      torch.distributed group is left alone)
+                  gloo group, rank 0                 (a standalone gloo group, not vLLM's own)
     send_weights: start_weight_update  ------------> layer-wise reload begins (vLLM's, as for nccl)
                   update_weights (RPC, concurrent) -> receive: one broadcast per packed buffer,
                   broadcast packed buffers ========>   unpacked into views, model.load_weights(...)
                   finish_weight_update  -----------> layer-wise reload ends
 
-The tensors travel packed into a few large flat uint8 buffers (`buffer_size_bytes`, the config's
-inference.weight_bucket_mb): per-message overhead, not bytes, dominates small tensors. The trainer decides
-the buffers and tells the workers how many tensors each holds (`chunk_lengths`), so both sides cut the
-stream identically by construction. Two buffers are in flight at a time on both sides: the trainer packs
-the next while one travels; a worker receives the next while it loads one.
+Tensors travel packed into a few large uint8 buffers (`buffer_size_bytes`, inference.weight_bucket_mb):
+per-message overhead, not bytes, dominates small tensors. The trainer tells the workers how many tensors each
+buffer holds (`chunk_lengths`), so both sides cut the stream identically. Two buffers are in flight at a time
+on both sides (one travels while the next is packed, or loaded).
 
-Deadlines: the group is created with `timeout_s` (the config's inference.transfer_timeout_s), which bounds
-the rendezvous and every broadcast: a peer that never joins or stops half-way raises instead of hanging.
-Each worker marks its arrival in the store before the group forms, so a failed rendezvous names the ranks
-that never came (`PeersMissingError`); the caller maps ranks to its actors.
+Deadlines: the group's `timeout_s` (inference.transfer_timeout_s) bounds the rendezvous and every broadcast.
+Each worker marks its arrival in the store first, so a failed rendezvous names the ranks that never came
+(`PeersMissingError`).
 
-Registration: `register()` is a vLLM general plugin (setup.cfg: `vllm.general_plugins`), which vLLM runs
-in every process it starts (front end, engine core, workers) before it builds the worker's engine. It is
-idempotent and imports nothing heavy: the classes are registered by module path.
+`register()` is a vLLM general plugin (setup.cfg: `vllm.general_plugins`), run in every process vLLM starts
+before it builds the worker's engine; idempotent and light (the classes are registered by module path).
 """
 from __future__ import annotations
 
@@ -39,6 +34,7 @@ import socket
 from collections import deque
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
+from itertools import accumulate
 from typing import Any, ClassVar
 
 import torch
@@ -214,34 +210,28 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
         if self.group is None:
             raise RuntimeError("gloo weight transfer not initialised: init_weight_transfer_engine first")
+        names, shapes = update_info.names, update_info.shapes
         dtypes = [getattr(torch, name) for name in update_info.dtype_names]
-        chunks = []          # (first tensor index, count, bytes of each)
-        start = 0
-        for count in update_info.chunk_lengths:
-            sizes = [_nbytes(update_info.shapes[i], dtypes[i]) for i in range(start, start + count)]
-            chunks.append((start, count, sizes))
-            start += count
+        sizes = [_nbytes(shape, dtype) for shape, dtype in zip(shapes, dtypes)]
+        bounds = list(accumulate(update_info.chunk_lengths, initial=0))
+        chunks = list(zip(bounds, bounds[1:]))        # [first, end) tensor indices of each packed buffer
 
-        def receive(chunk):
+        def receive(k: int):
             # A fresh buffer per chunk: the layer-wise reload keeps the unpacked views until each layer is
             # complete (possibly across chunks), so no buffer is ever reused.
-            buffer = torch.empty(sum(chunk[2]), dtype=torch.uint8)
+            first, end = chunks[k]
+            buffer = torch.empty(sum(sizes[first:end]), dtype=torch.uint8)
             return buffer, _broadcast(self.group, buffer)
 
         with disable_mtp_completeness_check():
-            pending = deque()
-            for chunk in chunks[:2]:
-                pending.append((chunk, *receive(chunk)))
-            next_chunk = 2
-            while pending:
-                (first, count, sizes), buffer, work = pending.popleft()
+            pending = deque(receive(k) for k in range(min(2, len(chunks))))
+            for k, (first, end) in enumerate(chunks):
+                buffer, work = pending.popleft()
                 work.wait()                             # the group's timeout: raises if the trainer stops
-                if next_chunk < len(chunks):            # the next buffer travels while this one loads
-                    pending.append((chunks[next_chunk], *receive(chunks[next_chunk])))
-                    next_chunk += 1
-                names = update_info.names[first:first + count]
-                shapes = update_info.shapes[first:first + count]
-                self.model.load_weights(unpack_tensor(buffer, names, shapes, dtypes[first:first + count], sizes))
+                if k + 2 < len(chunks):                 # the next buffer travels while this one loads
+                    pending.append(receive(k + 2))
+                self.model.load_weights(unpack_tensor(buffer, names[first:end], shapes[first:end],
+                                                      dtypes[first:end], sizes[first:end]))
 
     def shutdown(self) -> None:
         self.group = None       # gloo closes its connections when the group is freed

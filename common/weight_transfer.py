@@ -6,38 +6,28 @@
     transfer.close()
 
 The ways (`inference.weight_transfer`):
-- "shm" (`ShmTransfer`): the named tensors are packed into a few large safetensors files ("buckets", at most
-  inference.weight_bucket_mb each) in a shared-memory directory on the learner's node, and each inference
-  actor loads them all in ONE in-place reload inside its vLLM worker. Few large files, because a sync costs
-  per call, not per byte. The directory also holds `manifest.json` ({"version", "files"}), written
-  atomically before the actors are told: an actor that Ray restarts reads it in its constructor and comes
-  back with the newest weights. One node only (/dev/shm is per node), unless inference.weights_dir is a
-  filesystem every node mounts.
+- "shm" (`ShmTransfer`): the tensors are packed into a few large safetensors "buckets" (at most
+  inference.weight_bucket_mb each: a sync costs per call, not per byte) in a shared-memory directory, and each
+  actor loads them all in ONE in-place reload. `manifest.json` ({"version", "files"}) is written atomically
+  before the actors are told, so an actor that Ray restarts comes back with the newest weights. One node only
+  (/dev/shm is per node), unless inference.weights_dir is a filesystem every node mounts.
 - "collective" (`EngineTransfer`): a process group between learner rank 0 and every vLLM worker, through
-  vLLM's pluggable weight-transfer engines: "gloo" on CPU (our backend, common/gloo_weight_transfer.py,
-  a vLLM plugin) and vLLM's own "nccl" on GPU, driven by the same code here. Rank 0 broadcasts packed
-  buffers while the workers receive them and load them with vLLM's layer-wise reload. Any nodes; nothing
-  touches disk. The NCCL variant is not exercised on CPU-only machines (this one): it is vLLM's engine with
-  the same client and deadlines, untested here.
-- "ipc" (`EngineTransfer` with vLLM's "ipc" backend): CUDA IPC handles, when learner rank 0 and the vLLM
-  workers share one GPU; the inference actors must be created with inference.weight_transfer=ipc. It needs
-  CUDA: on a CPU-only learner choosing it is an error. Untested on CPU-only machines.
-- "auto": shm when learner rank 0 and every inference actor run on one Ray node, else collective. The
-  choice and its reason are logged (one line) and every push's timings name it ("transfer"); it is made
-  again when an actor comes back from a restart on another node.
+  vLLM's pluggable weight-transfer engines: "gloo" on CPU (common/gloo_weight_transfer.py, a vLLM plugin) or
+  vLLM's own "nccl" on GPU (same client and deadlines; untested on CPU-only machines). Rank 0 broadcasts
+  packed buffers that the workers load with vLLM's layer-wise reload. Any nodes; nothing touches disk.
+- "ipc" (`EngineTransfer`, vLLM's "ipc" backend): CUDA IPC handles, when learner rank 0 and the vLLM workers
+  share one GPU (the actors must be created with inference.weight_transfer=ipc). Needs CUDA; untested here.
+- "auto": shm when learner rank 0 and every inference actor share one Ray node, else collective; logged with
+  its reason, named in every push's timings ("transfer"), and made again when an actor comes back elsewhere.
 
-Deadlines: every call to an inference actor has one (inference.transfer_timeout_s, counted per push), and
-the gloo group's rendezvous and broadcasts time out after it too, so a peer that never joins or dies
-half-way gives an error naming the inference actor, not a hang.
+Deadlines: every call to an actor (inference.transfer_timeout_s, per push), and the gloo group's rendezvous
+and broadcasts, time out, so a peer that never joins or dies half-way gives an error naming it, not a hang.
 
-Added and removed actors (`gigpo scale --inference`): `WeightTransfer.set_actors` takes the new list between
-two pushes; an added actor starts like a restarted one (below) and gets the current version at once.
-
-Restarts: an inference actor that Ray restarts has lost its place in the process group (its group token is
-gone): the next push notices (`transfer_state()["group"]`), rebuilds the group on a fresh port with every
-actor, and pushes. A push that fails because an actor died is tried once more after the actors are back.
-An actor that came back without the current weights keeps its request gate closed (actors/inference.py);
-`needs_push` tells the learner, which pushes its current version (`Learner.repush_if_needed`).
+Restarts and scaling: a restarted actor has lost its place in the group; the next push notices
+(`transfer_state()["group"]`), rebuilds the group on a fresh port with every actor, and pushes. A push that
+fails because an actor died is tried once more after it is back. An actor without the current weights
+(restarted, or added through `set_actors` by `gigpo scale --inference`) keeps its request gate closed
+(actors/inference.py) until `needs_push` has the learner push its version (`Learner.repush_if_needed`).
 """
 from __future__ import annotations
 
@@ -51,9 +41,13 @@ import time
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from common.config import ExperimentConfig, InferenceConfig, choices
 from common.placement import free_port, node_label
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +75,7 @@ def read_manifest(weights_dir: str) -> dict | None:
     return data
 
 
-def write_buckets(named_tensors: Iterable[tuple[str, "torch.Tensor"]], out_dir: str,
-                  bucket_bytes: int) -> list[str]:
+def write_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str, bucket_bytes: int) -> list[str]:
     """Pack tensors, in order, into safetensors files of at most `bucket_bytes` (a single larger tensor
     gets a file of its own). Tensors are made contiguous CPU copies; shared storage (tied weights) is
     broken up because safetensors refuses aliased tensors."""
@@ -119,29 +112,16 @@ def write_buckets(named_tensors: Iterable[tuple[str, "torch.Tensor"]], out_dir: 
     return files
 
 
-def load_buckets_into_worker(worker, files: list[str]) -> int:
+def load_buckets_into_worker(worker, files: list[str]) -> None:
     """Runs inside a vLLM worker process (via collective_rpc): reload all weights in place, in one pass
     over the bucket files (vLLM's layer-wise reload wants every weight of the model in one call)."""
-    from itertools import chain
-
     from safetensors.torch import load_file
 
-    count = 0
-
-    def tensors():
-        nonlocal count
-        for path in files:
-            for item in load_file(path).items():
-                count += 1
-                yield item
-
     # vLLM 0.32's layer-wise reload logs "RotaryEmbedding: Failed to load weights" on every call (the
-    # collective path too): it expects every layer holding tensors to receive some, but the rotary layer's
-    # only tensor is a cache derived from the config (a non-persistent buffer, in no checkpoint); it puts
-    # that back, which is right. A tied lm_head must be pushed under its own name too (`with_aliases`).
-    # The warning lands in the actor's log file.
-    worker.reload_weights(weights_iterator=chain(tensors()), is_checkpoint_format=True)
-    return count
+    # collective path too): the rotary layer's only tensor is a cache derived from the config, in no
+    # checkpoint, and it puts that back, which is right. The warning lands in the actor's log file.
+    tensors = (item for path in files for item in load_file(path).items())
+    worker.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
 
 
 def _write_json_atomic(path: str, data: dict) -> None:
@@ -165,12 +145,10 @@ def tied_aliases(hf_config) -> dict[str, str]:
 def with_aliases(named_tensors: Iterable, aliases: dict[str, str]) -> list:
     """The pairs, with each missing alias added right after its source (the same tensor, no copy).
 
-    Why: a learner's `named_parameters()` yields a tied weight once, as the embedding. vLLM 0.32's layer-wise
-    reload then finds no weights for the tied lm_head layer and only puts its tensors back, without
-    re-running its post-load processing; on CPU that processing keeps a packed copy of the head for the
-    matmul, so the engine would go on computing logits with the old head (measured: log-probs off by ~1
-    nat after one perturbed push). Sent under its own name too, the head layer is reloaded and processed
-    like any other. It costs the embedding's bytes once more per push."""
+    Why: `named_parameters()` yields a tied weight once, as the embedding; vLLM 0.32's layer-wise reload then
+    skips the tied lm_head layer's post-load processing, which on CPU keeps a packed copy of the head, so the
+    engine went on with the old head (measured: log-probs off by ~1 nat after one perturbed push). Costs the
+    embedding's bytes once more per push."""
     pairs = list(named_tensors)
     names = {name for name, _ in pairs}
     wanted = {source: alias for alias, source in aliases.items() if alias not in names}
@@ -227,9 +205,8 @@ def call_actors(actors: list, method: str, args_of, deadline: float, what: str,
 
 
 def actor_states(actors: list, timeout_s: float) -> list[dict]:
-    """Each actor's `transfer_state()` (has_weights, version, group, backend, workers, pid, node). An actor
-    that is restarting (its process or its node was lost; Ray brings it back when a node can take it) is
-    asked again until `timeout_s` has passed; then the ActorLost naming it is raised."""
+    """Each actor's `transfer_state()`. An actor that is restarting (Ray brings it back when a node can take
+    it) is asked again until `timeout_s` has passed; then the ActorLost naming it is raised."""
     deadline = time.monotonic() + timeout_s
     delay = 0.5
     while True:
@@ -248,25 +225,22 @@ def actor_states(actors: list, timeout_s: float) -> list[dict]:
 class ShmTransfer:
     """Learner side of the shm way (see the module docstring). One per learner (rank 0)."""
 
-    def __init__(self, inference_actors: list, bucket_mb: float = 512, keep_versions: int = 1,
-                 timeout_s: float = 600.0):
+    def __init__(self, inference_actors: list, bucket_mb: float = 512, timeout_s: float = 600.0):
         import ray
 
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
         self.inference_actors = list(inference_actors)
         self.bucket_bytes = max(1, int(bucket_mb * 1024 * 1024))
-        self.keep_versions = max(1, keep_versions)
         self.timeout_s = timeout_s
         # The actors say where their manifest lives (a restarted actor must find it from its own args).
         dirs = ray.get([a.weights_dir.remote() for a in self.inference_actors],
                        timeout=timeout_s) if self.inference_actors else []
         self.weights_dirs = sorted(set(dirs))
 
-    def push(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]], version: int) -> dict:
-        """Publish `named_tensors` (HF checkpoint names) as policy `version` to every inference actor.
-        Returns timings in seconds: write (buckets to shared memory), load (actors' in-place reload, the
-        slowest actor), total; plus bytes and buckets."""
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
+        """Publish `named_tensors` (HF checkpoint names) as policy `version` to every inference actor. Returns
+        timings in seconds (write: the buckets, load: the slowest actor's reload, total), bytes and buckets."""
         t0 = time.perf_counter()
         if not self.weights_dirs:
             raise RuntimeError("ShmTransfer has no inference actors")
@@ -292,14 +266,11 @@ class ShmTransfer:
             log.warning("%s; trying again once the actor is back", first)
             load(time.monotonic() + self.timeout_s)
         t_load = time.perf_counter()
-        self._drop_old_versions(primary, version)
+        for old in Path(primary).glob("v*"):        # older versions' buckets: the manifest names this one
+            if old.is_dir() and old.name != f"v{version:08d}":
+                shutil.rmtree(old, ignore_errors=True)
         return {"write_s": t_write - t0, "load_s": t_load - t_write, "total_s": t_load - t0,
                 "bytes": nbytes, "buckets": len(files), "version": int(version)}
-
-    def _drop_old_versions(self, weights_dir: str, version: int) -> None:
-        olds = sorted(p for p in Path(weights_dir).glob("v*") if p.is_dir() and p.name != f"v{version:08d}")
-        for p in olds[: max(0, len(olds) - (self.keep_versions - 1))]:
-            shutil.rmtree(p, ignore_errors=True)
 
     def close(self, remove_files: bool = False) -> None:
         if remove_files:
@@ -326,8 +297,7 @@ def _tensor_list_source(pairs: list):
 class _ActorsClient:
     """vLLM's `VLLMWeightSyncClient` over our inference actors: every call fans out to all of them with the
     push's deadline. Unlike vLLM's RayVLLMWeightSyncClient it gives each actor its own place in the group
-    (rank_offset), so several single-worker engines can share one group, and it names the actor that
-    failed."""
+    (rank_offset), so several engines share one group, and it names the actor that failed."""
 
     def __init__(self, actors: list, timeout_s: float):
         self.actors = actors
@@ -442,11 +412,8 @@ class EngineTransfer:
         """Groups built after the first (restarted actors, failed pushes)."""
         return max(0, self.builds - 1)
 
-    def _learner_address(self) -> str:
-        import ray
-        return ray.util.get_node_ip_address()
-
     def _build(self, states: list[dict], source) -> None:
+        import ray
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
         from common.gloo_weight_transfer import GlooTrainerInitInfo, PeersMissingError
@@ -455,13 +422,13 @@ class EngineTransfer:
         group = uuid.uuid4().hex[:12]
         self.client.prepare(states, group)
         world_size = 1 + sum(s["workers"] for s in states)
+        address = ray.util.get_node_ip_address()
         if self.backend == "gloo":
-            info = GlooTrainerInitInfo(master_address=self._learner_address(), world_size=world_size,
+            info = GlooTrainerInitInfo(master_address=address, world_size=world_size,
                                        timeout_s=self.timeout_s, buffer_size_bytes=self.bucket_bytes, rank=0)
         elif self.backend == "nccl":
             # Untested here (no GPU): vLLM's own NCCL engines, over the same client.
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
-            address = self._learner_address()
             info = NCCLTrainerInitInfo(master_address=address, master_port=free_port(address),
                                        world_size=world_size, packed=True,
                                        packed_buffer_size_bytes=self.bucket_bytes, rank=0)
@@ -482,7 +449,7 @@ class EngineTransfer:
             owners = sorted({self.client.rank_owner(r) for r in exc.ranks} - {None})
             names = ", ".join(self.client.label(i) for i in owners) or f"rank(s) {exc.ranks}"
             raise TimeoutError(f"{names} did not join the gloo weight-transfer group of learner rank 0 "
-                               f"({getattr(info, 'master_address', '?')}) within {self.timeout_s:.0f} s: can its "
+                               f"({address}) within {self.timeout_s:.0f} s: can its "
                                f"node reach the learner's node on TCP? ({exc})") from exc
         self.group = group
 
@@ -594,7 +561,6 @@ class WeightTransfer:
         self.mode = ""
         self.reason = ""
         self.transport = None
-        self.pushes = 0
         self._choose(actor_states(self.actors, timeout_s))
 
     def _choose(self, states: list[dict]) -> None:
@@ -638,9 +604,8 @@ class WeightTransfer:
                  f" ({self.transport.backend})" if mode != "shm" else "", reason)
 
     def set_actors(self, inference_actors: list) -> None:
-        """Push to these inference actors from now on (`gigpo scale --inference` added or removed some). The
-        transport is built anew for them (a collective group is left by the actors it had, removed ones
-        included, and rebuilt with these at the next push; `auto` chooses again for their placement). An
+        """Push to these inference actors from now on (`gigpo scale --inference` added or removed some): the
+        old actors leave the group, the transport is built anew for these (`auto` chooses again), and an
         added actor that lacks the current weights shows in `needs_push`."""
         if not inference_actors:
             raise ValueError("a weight transfer needs inference actors")
@@ -668,7 +633,6 @@ class WeightTransfer:
         else:
             info = self.transport.push(named_tensors, version, states)
         total = time.perf_counter() - t0
-        self.pushes += 1
         return dict(info, transfer=self.mode, total_s=total, gbps=info["bytes"] / max(total, 1e-9) / 1e9)
 
     def close(self, remove_files: bool = False) -> None:
@@ -679,9 +643,8 @@ class WeightTransfer:
 
 
 def create_weight_transfer(cfg: ExperimentConfig, inference_actors: list) -> WeightTransfer:
-    """The learner's weight transfer for `cfg`: inference.weight_transfer, weight_bucket_mb,
-    transfer_timeout_s, weights_dir. Call it on learner rank 0, after the inference actors are created (it
-    asks them where they run; they answer once their engines are up)."""
+    """The learner's weight transfer for `cfg.inference`. Call it on learner rank 0 once the inference actors
+    are created (it asks them where they run; they answer once their engines are up)."""
     infer = cfg.inference
     return WeightTransfer(inference_actors, mode=infer.weight_transfer, bucket_mb=infer.weight_bucket_mb,
                           timeout_s=infer.transfer_timeout_s, shared_weights_dir=bool(infer.weights_dir))

@@ -1,28 +1,20 @@
 """The TextWorld PDDL engine that plays ALFWorld games, upstream or with memoized text generation.
 
 Upstream (`textworld.envs.pddl.PddlEnv`) spends most of a step re-parsing the same grammar templates with
-TatSu: every call to `grammar.derive` parses its start string, every conditional rule parses its condition,
-and every derivation deep-copies its symbols and their contexts. The "fast" engine keeps the upstream game
-logic (fast-downward state, applicable actions, goal check) and replaces only the text generation with an
-interpreter of the *same* parsed templates, parsed once per process:
+TatSu (every `grammar.derive` parses its start string and every rule condition, and deep-copies symbols and
+contexts). The "fast" engine keeps the upstream game logic (fast-downward state, applicable actions, goal
+check) and replaces only the text generation with an interpreter of the *same* parsed templates: templates,
+conditions and eval expressions are parsed once per process; symbols are never mutated, so nothing is
+deep-copied; the PDDL -> SAS translation (run twice per reset) and the parsed game logic are memoized.
 
-- template strings, rule conditions and eval expressions are parsed/compiled once (memoized by text);
-- symbols are never mutated, so no deep copies: a derivation is a stack of (symbol, context) pairs and a
-  context is copied only where a query binds new variables;
-- the PDDL -> SAS translation (fast-downward's Python translator, run twice per reset) is memoized per
-  (domain, problem) text, and the parsed game logic per (domain, grammar) text.
-
-Both engines can live in one process (the bench compares them so), but not run concurrently in threads of
-it: the fast engine swaps two upstream module attributes for the duration of a state construction. The env
-servers run engines in worker processes, one request at a time per process.
-
-The output is byte-identical to upstream (tests/test_env_alfworld.py replays walkthroughs both ways and
-compares every observation and admissible list). `make_engine("upstream")` gives the unmodified engine.
+The fast engine swaps upstream module attributes while it builds a state, so engines must not run
+concurrently in threads of one process (env servers run one request at a time per worker process).
+Its output is byte-identical to upstream's (tests/test_env_alfworld.py replays walkthroughs both ways).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
-import hashlib
 import json
 import threading
 from typing import Any, Mapping
@@ -42,6 +34,7 @@ try:  # The engine is an optional heavy dependency: import errors become a clear
     from textworld.envs.pddl import textgen
     from textworld.logic import Rule
     from alfworld.agents.environment.alfred_tw_env import AlfredDemangler
+    _UPSTREAM_PDDL2SAS = fast_downward.pddl2sas
     _IMPORT_ERROR: Exception | None = None
 except ImportError as exc:  # pragma: no cover - exercised only on machines without the engine
     _IMPORT_ERROR = exc
@@ -52,10 +45,6 @@ def require_engine() -> None:
     if _IMPORT_ERROR is not None:
         raise ImportError(f"{_INSTALL_HINT} ({_IMPORT_ERROR})") from _IMPORT_ERROR
 
-
-# ----------------------------------------------------------------------------------------------------------
-# Memoized parsing (process-wide; parsed objects are treated as immutable by the fast interpreter)
-# ----------------------------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=4096)
 def _parse_symbols(text: str) -> tuple:
@@ -72,10 +61,6 @@ def _parse_query(expression: str) -> "Rule":
 def _compile_eval(expression: str):
     return compile(expression, "<string>", "eval")
 
-
-# ----------------------------------------------------------------------------------------------------------
-# Text generation: an interpreter equivalent to textgen.ContextSensitiveGrammar.derive
-# ----------------------------------------------------------------------------------------------------------
 
 class FastGrammar:
     """Derives text from the production rules of an upstream ContextSensitiveGrammar.
@@ -147,76 +132,50 @@ class FastGrammar:
                     stack.append((N("list_empty"), ctx))
                     continue
                 seq = [items[0]]
-                if len(items) > 1:
-                    for item in items[1:-1]:
-                        seq.extend([(N("list_separator"), ctx), item])
-                    seq.extend([(N("list_last_separator"), ctx), items[-1]])
+                for i, item in enumerate(items[1:], 2):
+                    seq += [(N("list_last_separator" if i == len(items) else "list_separator"), ctx), item]
                 stack.extend(reversed(seq))
             else:
                 raise NotImplementedError(f"unknown symbol {symbol!r}")
         return "".join(out)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Memoized game logic and PDDL translation
-# ----------------------------------------------------------------------------------------------------------
-
-def _digest(*texts: str) -> str:
-    h = hashlib.sha1()
-    for t in texts:
-        h.update(t.encode("utf-8"))
-        h.update(b"\0")
-    return h.hexdigest()
-
-
 # Bounded: a real game's two translations and parsed logic take ~3 MB; a worker serves a few games at once.
-_LOGIC_CACHE: dict[str, Any] = {}
-_LOGIC_CACHE_MAX = 32
-_SAS_CACHE: dict[tuple, Any] = {}
-_SAS_CACHE_MAX = 64
-_SWAP_LOCK = threading.RLock()
-
-
+@functools.lru_cache(maxsize=32)
 def _game_logic(domain: str, grammar: str):
     """Parsed GameLogic per (domain, grammar), with its grammar served by FastGrammar. Shared by every
     instance in the process: the fast interpreter never mutates it."""
-    key = _digest(domain, grammar)
-    logic = _LOGIC_CACHE.get(key)
-    if logic is None:
-        logic = pddl_logic.GameLogic(domain=domain, grammar=grammar)
-        logic.grammar = FastGrammar(logic.grammar)
-        if len(_LOGIC_CACHE) >= _LOGIC_CACHE_MAX:
-            _LOGIC_CACHE.pop(next(iter(_LOGIC_CACHE)))   # oldest first
-        _LOGIC_CACHE[key] = logic
+    logic = pddl_logic.GameLogic(domain=domain, grammar=grammar)
+    logic.grammar = FastGrammar(logic.grammar)
     return logic
 
 
-def _cached_pddl2sas(original):
-    """Wraps fast_downward.pddl2sas with a memo keyed by its full input (the translation is deterministic;
-    the returned task object is only read by PddlState)."""
-    def pddl2sas(domain: str, problem: str, verbose: bool = False, optimize: bool = False):
-        key = (_digest(domain, problem), bool(optimize))
-        hit = _SAS_CACHE.get(key)
-        if hit is None:
-            hit = original(domain, problem, verbose=verbose, optimize=optimize)
-            if len(_SAS_CACHE) >= _SAS_CACHE_MAX:
-                _SAS_CACHE.pop(next(iter(_SAS_CACHE)))
-            _SAS_CACHE[key] = hit
-        return hit
-    return pddl2sas
+@functools.lru_cache(maxsize=64)
+def _memo_pddl2sas(domain: str, problem: str, verbose: bool = False, optimize: bool = False):
+    """fast_downward.pddl2sas, memoized (the translation is deterministic; PddlState only reads the task)."""
+    return _UPSTREAM_PDDL2SAS(domain, problem, verbose=verbose, optimize=optimize)
+
+
+_SWAP_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def _swapped(module, name: str, value):
+    """Set `module.name` to `value` for the duration of the block (under a lock), so that upstream engines
+    in the same process keep their own behaviour outside it."""
+    with _SWAP_LOCK:
+        original = getattr(module, name)
+        setattr(module, name, value)
+        try:
+            yield
+        finally:
+            setattr(module, name, original)
 
 
 def _new_state(downward_lib, problem: str, logic) -> "pddl_logic.PddlState":
-    """An upstream PddlState whose two PDDL->SAS translations come from the memo. The module attribute is
-    swapped only for the duration of this constructor (under a lock), so upstream engines in the same
-    process keep translating from scratch."""
-    with _SWAP_LOCK:
-        original = fast_downward.pddl2sas
-        fast_downward.pddl2sas = _cached_pddl2sas(original)
-        try:
-            return pddl_logic.PddlState(downward_lib, problem, logic)
-        finally:
-            fast_downward.pddl2sas = original
+    """An upstream PddlState whose two PDDL->SAS translations come from the memo."""
+    with _swapped(fast_downward, "pddl2sas", _memo_pddl2sas):
+        return pddl_logic.PddlState(downward_lib, problem, logic)
 
 
 if _IMPORT_ERROR is None:
@@ -243,13 +202,8 @@ if _IMPORT_ERROR is None:
             # Upstream's reset rebuilds the state with a plain PddlState (two translations); build it from the
             # memo instead, then run upstream's reset body on top of it.
             self._pddl_state = _new_state(self.downward_lib, self._game_data["pddl_problem"], self._logic)
-            original = pddl_logic.PddlState
-            with _SWAP_LOCK:
-                pddl_logic.PddlState = lambda *a, **k: self._pddl_state
-                try:
-                    return super().reset()
-                finally:
-                    pddl_logic.PddlState = original
+            with _swapped(pddl_logic, "PddlState", lambda *a, **k: self._pddl_state):
+                return super().reset()
 
 
 def make_engine(engine: str = "fast"):

@@ -1,26 +1,23 @@
 """ALFWorld as a TextEnv: real TextWorld PDDL games, from the standard game set or generated locally.
 
-Task ids:
-- source "data": the game directory relative to the game-set root `$ALFWORLD_DATA/json_2.1.1`, e.g.
-  `valid_unseen/pick_and_place_simple-Mug-None-Desk-308/trial_T20190908_125200_737896`. An absolute path
-  to a game directory or `game.tw-pddl` file also works (any split, any source).
-- source "generated": `gen/<split>/<index>` (e.g. `gen/train/00017`), built in memory by
-  `env_servers.alfworld_gen` from the generator options; the same options give the same games everywhere.
-
+Task ids: source "data": the game directory under `$ALFWORLD_DATA/json_2.1.1`, e.g.
+`valid_unseen/pick_and_place_simple-Mug-None-Desk-308/trial_T20190908_125200_737896` (an absolute path to a
+game directory or `game.tw-pddl` also works); source "generated": `gen/<split>/<index>` (e.g.
+`gen/train/00017`), built in memory by `env_servers.alfworld_gen`, the same games everywhere.
 Splits: "train", "valid_seen", "valid_unseen", "valid_train", and "eval" = "valid_unseen" (the paper's
 ALFWorld table). Generated games have "train" and "eval" (valid_seen/valid_unseen are aliases of eval).
 
-Reports: `observation` and `anchor` are the TextWorld feedback without its constant banner (at reset:
-the room description and the task; afterwards e.g. "You arrive at desk 1. On the desk 1, you see ..." or
-"Nothing happens."). `admissible_actions` is the engine's list without "help". `reward` and `score` are
-1.0 on the step that wins (the rollout applies its own success reward), `done` = won.
+Reports: `observation` = `anchor` = the TextWorld feedback without its constant banner (at reset the room
+and the task; afterwards e.g. "You arrive at desk 1. ..." or "Nothing happens."); `admissible_actions` is
+the engine's list without "help"; `reward` and `score` are 1.0 on the winning step (the rollout applies
+its own success reward); `done` = won.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import os
-from collections import OrderedDict
 from pathlib import Path
 
 from common.config import EnvConfig, choices
@@ -81,8 +78,7 @@ class ALFWorldEnv:
     """One ALFWorld game instance (TextEnv). Blocking; not thread-safe (one caller at a time)."""
 
     def __init__(self, data_dir: str | None = None, source: str = "data", engine: str = "fast",
-                 generator: dict | GeneratorOptions | None = None, num_generated_games: int = 64,
-                 num_eval_games: int | None = None, seed: int = 0):
+                 generator: dict | GeneratorOptions | None = None, num_generated_games: int = 64, seed: int = 0):
         if source not in choices(EnvConfig, "source"):
             raise ValueError(f"ALFWorld source {source!r}: choose one of {choices(EnvConfig, 'source')}")
         if engine not in ENGINES:
@@ -94,23 +90,19 @@ class ALFWorldEnv:
         self.game_root = os.path.join(self.data_dir, GAME_SET)
         self.options = (generator if isinstance(generator, GeneratorOptions)
                         else GeneratorOptions.from_dict(generator))
-        self.num_generated = {"train": int(num_generated_games),
-                              "eval": int(num_eval_games if num_eval_games is not None
-                                          else max(8, num_generated_games // 4))}
+        self.num_generated = {"train": int(num_generated_games), "eval": int(max(8, num_generated_games // 4))}
         self.seed = seed
         self._engine = make_engine(engine)
         self._loaded: str | None = None          # task id whose game the engine holds
-        self._games: OrderedDict[str, dict] = OrderedDict()   # generated games, most recent last
+        # Generated games by (split, index): generation is deterministic, so a cache only saves time.
+        self._generated = functools.lru_cache(maxsize=128)(
+            lambda split, index: generate_game(self.options, game_seed(self.options, split, index)))
         self._task_id: str | None = None
         self._task_type = ""
         self._task = ""
         self._admissible: list[str] = []
         self._steps = 0
         self._won = False
-
-    # ------------------------------------------------------------------------------------------------
-    # Tasks
-    # ------------------------------------------------------------------------------------------------
 
     def task_ids(self, split: str) -> list[str]:
         if self.source == "generated":
@@ -128,8 +120,8 @@ class ALFWorldEnv:
         if not os.path.isdir(self.game_root):
             raise FileNotFoundError(f"ALFWorld games not found under {self.game_root}: {MAKE_DATA_HINT}")
 
-    def _resolve(self, task_id: str) -> tuple[object, str, dict | None]:
-        """(what the engine loads: path or game dict, task type, game dict for generated games)."""
+    def _resolve(self, task_id: str) -> tuple[str | dict, str]:
+        """(what the engine loads: a game file path or a generated game dict, task type)."""
         if not isinstance(task_id, str) or not task_id:
             raise KeyError(f"task id must be a non-empty string, got {task_id!r}")
         if os.path.isabs(task_id):
@@ -138,22 +130,15 @@ class ALFWorldEnv:
             if not path.is_file():
                 raise KeyError(f"no ALFWorld game file at {path}")
             return str(path), task_type_of(path.parent.parent.name if path.parent.name.startswith("trial")
-                                           else path.parent.name), None
+                                           else path.parent.name)
         if task_id.startswith("gen/"):
             parts = task_id.split("/")
             # Any index names a game (generation is deterministic); task_ids() lists the configured count.
             if not (len(parts) == 3 and parts[1] in self.num_generated and parts[2].isdigit()):
                 raise KeyError(f"unknown generated task id {task_id!r}; ids look like gen/train/00017 or "
                                f"gen/eval/00003")
-            game = self._games.get(task_id)
-            if game is None:
-                game = generate_game(self.options, game_seed(self.options, parts[1], int(parts[2])))
-                self._games[task_id] = game
-                while len(self._games) > 128:
-                    self._games.popitem(last=False)
-            else:
-                self._games.move_to_end(task_id)
-            return game, game["task_type"], game
+            game = self._generated(parts[1], int(parts[2]))
+            return game, game["task_type"]
         if self.source == "generated" and not os.path.isdir(self.game_root):
             raise KeyError(f"unknown ALFWorld task id {task_id!r}: generated game ids look like gen/train/00017 "
                            f"or gen/eval/00003 (list them with task_ids(split))")
@@ -166,14 +151,10 @@ class ALFWorldEnv:
             raise KeyError(f"unknown ALFWorld task id {task_id!r}: no {GAME_FILE} under {self.game_root}. Ids "
                            f"look like valid_unseen/<task_type>-<Object>-...-<scene>/trial_...; list them with "
                            f"task_ids(split) (splits {DATA_SPLITS})")
-        return str(path), task_type_of(parts[1]), None
-
-    # ------------------------------------------------------------------------------------------------
-    # Playing
-    # ------------------------------------------------------------------------------------------------
+        return str(path), task_type_of(parts[1])
 
     def reset(self, task_id: str, seed: int = 0) -> EnvReport:
-        game, task_type, game_dict = self._resolve(task_id)
+        game, task_type = self._resolve(task_id)
         if self._loaded != task_id:
             self._loaded = None
             self._engine.load(game)
@@ -182,15 +163,14 @@ class ALFWorldEnv:
         self._task_id, self._task_type, self._steps, self._won = task_id, task_type, 0, False
         text = self._clean(state.feedback)
         self._task = text.split(TASK_PREFIX, 1)[1].strip().rstrip(".") if TASK_PREFIX in text else ""
-        walkthrough = (game_dict or {}).get("walkthrough") or getattr(self._engine.unwrapped, "walkthrough", None)
+        walkthrough = self._engine.unwrapped.walkthrough   # the game's solution, when it carries one
         return self._report(state, text, reward=0.0, admissible=True,
                             extra={"seed": seed, "walkthrough": list(walkthrough or [])})
 
     def step(self, action: str) -> EnvReport:
         if self._task_id is None:
             raise RuntimeError("ALFWorldEnv.step() before reset(): reset the instance to a task first")
-        action = action if isinstance(action, str) else str(action)
-        command = action.strip()
+        command = str(action).strip()
         admissible = command in self._admissible
         state, _, _ = self._engine.step(command)   # unknown commands: the engine answers "Nothing happens."
         self._steps += 1
@@ -201,8 +181,7 @@ class ALFWorldEnv:
 
     @staticmethod
     def _clean(feedback: str) -> str:
-        text = feedback[len(BANNER):] if feedback.startswith(BANNER) else feedback
-        return text.strip()
+        return feedback.removeprefix(BANNER).strip()
 
     def _report(self, state, text: str, reward: float, admissible: bool, extra: dict) -> EnvReport:
         self._admissible = [a for a in state["admissible_commands"] if a not in HIDDEN_ACTIONS]

@@ -1,19 +1,17 @@
 """Small ALFWorld games, generated from the PDDL domain and grammar that the alfworld package ships.
 
-A generated game is one room with a few receptacles and objects and one of ALFWorld's six task types. It is
-written in the same `game.tw-pddl` format as the standard game set (JSON: `pddl_domain`, `grammar`,
-`pddl_problem`, `solvable`, `walkthrough`) and plays on the same engine. Every game is solvable by
-construction and carries its solution; generation is deterministic from the seed.
+A game is one room with a few receptacles and objects and one of ALFWorld's six task types, in the standard
+`game.tw-pddl` format (JSON: `pddl_domain`, `grammar`, `pddl_problem`, `solvable`, `walkthrough`), so it
+plays on the same engine. Solvable by construction, it carries its solution; generation is deterministic:
 
     game = generate_game(GeneratorOptions.tiny(), seed=3)     # dict, loadable by the engine directly
-    write_games("/tmp/games", 8, GeneratorOptions(), seed=0)  # <dir>/<task_type>-.../game.tw-pddl
+    write_games("/tmp/games", 8, GeneratorOptions())          # <dir>/train/<task_type>-.../game.tw-pddl
 
-The tiny setting (one room, 3-5 receptacles, 1-3 objects, pick_and_place_simple) gives games a random
-policy over the admissible actions sometimes wins within 10-15 steps.
+In the tiny setting (one room, 3-5 receptacles, 1-3 objects, pick_and_place_simple) a random policy over
+the admissible actions sometimes wins within 10-15 steps.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import hashlib
 import json
@@ -160,7 +158,8 @@ class _Scene:
         return dict(self.receptacles)[rid]
 
 
-def _goal(task_type: str, obj: str, target: str, tool_pred: str | None, tool_prop: str | None) -> str:
+def _goal(task_type: str, obj: str, target: str, tool: tuple | None) -> str:
+    """The PDDL goal; `tool` is the task type's TASK_TOOL entry (None when it has none)."""
     if task_type == "look_at_obj_in_light":
         return (f"(and (exists (?ot - object ?r - receptacle ?a - agent ?l - location) (and "
                 f"(objectType ?ot {target}Type) (toggleable ?ot) (isToggled ?ot) (receptacleAtLocation ?r ?l) "
@@ -171,7 +170,7 @@ def _goal(task_type: str, obj: str, target: str, tool_pred: str | None, tool_pro
                 f"(receptacleType ?r {target}Type) (inReceptacle ?o1 ?r) (exists (?o2 - object) (and "
                 f"(not (= ?o1 ?o2)) (objectType ?o2 {obj}Type) (receptacleType ?r {target}Type) "
                 f"(inReceptacle ?o2 ?r)))))))")
-    extra = f"({tool_prop} ?o) ({tool_pred} ?o) " if tool_pred else ""
+    extra = f"({tool[3]} ?o) ({tool[2]} ?o) " if tool else ""
     return (f"(and (exists (?r - receptacle) (exists (?o - object) (and {extra}(objectType ?o {obj}Type) "
             f"(receptacleType ?r {target}Type) (inReceptacle ?o ?r)))))")
 
@@ -194,9 +193,7 @@ def generate_game(options: GeneratorOptions | None = None, seed: int = 0) -> dic
 
     # Receptacles: what the task needs, then the room's others (a kind may repeat, like "drawer 2").
     pool = [k for k in ROOM_RECEPTACLES[room] if options.openable or k not in openable]
-    needed: list[str] = []
-    if task_type in TASK_TOOL:
-        needed.append(TASK_TOOL[task_type][0])
+    needed = [tool[0]] if tool else []
     if task_type == "look_at_obj_in_light":
         needed.append(rng.choice([r for r in LAMP_RECEPTACLES if r in pool] or list(LAMP_RECEPTACLES)))
     kinds = list(needed)
@@ -247,10 +244,7 @@ def generate_game(options: GeneratorOptions | None = None, seed: int = 0) -> dic
         facts += [f"(receptacleType {rid} {kind}Type)", f"(receptacleAtLocation {rid} {loc[rid]})"]
         if kind in openable:
             facts.append(f"(openable {rid})")
-    for rk in rtypes:
-        for ok in otypes:
-            if ok in can_hold.get(rk, set()):
-                facts.append(f"(canContain {rk}Type {ok}Type)")
+    facts += [f"(canContain {rk}Type {ok}Type)" for rk in rtypes for ok in otypes if ok in can_hold.get(rk, set())]
     for oid, kind in scene.objects:
         rid = scene.inside[oid]
         facts += [f"(objectType {oid} {kind}Type)", f"(inReceptacle {oid} {rid})",
@@ -259,14 +253,12 @@ def generate_game(options: GeneratorOptions | None = None, seed: int = 0) -> dic
             facts.append(f"(toggleable {oid})")
             continue
         facts.append(f"(pickupable {oid})")
-        for prop, pred in (("Cleanable", "cleanable"), ("Heatable", "heatable"), ("Coolable", "coolable")):
-            if kind in props[prop]:
-                facts.append(f"({pred} {oid})")
+        facts += [f"({prop.lower()} {oid})" for prop in ("Cleanable", "Heatable", "Coolable") if kind in props[prop]]
 
     objects = (["agent1 - agent"] + [f"{i} - object" for i, _ in scene.objects]
                + [f"{t}Type - otype" for t in otypes] + [f"{i} - receptacle" for i, _ in scene.receptacles]
-               + [f"{t}Type - rtype" for t in rtypes] + [f"{start} - location"] + [f"{l} - location" for l in loc.values()])
-    goal = _goal(task_type, obj_kind, target, tool[2] if tool else None, tool[3] if tool else None)
+               + [f"{t}Type - rtype" for t in rtypes] + [f"{x} - location" for x in [start, *loc.values()]])
+    goal = _goal(task_type, obj_kind, target, tool)
     problem = ("(define (problem gen_%d)\n(:domain alfred)\n(:objects\n  %s\n)\n(:init\n  %s\n)\n(:goal %s)\n)\n"
                % (seed, "\n  ".join(objects), "\n  ".join(facts), goal))
 
@@ -322,7 +314,7 @@ def game_seed(options: GeneratorOptions, split: str, index: int) -> int:
 
 
 def game_name(game: dict, index: int) -> str:
-    """Directory name in ALFWorld's style: <task_type>-<Object>-None-<Target>-gen<index>."""
+    """Directory name: <task_type>-<Object>-gen<index>, Object being the type of the problem's last object."""
     problem = game["pddl_problem"]
     kinds = [line.split()[-1][:-5] for line in problem.splitlines() if line.strip().startswith("(objectType")]
     return f"{game['task_type']}-{kinds[-1] if kinds else 'None'}-gen{index:05d}"
@@ -343,18 +335,3 @@ def write_games(out_dir: str | os.PathLike, count: int, options: GeneratorOption
         paths.append(str(path))
     return paths
 
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Write small generated ALFWorld games (game.tw-pddl).")
-    parser.add_argument("out_dir")
-    parser.add_argument("--count", type=int, default=16)
-    parser.add_argument("--split", default="train")
-    parser.add_argument("--options", default="{}", help='JSON generator options, e.g. {"preset": "default"}')
-    args = parser.parse_args(argv)
-    paths = write_games(args.out_dir, args.count, GeneratorOptions.from_dict(json.loads(args.options)),
-                        args.split)
-    print(f"wrote {len(paths)} games under {args.out_dir}/{args.split}")
-
-
-if __name__ == "__main__":
-    main()

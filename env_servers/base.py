@@ -1,10 +1,6 @@
-"""The one environment interface every text environment implements.
-
-A text agent resets an environment to a task and steps it with action strings. Every report carries what
-the rollout plane needs to build prompts and GiGPO's anchor groups: the observation text, the anchor key
-(the raw observation, without history or templates), the admissible actions, reward, done/won, and whether
-the action was admissible.
-"""
+"""The one interface every text environment implements: reset to a task, step with action strings. Each
+report carries what the rollout plane needs for prompts and GiGPO's anchor groups (observation, anchor key,
+admissible actions, reward, done/won, whether the action was admissible)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,17 +1,12 @@
 """`python -m env_servers.data prepare`: put the environments' data in place (what `make data` runs).
 
-ALFWorld: unpacks `json_2.1.1.tar.xz` ($ALFWORLD_SOURCE: a local copy of the archive) into $ALFWORLD_DATA,
-or runs `alfworld-download` (needs internet) when no archive is given. Then, once per game set, it rebuilds
-the per-game metadata ALFWorld's own loader (`AlfredTWEnv`) wants, `traj_data.json` (task_type and
-pddl_params from the directory name `<task_type>-<Object>-<MovableRecep>-<ParentTarget>-<scene>`), and
-writes `index.json`: the solvable games of every split, which `ALFWorldEnv.task_ids` reads.
-WebShop: `env_servers.webshop.data.prepare` into $WEBSHOP_DATA: a copy of $WEBSHOP_SOURCE, else a download of
-the original files (Google Drive, or $WEBSHOP_BASE_URL), each checked by sha256.
+ALFWorld: unpack `json_2.1.1.tar.xz` ($ALFWORLD_SOURCE) into $ALFWORLD_DATA, else run `alfworld-download`
+(needs internet); then write each game's `traj_data.json` (ALFWorld's loader wants it; rebuilt from the
+directory name `<task_type>-<Object>-<MovableRecep>-<ParentTarget>-<scene>`) and `index.json`, the solvable
+games of every split (what `ALFWorldEnv.task_ids` reads). WebShop: `env_servers.webshop.data.prepare`.
 
-Idempotent: a prepared game set (index.json present) and a catalog in place are left alone, so a second run
-takes well under a second. Exit status 2, one line on stderr per data set, when data cannot be had here
-(no local copy given and no network, a download that is not the expected file): the line says how to
-provide it instead.
+Idempotent: a prepared game set (index.json present) and a catalog in place are left alone. Exit status 2,
+one line on stderr per data set, when data cannot be had here; the line says how to provide it instead.
 """
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ from common.config import EnvConfig, choices
 from env_servers.base import TextEnv
 
 ENV_NAMES = choices(EnvConfig, "name")
+_MODULES = {"alfworld": "env_servers.alfworld_env", "webshop": "env_servers.webshop.env"}
 
 
 def make_env(env_cfg: EnvConfig, seed: int = 0) -> TextEnv:
@@ -24,8 +25,4 @@ def make_env(env_cfg: EnvConfig, seed: int = 0) -> TextEnv:
 
 def preload_modules(env_cfg: EnvConfig) -> list[str]:
     """Modules worth importing once in a fork server before env worker processes start (slow imports)."""
-    if env_cfg.name == "alfworld":
-        return ["env_servers.alfworld_env"]
-    if env_cfg.name == "webshop":
-        return ["env_servers.webshop.env"]
-    return []
+    return [_MODULES[env_cfg.name]] if env_cfg.name in _MODULES else []

@@ -1,19 +1,18 @@
 """The env pool: many environment instances behind batched reset/step calls, hosted by each rollout actor.
 
-`EnvPool` hosts `num_instances` instances in worker subprocesses (`EnvConfig.instances_per_process` each;
-instance i lives in worker i // instances_per_process). The TextWorld engine keeps C state in a shared
-library and is slow Python, so processes give both isolation and parallelism; worker processes are forked
-from a fork server that imported the engine once, so starting or restarting one takes milliseconds.
+Instances live in worker subprocesses (instance i in worker i // `EnvConfig.instances_per_process`): the
+TextWorld engine keeps C state in a shared library and is slow Python, so processes give isolation and
+parallelism. Workers are forked from a fork server that imported the engine once (milliseconds to start).
 
-Each worker has a proxy thread in the pool's process that sends it one request at a time and waits for the
-answer at most `EnvConfig.step_timeout_s`. A worker that dies (EOF on its pipe) or hangs (timeout) is killed
-and started again; the request that found it so gets an `InstanceResult` with `error` set and
-`restarted=True`, and so does the next step of every other instance it hosted (their episodes were lost with
-the process; a reset starts them afresh). Errors raised by an environment itself (an unknown task id, a step
-before reset) come back in `error` with `restarted=False`; nothing in a batch raises.
+A proxy thread per worker sends it one request at a time and waits at most `EnvConfig.step_timeout_s`. A
+worker that dies or hangs is restarted; the request that found it so, and the next step of every other
+instance it hosted (their episodes died with it), get an `InstanceResult` with `error` and `restarted=True`.
+An environment's own errors (unknown task id, step before reset) come back in `error` with
+`restarted=False`; nothing in a batch raises.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing
 import os
@@ -38,10 +37,6 @@ class InstanceResult:
     restarted: bool = False
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Worker process
-# ----------------------------------------------------------------------------------------------------------
-
 def _worker_main(conn, env_cfg: EnvConfig, seed: int) -> None:
     """Serve requests for the instances of one worker until told to close or the pipe closes."""
     from env_servers.registry import make_env
@@ -58,35 +53,29 @@ def _worker_main(conn, env_cfg: EnvConfig, seed: int) -> None:
         try:
             if op == "reset":
                 _, instance, task_id, task_seed = msg
-                env = envs.get(instance)
-                if env is None:
-                    env = envs[instance] = make_env(env_cfg, seed=seed * 100003 + instance)
-                result = env.reset(task_id, task_seed)
+                if instance not in envs:
+                    envs[instance] = make_env(env_cfg, seed=seed * 100003 + instance)
+                result = envs[instance].reset(task_id, task_seed)
             elif op == "step":
                 _, instance, action = msg
-                env = envs.get(instance)
-                if env is None:
+                if instance not in envs:
                     raise RuntimeError(f"instance {instance} was never reset in this worker: reset it first")
-                result = env.step(action)
+                result = envs[instance].step(action)
             elif op == "task_ids":
                 lister = lister or next(iter(envs.values()), None) or make_env(env_cfg, seed=seed)
                 result = lister.task_ids(msg[1])
-            elif op == "pid":
-                result = os.getpid()
             else:
                 raise ValueError(f"unknown request {op!r}")
             conn.send(("ok", result))
         except Exception as exc:   # an env's own error goes back to its caller; the worker lives on
             conn.send(("err", f"{type(exc).__name__}: {exc}"))
     for env in envs.values():
-        try:
+        with contextlib.suppress(Exception):
             env.close()
-        except Exception:
-            pass
 
 
 class _WorkerLost(Exception):
-    pass
+    """The worker process died or hung."""
 
 
 class _Worker:
@@ -113,15 +102,11 @@ class _Worker:
         self.conn = parent
 
     def _kill_and_restart(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.process.kill()
             self.process.join(timeout=5)
-        except Exception:
-            pass
-        try:
+        with contextlib.suppress(Exception):
             self.conn.close()
-        except Exception:
-            pass
         self.restarts += 1
         self.metrics.inc("env_restarts")
         self.lost.update(self.instances)
@@ -140,7 +125,7 @@ class _Worker:
                 raise _WorkerLost(f"env worker {self.index} did not answer {msg[0]} within {self.timeout_s:g}s "
                                   f"(hung); restarted")
             return self.conn.recv()
-        except (EOFError, OSError, BrokenPipeError) as exc:
+        except (EOFError, OSError) as exc:   # BrokenPipeError is an OSError
             code = self.process.exitcode
             raise _WorkerLost(f"env worker {self.index} died (exit code {code}; {type(exc).__name__}); "
                               f"restarted") from None
@@ -178,34 +163,27 @@ class _Worker:
                 fut.set_exception(exc) if instance is None else fut.set_result(
                     InstanceResult(instance, None, f"{type(exc).__name__}: {exc}"))
                 continue
-            if op == "reset" and status == "ok":
-                self.lost.discard(instance)
-            if status != "ok":
+            ok = status == "ok"
+            if not ok:
                 self.metrics.inc("env_errors")
+            elif op == "reset":
+                self.lost.discard(instance)
             if instance is None:
-                fut.set_result(payload) if status == "ok" else fut.set_exception(RuntimeError(payload))
-            elif status == "ok":
-                fut.set_result(InstanceResult(instance, payload))
+                fut.set_result(payload) if ok else fut.set_exception(RuntimeError(payload))
             else:
-                fut.set_result(InstanceResult(instance, None, payload))
+                fut.set_result(InstanceResult(instance, payload) if ok else InstanceResult(instance, None, payload))
 
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=self.timeout_s + 5)
-        try:
+        with contextlib.suppress(Exception):
             self.conn.send(("close",))
-        except Exception:
-            pass
         self.process.join(timeout=5)
         if self.process.is_alive():
             self.process.kill()
             self.process.join(timeout=5)
         self.conn.close()
 
-
-# ----------------------------------------------------------------------------------------------------------
-# Pool
-# ----------------------------------------------------------------------------------------------------------
 
 _CTX_LOCK = threading.Lock()
 
@@ -234,19 +212,17 @@ class EnvPool:
         pool's process id; a rollout actor's in-process pool passes the actor's id)."""
         if num_instances < 1:
             raise ValueError(f"num_instances must be >= 1, got {num_instances}")
-        per = max(1, int(env_cfg.instances_per_process))
+        self._per = per = max(1, int(env_cfg.instances_per_process))
         self.env_cfg, self.num_instances, self.seed = env_cfg, num_instances, seed
         self.metrics = ActorMetrics("env_server", metrics_id or f"pid{os.getpid()}")
         # Healthy pools export 0 rather than nothing: the dashboard's error panel then shows a flat line.
         self.metrics.zero("env_errors")
         self.metrics.zero("env_restarts")
         ctx = _context(env_cfg)
-        n_workers = math.ceil(num_instances / per)
         self._workers = [
             _Worker(ctx, w, range(w * per, min(num_instances, (w + 1) * per)), env_cfg, seed * 1009 + w,
                     float(env_cfg.step_timeout_s), self.metrics)
-            for w in range(n_workers)]
-        self._per = per
+            for w in range(math.ceil(num_instances / per))]
         self._task_ids: dict[str, list[str]] = {}
         self._closed = False
 
@@ -260,7 +236,7 @@ class EnvPool:
             return self._worker_of(msg[1]).submit(msg)
         except IndexError as exc:
             fut: Future = Future()
-            fut.set_result(InstanceResult(msg[1] if isinstance(msg[1], int) else -1, None, str(exc)))
+            fut.set_result(InstanceResult(msg[1], None, str(exc)))
             return fut
 
     # Futures API (used by the Ray actor to await without blocking its event loop).
@@ -270,8 +246,7 @@ class EnvPool:
 
     def submit_steps(self, requests: list[tuple[int, str]]) -> list[Future]:
         self._check_open()
-        return [self._submit(("step", int(i), action if isinstance(action, str) else str(action)))
-                for i, action in requests]
+        return [self._submit(("step", int(i), str(action))) for i, action in requests]
 
     # Blocking API.
     def reset_batch(self, requests: list[tuple[int, str, int]]) -> list[InstanceResult]:

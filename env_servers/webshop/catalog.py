@@ -1,16 +1,11 @@
-"""Loading WebShop's product catalog from the original file schema.
+"""Loading WebShop's product catalog from the original file schema (`PRODUCT_FILES`, `ATTRIBUTE_FILES`):
+items_shuffle*.json (products), items_ins_v2*.json ({asin: {attributes, [instruction,
+instruction_attributes]}}), items_human_ins.json ({asin: [{instruction, instruction_attributes,
+instruction_options}]}, optional) and reviews.json (optional; without it pages say "N.A.").
 
-Files (names as the original WebShop ships them; see `PRODUCT_FILES` / `ATTRIBUTE_FILES`):
-  items_shuffle*.json   list of products: asin, name, category, query, product_category,
-                        full_description, small_description (bullet points), pricing, customization_options
-  items_ins_v2*.json    {asin: {attributes, [instruction, instruction_attributes]}}
-  items_human_ins.json  {asin: [{instruction, instruction_attributes, instruction_options}, ...]} (optional)
-  reviews.json          [{asin, reviews: [...], average_rating}] (optional; without it pages say "N.A.")
-
-Field handling follows the original loader: duplicate asins and asins longer than 10 characters (or "nan")
-are skipped; option values are stripped, lower-cased and "/" becomes " | "; an option whose value list is
-null is dropped; prices are parsed by splitting on "$" and removing every character that is not a digit
-or "."; products without attributes get ["DUMMY_ATTR"].
+As the original loader does: duplicate asins and asins longer than 10 characters (or "nan") are skipped;
+option values are stripped, lower-cased and "/" becomes " | "; options with a null value list are dropped;
+products without attributes get ["DUMMY_ATTR"]. Prices: see `parse_pricing`.
 """
 from __future__ import annotations
 
@@ -20,8 +15,7 @@ import re
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 
-# Looked up in this order inside a data directory: the full catalog first, then the 1,000-product one,
-# then the small generated sample shipped with this package.
+# Looked up in this order: the full catalog, the 1,000-product one, the generated sample of this package.
 PRODUCT_FILES = ("items_shuffle.json", "items_shuffle_1000.json", "items_shuffle_sample.json")
 ATTRIBUTE_FILES = ("items_ins_v2.json", "items_ins_v2_1000.json", "items_ins_v2_sample.json")
 HUMAN_GOALS_FILE = "items_human_ins.json"
@@ -84,6 +78,13 @@ def has_catalog(data_dir: str | None) -> bool:
         find_file(data_dir, PRODUCT_FILES) is not None and find_file(data_dir, ATTRIBUTE_FILES) is not None
 
 
+def require_catalog(data_dir: str, hint: str = "") -> None:
+    """FileNotFoundError unless data_dir holds a catalog."""
+    if not has_catalog(data_dir):
+        raise FileNotFoundError(
+            f"no WebShop catalog in {data_dir!r}: need one of {PRODUCT_FILES} and one of {ATTRIBUTE_FILES}{hint}")
+
+
 def _read_json(path: str):
     try:
         with open(path, encoding="utf-8") as f:
@@ -96,11 +97,8 @@ def load_products(data_dir: str, human_goals: bool = False, num_products: int | 
     """Load the catalog of `data_dir` (see module docstring). `human_goals` also reads the human
     instruction file, which must then exist. `num_products` keeps only the first N raw entries, as the
     original does."""
-    products_path = find_file(data_dir, PRODUCT_FILES)
-    attrs_path = find_file(data_dir, ATTRIBUTE_FILES)
-    if products_path is None or attrs_path is None:
-        raise FileNotFoundError(
-            f"no WebShop catalog in {data_dir!r}: need one of {PRODUCT_FILES} and one of {ATTRIBUTE_FILES}")
+    require_catalog(data_dir)
+    products_path, attrs_path = find_file(data_dir, PRODUCT_FILES), find_file(data_dir, ATTRIBUTE_FILES)
     raw = _read_json(products_path)
     if not isinstance(raw, list):
         raise ValueError(f"{products_path}: expected a list of products, got {type(raw).__name__}")
@@ -132,18 +130,13 @@ def load_products(data_dir: str, human_goals: bool = False, num_products: int | 
             pricing, price_tag = parse_pricing(p.get("pricing"))
         except ValueError as exc:
             raise ValueError(f"{products_path}: product {asin}: {exc}") from exc
-        options: dict[str, list[str]] = {}
-        for name, contents in (p.get("customization_options") or {}).items():
-            if contents is None:
-                continue
-            options[name.lower()] = [c["value"].strip().replace("/", " | ").lower() for c in contents]
+        options = {name.lower(): [c["value"].strip().replace("/", " | ").lower() for c in contents]
+                   for name, contents in (p.get("customization_options") or {}).items() if contents is not None}
         bullets = p.get("small_description")
         bullets = bullets if isinstance(bullets, list) else [bullets if bullets is not None else ""]
         entry = attributes.get(asin, {})
-        product_reviews = []
-        for r in reviews.get(asin, []):
-            product_reviews.append({"title": r.get("title", ""), "score": r.get("score", r.get("stars", 0)),
-                                    "body": r.get("body", r.get("review", ""))})
+        product_reviews = [{"title": r.get("title", ""), "score": r.get("score", r.get("stars", 0)),
+                            "body": r.get("body", r.get("review", ""))} for r in reviews.get(asin, [])]
         products.append(Product(
             asin=asin,
             title=p.get("name") or "",

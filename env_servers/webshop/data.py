@@ -1,11 +1,6 @@
-"""Where WebShop data comes from.
-
-`prepare(dest)` puts the catalog into `dest` (what `make data` calls): a copy of a local folder when one is
-given (`source`, else $WEBSHOP_SOURCE), else a download of the original WebShop project's published files
-(`download`: from Google Drive, or from $WEBSHOP_BASE_URL, each file checked by sha256). A catalog already
-in `dest` is kept as it is when no local folder is given.
-`resolve_data_dir` picks the catalog an env uses: an explicit directory, else $WEBSHOP_DATA when it holds
-a catalog, else the small generated sample shipped in this package (sample/, made by sample_catalog.py).
+"""Where WebShop data comes from. `prepare(dest)` (what `make data` calls) puts the catalog into `dest`;
+`resolve_data_dir` picks the catalog an env uses: an explicit directory, else $WEBSHOP_DATA when it holds a
+catalog, else the small generated sample shipped in this package (sample/, made by sample_catalog.py).
 """
 from __future__ import annotations
 
@@ -20,7 +15,7 @@ import urllib.request
 from pathlib import Path
 
 from env_servers.webshop.catalog import (ATTRIBUTE_FILES, HUMAN_GOALS_FILE, PRODUCT_FILES, REVIEWS_FILE,
-                                          has_catalog)
+                                          has_catalog, require_catalog)
 
 SAMPLE_DIR = str(Path(__file__).resolve().parent / "sample")
 _DATA_FILES = PRODUCT_FILES + ATTRIBUTE_FILES + (HUMAN_GOALS_FILE, REVIEWS_FILE, "README.md")
@@ -28,27 +23,19 @@ _DATA_FILES = PRODUCT_FILES + ATTRIBUTE_FILES + (HUMAN_GOALS_FILE, REVIEWS_FILE,
 SOURCE_ENV = "WEBSHOP_SOURCE"       # a local folder holding the files: copied, nothing downloaded
 BASE_URL_ENV = "WEBSHOP_BASE_URL"   # a mirror: each file is fetched from <base>/<file name>
 
-# What `download` fetches: the files of WebShop's 1,000-product setting (what princeton-nlp/WebShop's
-# setup.sh fetches for `-d small`) and its human instructions, which this package's loader reads with
-# human_goals=True (catalog.py). The full catalog (items_shuffle.json, ~5.5 GB) is never fetched.
-# The Google Drive file ids are the ones princeton-nlp/WebShop's setup.sh names.
+# What `download` fetches: WebShop's 1,000-product setting (princeton-nlp/WebShop's setup.sh `-d small`,
+# whose Google Drive ids these are) and its human instructions; never the full ~5.5 GB catalog.
 DRIVE_IDS: dict[str, str] = {
     "items_shuffle_1000.json": "1EgHdxQ_YxqIQlvvq5iKlCrkEKR6-j0Ib",
     "items_ins_v2_1000.json": "1IduG0xl544V_A_jv3tHXC0kyFi7PnyBu",
     HUMAN_GOALS_FILE: "14Kb5SPBk_jfdLZ_CDBNitW98QLDlKR5O",
 }
-# Google Drive's direct-download link of a small file. Not reachable from the machine this was written on
-# (no internet there): the download from Drive itself is untested; the tests serve files from a local
-# HTTP server through $WEBSHOP_BASE_URL, the same code path.
+# Google Drive's direct-download link of a small file. Untested from here (no internet): the tests serve
+# the files from a local HTTP server through $WEBSHOP_BASE_URL, the same code path.
 DRIVE_URL = "https://drive.google.com/uc?export=download&id={id}"
 # sha256 of each original file; a downloaded file must match it, whichever URL it came from.
-# - items_ins_v2_1000.json: computed from a local copy that is byte-identical to the published file (the
-#   README of the development machine's copy says so); other public projects pin the same value.
-# - items_shuffle_1000.json (4,467,013 bytes) and items_human_ins.json (5,137,548 bytes): no copy of the
-#   original files was at hand (the development machine's products file is rebuilt from a search index,
-#   not the published file). These are the values that several independent public projects pin for these
-#   Drive files (download scripts and data manifests on GitHub); the same projects pin the value above for
-#   items_ins_v2_1000.json, which the local copy confirms. Not checked against Drive from here.
+# items_ins_v2_1000.json's was computed from a copy of the published file; the other two (4,467,013 and
+# 5,137,548 bytes) are what several public projects pin for these Drive files, not checked from here.
 DOWNLOAD_SHA256: dict[str, str] = {
     "items_shuffle_1000.json": "30a4765c3a327af72d9a9a95a6b2486d516f0fa1d3ecd83681901ce82a21b269",
     "items_ins_v2_1000.json": "f88a36314a397b53b3d9c3fa5878e5f7b26d35019a51ec83fbedeca61a948f6f",
@@ -74,10 +61,8 @@ def default_source() -> str | None:
 
 def prepare(dest: str, source: str | None = None, base_url: str | None = None,
             sha256: dict[str, str] | None = None, log=lambda *_: None) -> str:
-    """Put a WebShop catalog into `dest` (created if needed). With a local folder (`source`, else
-    $WEBSHOP_SOURCE) its files are copied (`copy_catalog`); without one a catalog already in `dest` is
-    kept, else the original files are downloaded (`download`). Returns what was done: "copied", "kept" or
-    "downloaded"."""
+    """Put a WebShop catalog into `dest`: copy a local folder (`source`, else $WEBSHOP_SOURCE), else keep a
+    catalog already there, else `download` the original files. Returns "copied", "kept" or "downloaded"."""
     source = source or default_source()
     if source:
         copy_catalog(dest, source)
@@ -89,13 +74,9 @@ def prepare(dest: str, source: str | None = None, base_url: str | None = None,
 
 
 def copy_catalog(dest: str, source: str) -> None:
-    """Copy the WebShop files of `source` into `dest` (created if needed). Idempotent: files already
-    there with the same size and modification time are left alone; a partial copy is never left under
-    the final name."""
-    if not has_catalog(source):
-        raise FileNotFoundError(
-            f"no WebShop catalog in {source!r}: need one of {PRODUCT_FILES} and one of {ATTRIBUTE_FILES} "
-            f"(${SOURCE_ENV} or source=)")
+    """Copy the WebShop files of `source` into `dest`. Files already there with the same size and mtime
+    are left alone; a partial copy is never left under the final name."""
+    require_catalog(source, f" (${SOURCE_ENV} or source=)")
     os.makedirs(dest, exist_ok=True)
     for name in _DATA_FILES:
         src = os.path.join(source, name)
@@ -122,11 +103,10 @@ def file_url(name: str, base_url: str | None = None) -> str:
 
 def download(dest: str, base_url: str | None = None, sha256: dict[str, str] | None = None,
              timeout_s: float = 60.0, log=lambda *_: None) -> list[str]:
-    """Download the files of `sha256` (name -> expected sha256; default DOWNLOAD_SHA256) into `dest` and
-    check each. All or nothing: the files are staged in a hidden folder inside `dest` and moved under
-    their final names only when every one has arrived and matched; a failure leaves `dest` as it was.
-    A file already in `dest` with the expected hash is not fetched again. Returns the names fetched.
-    Raises DownloadError (ChecksumError for a wrong file) with a one-line message."""
+    """Download the files of `sha256` (name -> expected sha256; default DOWNLOAD_SHA256) into `dest`, all
+    or nothing: staged in a hidden folder and moved into place only when every one matched. Files already
+    there with the expected hash are not fetched again. Returns the names fetched; raises DownloadError
+    (ChecksumError for a wrong file) with a one-line message."""
     sha256 = DOWNLOAD_SHA256 if sha256 is None else sha256
     os.makedirs(dest, exist_ok=True)
     fetched = []
@@ -170,11 +150,8 @@ def _fetch(url: str, path: str, name: str, timeout_s: float) -> tuple[str, str]:
 
 
 def _file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _where(url: str) -> str:
@@ -189,9 +166,7 @@ def _one_line(reason) -> str:
 def resolve_data_dir(data_dir: str | None) -> str:
     """The catalog directory to load (see module docstring)."""
     if data_dir is not None:
-        if not has_catalog(data_dir):
-            raise FileNotFoundError(f"no WebShop catalog in {data_dir!r}: need one of {PRODUCT_FILES} "
-                                    f"and one of {ATTRIBUTE_FILES}")
+        require_catalog(data_dir)
         return data_dir
     env_dir = os.environ.get("WEBSHOP_DATA")
     if env_dir and has_catalog(env_dir):

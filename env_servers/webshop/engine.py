@@ -9,10 +9,10 @@ Pages and their text (parts joined by " [SEP] ", as the original's simple mode r
   sub page Instruction: | <instr> | Back to Search | < Prev | description / bullet points / reviews
   done     Thank you for shopping with us! | ... | Your score (min 0.0, max 1.0) | <score>
 
-Clickables are the lower-cased button texts, product asins and option values of the page, in page
-order (option values override same-named earlier entries, as the original's dict did). The original
-always shows "Next >" on results pages (an empty page 6 exists) and runs `search[...]` from any page;
-both are kept. "click[search]" is never executed by the original, so it is not listed as admissible.
+Clickables: the lower-cased button texts, product asins and option values of the page, in page order
+(option values override same-named earlier entries, as the original's dict did). As in the original,
+results pages always show "Next >" and `search[...]` runs from any page; "click[search]" never runs, so it
+is not admissible.
 """
 from __future__ import annotations
 
@@ -48,9 +48,7 @@ class ShopState:
 def parse_action(action: str) -> tuple[str, str | None]:
     """"click[x]" -> ("click", "x"); anything else -> (action, None). Same greedy pattern as the original."""
     m = _ACTION.match(action)
-    if m is None:
-        return action, None
-    return m.group(1), m.group(2)
+    return (action, None) if m is None else (m.group(1), m.group(2))
 
 
 class ShopSession:
@@ -80,6 +78,10 @@ class ShopSession:
         if s.page == "search":
             parts += ["WebShop", "Instruction:", instr]
             button("Search", "search_button")
+        elif s.page == "done":
+            parts += ["Thank you for shopping with us!", "Your code:", "(Paste it in your MTurk interface.)",
+                      "Purchased", "asin", self._product().asin, "options", json.dumps(s.options, sort_keys=True),
+                      "Your score (min 0.0, max 1.0)", str(s.reward)]
         elif s.page == "results":
             parts += ["Instruction:", instr]
             button("Back to Search", "back")
@@ -92,39 +94,28 @@ class ShopSession:
                 p = self.shop.products[pos]
                 button(p.asin, "product", pos)
                 parts += [p.title, p.price_tag]
-        elif s.page == "item":
+        else:   # item or sub page
             p = self._product()
             parts += ["Instruction:", instr]
             button("Back to Search", "back")
             button("< Prev", "prev")
-            option_values: dict[str, tuple[str, object]] = {}
-            for name, values in p.options.items():
-                parts.append(name)
-                for v in values:
-                    parts.append(v)
-                    option_values[v] = ("option", name)
-            parts += [p.title, f"Price: {p.price_tag}", f"Rating: {p.rating}"]
-            for label in SUB_PAGES.values():
-                button(label, "sub", label)
-            button("Buy Now", "buy")
-            clickables.update(option_values)       # radio inputs come after the buttons
-        elif s.page == "sub":
-            p = self._product()
-            parts += ["Instruction:", instr]
-            button("Back to Search", "back")
-            button("< Prev", "prev")
-            if s.sub_page == "Description":
+            if s.page == "item":
+                option_values: dict[str, tuple[str, object]] = {}
+                for name, values in p.options.items():
+                    parts += [name, *values]
+                    option_values.update((v, ("option", name)) for v in values)
+                parts += [p.title, f"Price: {p.price_tag}", f"Rating: {p.rating}"]
+                for label in SUB_PAGES.values():
+                    button(label, "sub", label)
+                button("Buy Now", "buy")
+                clickables.update(option_values)       # radio inputs come after the buttons
+            elif s.sub_page == "Description":
                 parts.append(p.description)
             elif s.sub_page == "Features":
                 parts += p.bullet_points
             else:
                 for r in p.reviews:
                     parts += [f'"{r["title"]}"', str(r["score"]), str(r["body"])]
-        else:  # done
-            p = self._product()
-            parts += ["Thank you for shopping with us!", "Your code:", "(Paste it in your MTurk interface.)",
-                      "Purchased", "asin", p.asin, "options", json.dumps(s.options, sort_keys=True),
-                      "Your score (min 0.0, max 1.0)", str(s.reward)]
         self._parts = [x.strip() for x in parts if x is not None and x.strip()]
         self._clickables = clickables
 
@@ -146,14 +137,11 @@ class ShopSession:
             return SEP.join(f"'{x}'" for x in self._parts[i + 1:])
         return self.page_text()
 
-    def clickables(self) -> list[str]:
-        return [c for c in self._clickables if c != "search"]
-
     def admissible_actions(self) -> list[str]:
         if self.done:
             return []
         actions = ["search[<your query>]"] if self.state.page == "search" else []
-        return actions + [f"click[{c}]" for c in self.clickables()]
+        return actions + [f"click[{c}]" for c in self._clickables if c != "search"]
 
     # ------------------------------------------------------------------ actions
     def step(self, action: str) -> tuple[bool, float]:
@@ -166,31 +154,26 @@ class ShopSession:
         if name == "search" and arg:
             s.keywords = arg
             s.results = self.shop.search(" ".join(arg.split(" ")))
-            self._show_results(1)
+            self._to_results(1)
+            self._render()
             return True, 0.0
         if name != "click" or arg is None or arg == "search" or arg not in self._clickables:
             return False, 0.0
         kind, value = self._clickables[arg]
+        reward = 0.0
         # Button names take precedence over option values that happen to equal them (original order).
         if arg == "buy now" and s.page == "item":
-            reward, info = purchase_reward(self._product(), self.goal, self.shop.prices[self._product().asin],
-                                           s.options)
-            s.reward, s.reward_info, s.page = reward, info, "done"
-            self._render()
-            return True, reward
-        if arg == "back to search":
+            reward, s.reward_info = purchase_reward(self._product(), self.goal,
+                                                    self.shop.prices[self._product().asin], s.options)
+            s.reward, s.page = reward, "done"
+        elif arg == "back to search":
             self.state = ShopState()
         elif arg == "next >" and s.page == "results":
-            self._show_results(s.page_num + 1)
-            return True, 0.0
-        elif arg == "< prev" and s.page == "results":
-            self._show_results(s.page_num - 1)
-            return True, 0.0
+            self._to_results(s.page_num + 1)
+        elif arg == "< prev" and s.page in ("results", "item"):
+            self._to_results(s.page_num - 1 if s.page == "results" else s.page_num)
         elif arg == "< prev" and s.page == "sub":
             s.page = "item"
-        elif arg == "< prev" and s.page == "item":
-            self._show_results(s.page_num)
-            return True, 0.0
         elif arg in SUB_PAGES and s.page == "item":
             s.page, s.sub_page = "sub", SUB_PAGES[arg]
         elif kind == "product":
@@ -201,9 +184,8 @@ class ShopSession:
         else:
             return False, 0.0
         self._render()
-        return True, 0.0
+        return True, reward
 
-    def _show_results(self, page_num: int) -> None:
+    def _to_results(self, page_num: int) -> None:
         s = self.state
         s.page, s.page_num, s.product, s.options, s.sub_page = "results", page_num, None, {}, ""
-        self._render()

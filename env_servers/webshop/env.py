@@ -1,18 +1,15 @@
-"""WebShop as a TextEnv.
+"""WebShop as a TextEnv. Instances in a process share one read-only `Shop` per (catalog, options):
+products, prices, goals and the BM25 index are built once; an instance holds only its session.
 
-Many instances share one read-only `Shop` per (catalog, options) in a process: products, prices, goals
-and the BM25 index are built once (an env pool hosts many instances). An instance only holds its
-session state.
-
-Reports: `observation` and `anchor` are the page without the instruction (each text part in single
-quotes, joined by " [SEP] ", as the GiGPO reference feeds it to the model and groups anchor states);
-`task` is the instruction; `info["page_text"]` is the full page. `reward` and `score` are the native
-purchase reward in [0, 1] (0 before buying); `won` = bought with reward exactly 1.0. The rollout plane
-turns `won` into its success reward. After a reset, `info["walkthrough"]` is the goal's solution path
-(`solution_path`), as ALFWorld reports its walkthrough: what the supervised warm start imitates.
+Reports: `observation` = `anchor` = the page without the instruction (each part in single quotes, joined by
+" [SEP] ", as the GiGPO reference feeds the model and groups anchor states); `task` is the instruction;
+`info["page_text"]` is the full page. `reward` = `score` = the purchase reward in [0, 1] (0 before buying);
+`won` = bought with reward exactly 1.0. After a reset `info["walkthrough"]` is the goal's `solution_path`
+(what the supervised warm start imitates, as ALFWorld's walkthrough).
 """
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import threading
@@ -85,16 +82,12 @@ class WebShopEnv:
         self._session: ShopSession | None = None
         self._task_id = ""
 
-    # -------------------------------------------------------------- TextEnv
     def task_ids(self, split: str) -> list[str]:
         n, n_eval = len(self.shop.goals), self.shop.num_eval_goals
-        if split == "eval":
-            return [str(i) for i in range(n_eval)]
-        if split == "train":
-            return [str(i) for i in range(n_eval, n)]
-        if split == "all":
-            return [str(i) for i in range(n)]
-        raise KeyError(f"unknown WebShop split {split!r}; splits: {', '.join(SPLITS)}")
+        ranges = {"train": range(n_eval, n), "eval": range(n_eval), "all": range(n)}
+        if split not in ranges:
+            raise KeyError(f"unknown WebShop split {split!r}; splits: {', '.join(SPLITS)}")
+        return [str(i) for i in ranges[split]]
 
     def reset(self, task_id: str, seed: int = 0) -> EnvReport:
         try:
@@ -120,11 +113,9 @@ class WebShopEnv:
     def close(self) -> None:
         self._session = None
 
-    # -------------------------------------------------------------- helpers
     def _report(self, reward: float, accepted: bool) -> EnvReport:
         s = self._session
-        obs = s.observation()
-        done = s.done
+        obs, done = s.observation(), s.done
         score = s.state.reward if done else 0.0
         info = {"page": s.state.page, "page_text": s.page_text(), "task_id": self._task_id}
         if done:
@@ -158,11 +149,9 @@ def solution_query(goal: Goal, max_chars: int = QUERY_MAX_CHARS) -> str:
 
 
 def solution_path(shop: Shop, index: int) -> list[str]:
-    """A path that solves goal `index` the way a shopper would: search the goal's words
-    (`solution_query`), page to the goal's product (the one the goal was made from), click it, choose
-    each of the goal's options, buy. Deterministic (the shop is). When the search does not return the
-    product (a few goals in a thousand), the path is just the search: it cannot win, and the warm start
-    skips it."""
+    """A path that solves goal `index` as a shopper would: search the goal's words (`solution_query`), then
+    `_buy_from_results`. When the search misses the goal's product (a few goals in a thousand), the path is
+    just the search: it cannot win, and the warm start skips it."""
     cached = shop.solutions.get(index)
     if cached is not None:
         return list(cached)
@@ -174,8 +163,8 @@ def solution_path(shop: Shop, index: int) -> list[str]:
 
 
 def _buy_from_results(shop: Shop, goal: Goal, query: str) -> list[str] | None:
-    """After searching `query`: page to the goal's product, click it, choose each of the goal's options,
-    buy. None when the search does not return the product."""
+    """After searching `query`: page to the goal's product (the one it was made from), click it, choose each
+    of the goal's options, buy. None when the search does not return the product."""
     asins = [shop.products[i].asin for i in shop.search(query)]
     if goal.asin not in asins:
         return None
@@ -187,8 +176,7 @@ def _buy_from_results(shop: Shop, goal: Goal, query: str) -> list[str] | None:
 
 
 def scripted_purchase(env: WebShopEnv, task_id: str) -> list[str]:
-    """Actions that buy the goal's own product with the goal's options: search the instruction, page
-    through the results to the product, click each wanted option, buy. Used by tests and the bench."""
+    """Search the goal's whole instruction, then `_buy_from_results` (tests and the bench)."""
     goal = env.shop.goals[int(task_id)]
     query = goal.instruction_text.lower()
     return [f"search[{query}]"] + (_buy_from_results(env.shop, goal, query) or ["click[back to search]"])
@@ -199,11 +187,10 @@ def bench_steps_per_second(n_steps: int = 2000, data_dir: str | None = None) -> 
     options, sub pages, buy) over successive goals, excluding the one-time Shop build."""
     env = WebShopEnv(data_dir=data_dir)
     ids = env.task_ids("all")
-    steps, i = 0, 0
-    start = time.perf_counter()
-    while steps < n_steps:
-        task_id = ids[i % len(ids)]
-        i += 1
+    steps, start = 0, time.perf_counter()
+    for task_id in itertools.cycle(ids):
+        if steps >= n_steps:
+            break
         env.reset(task_id)
         plan = scripted_purchase(env, task_id)
         plan = plan[:-1] + ["click[description]", "click[< prev]", "click[features]", "click[< prev]"] + plan[-1:]

@@ -1,17 +1,14 @@
 """WebShop goals (tasks) and the prices they are checked against.
 
-Synthetic goals (human_goals=False, the setting of the public GiGPO runs): one goal per option
-combination (option names sorted) of every product that has an `instruction`; the instruction gets
-" with name: value, and name: value" and ", and price lower than X.00 dollars" appended. Weights are the
-mean over the goal's attributes of 1 / (number of goals carrying that attribute).
+Synthetic goals (human_goals=False, as in the public GiGPO runs): one per option combination (names sorted)
+of every product with an `instruction`, which gets " with name: value, and name: value" and ", and price
+lower than X.00 dollars" appended; weight = mean over its attributes of 1 / (goals carrying the attribute).
+Human goals: one per entry of items_human_ins.json with at least one attribute; weight 1.
 
-Human goals: one goal per entry of items_human_ins.json with at least one attribute; weight 1.
-
-The price cap: the larger of two values drawn from the first four of 10, 20, ..., 990 above the
-product's price (no cap, 1,000,000, when fewer than two exist). A product priced as a range costs a
-uniform draw from that range. The original draws both unseeded; here one `random.Random(price_seed)`
-draws them in the original's order (all product prices, then the caps), so every process agrees.
-Goals are then shuffled with `random.Random(233)` exactly like the original's `random.seed(233);
+Price cap: the larger of two draws from the first four of 10, 20, ..., 990 above the product's price (none,
+1,000,000, when fewer than two exist); a range-priced product costs a uniform draw from its range. The
+original draws unseeded; here one `random.Random(price_seed)` draws in the original's order (all prices,
+then the caps), so every process agrees. Goals are then shuffled like the original's `random.seed(233);
 random.shuffle(goals)`, so goal indices match the original's.
 """
 from __future__ import annotations

@@ -51,32 +51,16 @@ def _cvc(w: str) -> bool:
             and _is_consonant(w, len(w) - 1) and w[-1] not in "wxy")
 
 
-def _replace(w: str, suffix: str, repl: str, min_m: int) -> str | None:
-    """If w ends with suffix: the replaced word when m(stem) > min_m, else w; None if no suffix."""
-    if not w.endswith(suffix):
-        return None
-    stem = w[: len(w) - len(suffix)]
-    return stem + repl if _measure(stem) > min_m else w
-
-
-_STEP2 = [("ational", "ate"), ("tional", "tion"), ("enci", "ence"), ("anci", "ance"), ("izer", "ize"),
-          ("bli", "ble"), ("alli", "al"), ("entli", "ent"), ("eli", "e"), ("ousli", "ous"),
-          ("ization", "ize"), ("ation", "ate"), ("ator", "ate"), ("alism", "al"), ("iveness", "ive"),
-          ("fulness", "ful"), ("ousness", "ous"), ("aliti", "al"), ("iviti", "ive"), ("biliti", "ble"),
-          ("logi", "log")]
-_STEP3 = [("icate", "ic"), ("ative", ""), ("alize", "al"), ("iciti", "ic"), ("ical", "ic"), ("ful", ""),
-          ("ness", "")]
-_STEP4 = ["al", "ance", "ence", "er", "ic", "able", "ible", "ant", "ement", "ment", "ent", "ion", "ou",
-          "ism", "ate", "iti", "ous", "ive", "ize"]
-
-
-def _longest_first(rules):
-    return sorted(rules, key=lambda r: -len(r[0]))
-
-
-_STEP2 = _longest_first(_STEP2)
-_STEP3 = _longest_first(_STEP3)
-_STEP4 = sorted(_STEP4, key=len, reverse=True)
+# Sorted longest suffix first: the longest matching suffix decides.
+_STEP2 = sorted([("ational", "ate"), ("tional", "tion"), ("enci", "ence"), ("anci", "ance"), ("izer", "ize"),
+                 ("bli", "ble"), ("alli", "al"), ("entli", "ent"), ("eli", "e"), ("ousli", "ous"),
+                 ("ization", "ize"), ("ation", "ate"), ("ator", "ate"), ("alism", "al"), ("iveness", "ive"),
+                 ("fulness", "ful"), ("ousness", "ous"), ("aliti", "al"), ("iviti", "ive"), ("biliti", "ble"),
+                 ("logi", "log")], key=lambda r: -len(r[0]))
+_STEP3 = sorted([("icate", "ic"), ("ative", ""), ("alize", "al"), ("iciti", "ic"), ("ical", "ic"), ("ful", ""),
+                 ("ness", "")], key=lambda r: -len(r[0]))
+_STEP4 = sorted(["al", "ance", "ence", "er", "ic", "able", "ible", "ant", "ement", "ment", "ent", "ion", "ou",
+                 "ism", "ate", "iti", "ous", "ive", "ize"], key=len, reverse=True)
 
 
 @lru_cache(maxsize=200_000)
@@ -85,13 +69,9 @@ def stem(word: str) -> str:
     if len(w) <= 2:
         return w
     # Step 1a
-    if w.endswith("sses"):
+    if w.endswith(("sses", "ies")):
         w = w[:-2]
-    elif w.endswith("ies"):
-        w = w[:-2]
-    elif w.endswith("ss"):
-        pass
-    elif w.endswith("s"):
+    elif w.endswith("s") and not w.endswith("ss"):
         w = w[:-1]
     # Step 1b
     second_third = False
@@ -112,12 +92,12 @@ def stem(word: str) -> str:
     # Step 1c
     if w.endswith("y") and _has_vowel(w[:-1]):
         w = w[:-1] + "i"
-    # Step 2 and 3: the longest matching suffix decides (m > 0 to replace).
+    # Step 2 and 3 (m > 0 to replace)
     for rules in (_STEP2, _STEP3):
         for suffix, repl in rules:
-            out = _replace(w, suffix, repl, 0)
-            if out is not None:
-                w = out
+            if w.endswith(suffix):
+                if _measure(w[: len(w) - len(suffix)]) > 0:
+                    w = w[: len(w) - len(suffix)] + repl
                 break
     # Step 4 (m > 1)
     for suffix in _STEP4:

@@ -5,22 +5,17 @@
 
 - attribute g matches if some product attribute has fuzzy token-set ratio > 85 with g, or g occurs in the
   lower-cased title, bullet points or description;
-- option g matches if some chosen option value (color-normalized) has token-set ratio > 85 with g
-  (color-normalized). For synthetic goals the reference passes `goal_options.items()`, so g is a
-  (name, value) pair: it is color-normalized only when the value is exactly a base color, and otherwise
-  compared as the text "name value" (the fuzzy matcher stringifies it). We keep that behaviour: e.g. a
-  chosen "large" matches the goal ("size", "x-large") because {large} is a token subset of it.
+- option g matches if some chosen option value has token-set ratio > 85 with g (both color-normalized).
+  For synthetic goals the reference passes `goal_options.items()`, so g is a (name, value) pair: it is
+  color-normalized only when the value is exactly a base color, else compared as the text "name value".
+  Kept: e.g. a chosen "large" matches the goal ("size", "x-large") ({large} is a token subset of it).
 - r_type = 1.0; 0.5 unless (same query, or >= 2 shared category levels, or title noun overlap > 0.2);
   0.1 if the overlap < 0.1; 0.0 if it is 0.
 
-Fuzzy scores reproduce `thefuzz.fuzz.token_set_ratio` (rapidfuzz-backed): both inputs go through
-str(), characters 128-255 are dropped, rapidfuzz's default processing applies, and the score is rounded
-to an int before the "> 85" test.
-
-Title nouns: the reference tags titles with spaCy's en_core_web_sm and keeps NOUN/PROPN tokens. That
-model is not on PyPI; when it is installed we use it, otherwise `approximate_nouns` (documented there).
-The reference divides the shared-noun count by the number of goal-title nouns *with repeats*, so a
-title that repeats a noun scores below 1.0 even against itself; kept.
+Fuzzy scores reproduce `thefuzz.fuzz.token_set_ratio` on rapidfuzz (see `token_set_score`). Title nouns:
+the reference keeps spaCy en_core_web_sm's NOUN/PROPN tokens; that model is not on PyPI, so it is used
+when installed, else `approximate_nouns`. As in the reference, the shared-noun count is divided by the
+goal title's noun count *with repeats* (a title repeating a noun scores below 1.0 even against itself).
 """
 from __future__ import annotations
 
@@ -52,7 +47,8 @@ _DROP_LATIN1 = {i: None for i in range(128, 256)}
 
 
 def token_set_score(a, b) -> int:
-    """thefuzz's token_set_ratio (full_process, force_ascii) on top of rapidfuzz."""
+    """thefuzz's token_set_ratio (full_process, force_ascii) on top of rapidfuzz: str() of both, characters
+    128-255 dropped, rapidfuzz's default processing, rounded to an int."""
     pa = default_process(str(a).translate(_DROP_LATIN1))
     pb = default_process(str(b).translate(_DROP_LATIN1))
     return int(round(fuzz.token_set_ratio(pa, pb)))
@@ -155,10 +151,7 @@ def type_reward(product: Product, goal: Goal) -> TypeReward:
     category_match = len(bought_levels & goal_levels) >= 2
     bought_nouns = title_nouns(product.title)
     wanted_nouns = title_nouns(goal.name)
-    if not wanted_nouns:
-        title_score = 0.2
-    else:
-        title_score = len(set(bought_nouns) & set(wanted_nouns)) / len(wanted_nouns)
+    title_score = len(set(bought_nouns) & set(wanted_nouns)) / len(wanted_nouns) if wanted_nouns else 0.2
     r_type = 1.0
     if not (query_match or category_match or title_score > 0.2):
         r_type = 0.5
@@ -173,13 +166,9 @@ def attribute_matches(product: Product, goal: Goal) -> int:
     title = product.title.lower()
     bullets = " ".join(product.bullet_points).lower()
     description = product.description.lower()
-    n = 0
-    for wanted in goal.attributes:
-        if any(token_set_score(have, wanted) > MATCH_THRESHOLD for have in product.attributes):
-            n += 1
-        elif wanted in title or wanted in bullets or wanted in description:
-            n += 1
-    return n
+    return sum(1 for wanted in goal.attributes
+               if any(token_set_score(have, wanted) > MATCH_THRESHOLD for have in product.attributes)
+               or wanted in title or wanted in bullets or wanted in description)
 
 
 def option_matches(chosen_values: list[str], goal_options) -> int:
@@ -187,11 +176,7 @@ def option_matches(chosen_values: list[str], goal_options) -> int:
     list of values (human goals)."""
     wanted = list(goal_options.items()) if isinstance(goal_options, dict) else list(goal_options)
     chosen = [normalize_color(v) for v in chosen_values]
-    n = 0
-    for g in (normalize_color(w) for w in wanted):
-        if any(token_set_score(c, g) > MATCH_THRESHOLD for c in chosen):
-            n += 1
-    return n
+    return sum(1 for g in map(normalize_color, wanted) if any(token_set_score(c, g) > MATCH_THRESHOLD for c in chosen))
 
 
 def purchase_reward(product: Product, goal: Goal, price: float, chosen_options: dict[str, str]) -> tuple[float, dict]:

@@ -1,11 +1,7 @@
-"""Generates the small catalog shipped in sample/ (same schema as the original WebShop files), so the
-env and its tests run without external data. Deterministic: `python -m env_servers.webshop.sample_catalog`
-rewrites byte-identical files.
-
-Products are made from fixed word lists: a brand, a product type of one of the five WebShop categories,
-two to four attributes (mentioned in the title, description and bullet points), a price or price range,
-and no options, a color option, or color and size options. Three in five products get a synthetic
-instruction ("i am looking for <type> that is <a1> and <a2>") with those attributes.
+"""Generates the small catalog shipped in sample/ (the original WebShop schema), so the env and its tests run
+without external data; `python -m env_servers.webshop.sample_catalog` rewrites byte-identical files.
+Products come from fixed word lists: brand, product type, two to four attributes (in title, description
+and bullets), a price or range, no/color/color+size options; three in five get a synthetic instruction.
 """
 from __future__ import annotations
 
@@ -98,12 +94,10 @@ def generate(out_dir: str = SAMPLE_DIR, num_products: int = 50, seed: int = 0) -
         products.append(product)
         attributes[product["asin"]] = entry
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "items_shuffle_sample.json"), "w", encoding="utf-8") as f:
-        json.dump(products, f, indent=1, ensure_ascii=False)
-        f.write("\n")
-    with open(os.path.join(out_dir, "items_ins_v2_sample.json"), "w", encoding="utf-8") as f:
-        json.dump(attributes, f, indent=1, ensure_ascii=False)
-        f.write("\n")
+    for name, data in (("items_shuffle_sample.json", products), ("items_ins_v2_sample.json", attributes)):
+        with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1, ensure_ascii=False)
+            f.write("\n")
 
 
 if __name__ == "__main__":

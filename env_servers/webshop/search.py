@@ -1,13 +1,10 @@
-"""BM25 product search, built once per catalog.
+"""BM25 product search, built once per catalog, as the original WebShop's Lucene index searched.
 
-Each document is the lower-cased `title + description + first bullet point + "name: v1, v2, and name: ..."`
-of a product, as the original WebShop indexed it. Scoring is BM25 with Lucene's idf and constants
-k1 = 0.9, b = 0.4 (bm25s, method "lucene"). Text goes through an approximation of the Lucene English
-analyzer the original index used: word tokens (letters/digits, kept together across "." and "'" as in
-"6.7" or "l'eau", split at other punctuation), trailing "'s" removed, lower-cased, Lucene's English stop
-words dropped, Porter-stemmed (porter.py). Only documents sharing a term with the query are returned (as
-in Lucene); ties are broken by catalog order so results are deterministic. Not reproduced: Lucene's lossy
-one-byte encoding of document lengths, which can reorder near-ties.
+Documents: lower-cased `title + description + first bullet + "name: v1, v2, and name: ..."`. Scoring: BM25,
+Lucene idf, k1 = 0.9, b = 0.4 (bm25s "lucene"). Analyzer (approximating Lucene's English one): word tokens
+(kept together across "." and "'", as in "6.7" or "l'eau"), trailing "'s" removed, lower-cased, Lucene's
+stop words dropped, Porter-stemmed. Only documents sharing a term with the query are returned; ties go by
+catalog order. Not reproduced: Lucene's lossy one-byte document lengths, which can reorder near-ties.
 """
 from __future__ import annotations
 

@@ -1,26 +1,16 @@
 """Checks the Grafana dashboard end to end on this machine, without Grafana:
 
-1. starts a local Ray whose metrics agent serves /metrics on a free port, with its dashboard, which writes
-   Ray's file-based service discovery file (the list of every node's metrics endpoint) into Ray's temp dir;
-2. starts Debian's `prometheus` (`make prometheus`) with the shipped scrape config,
-   deploy/prometheus/prometheus.yml, rendered for this run: the discovery file of this Ray instead of the
-   head's /tmp/ray/..., and short intervals; its relabelling (the `ray_io_cluster` label) is kept as is;
-3. runs a workload: by default the synthetic one (deploy/synthetic_metrics.py, every declared metric);
-   `--workload module:function` calls a Python function instead (it runs after ray.init, in this
-   process, and returns when done) and `--command "..."` runs a shell command with RAY_ADDRESS set to
-   this Ray (e.g. a short real `gigpo train` run joining it);
-4. runs EVERY query of deploy/grafana/gigpo-dashboard.json against Prometheus' HTTP API over the
-   workload's time range, with Grafana's variables filled in (`Cluster`: the label value the scrape config
-   sets, so a query only has data when the relabelling works), and reports which returned data; and asks
-   for the values of each dashboard variable (`label_values(...)`), as Grafana does to fill its drop-down;
-5. takes a PNG screenshot with headless `chromium` of Prometheus' graph page for env steps/s and policy
-   lag (docs/dashboard-check.png by default).
+a local Ray (with its dashboard, which writes the metrics service discovery file), Debian's `prometheus` with
+the shipped deploy/prometheus/prometheus.yml (only the discovery file and the intervals replaced), a workload
+(the synthetic one, `--workload module:function` or `--command "..."` with RAY_ADDRESS set to this Ray), then
+EVERY query of deploy/grafana/gigpo-dashboard.json and the values of each dashboard variable, asked of
+Prometheus with Grafana's variables filled in, and a chromium screenshot of Prometheus' graph page
+(docs/dashboard-check.png). docs/deploy.md says more.
 
     python deploy/check_dashboard.py [--seconds 30] [--workload synthetic] [--command CMD] [--png PATH]
 
 Exit status 0 when every query returned data and every variable has values, 1 when not, 2 when a tool is
-missing.
-Every process it starts (Prometheus, chromium, Ray) is stopped before it exits; ports are free ones.
+missing. Every process it starts is stopped before it exits; ports are free ones.
 """
 from __future__ import annotations
 
@@ -53,14 +43,11 @@ from deploy.dashboard import DASHBOARD_PATH, dashboard_queries  # noqa: E402
 
 PROMETHEUS_CONFIG_PATH = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 SCRAPE_INTERVAL_S = 2
-# What Grafana would put in for the dashboard's variables: every session and cluster, and a rate window
-# of a few scrapes ($__rate_interval is at least 4 scrape intervals). main() puts the cluster label's value
-# the scrape config sets in for $Cluster.
+# What Grafana would put in for the dashboard's variables ($__rate_interval: at least 4 scrape intervals);
+# main() puts in the cluster label's value the scrape config sets for $Cluster.
 VARIABLES = {"$SessionName": ".+", "$Cluster": ".*", "$__rate_interval": f"{4 * SCRAPE_INTERVAL_S * 2}s"}
-SCREENSHOT_EXPRS = (
-    f'sum(rate({exported_name("env_steps")}[{4 * SCRAPE_INTERVAL_S * 2}s]))',
-    f'max by (stat) ({exported_name("policy_lag")})',
-)
+SCREENSHOT_EXPRS = (f'sum(rate({exported_name("env_steps")}[{VARIABLES["$__rate_interval"]}]))',
+                    f'max by (stat) ({exported_name("policy_lag")})')
 
 
 def fill_variables(expr: str, variables: dict | None = None) -> str:
@@ -74,14 +61,9 @@ def http_json(url: str, timeout_s: float = 10.0) -> dict:
         return json.loads(resp.read().decode())
 
 
-def shipped_prometheus_config() -> dict:
-    return yaml.safe_load(PROMETHEUS_CONFIG_PATH.read_text())
-
-
 def render_prometheus_config(config: dict, discovery_file: Path, interval_s: float = SCRAPE_INTERVAL_S) -> dict:
     """The shipped scrape config for a local run: every file_sd_configs entry reads `discovery_file` (the
-    local Ray's, instead of the head's /tmp/ray/...) and is re-read every `interval_s`, and the scrape and
-    evaluation intervals are `interval_s`. Everything else (jobs, relabelling) stays as shipped."""
+    local Ray's), and every interval is `interval_s`; everything else stays as shipped."""
     config = copy.deepcopy(config)
     interval = f"{interval_s:g}s"
     config.setdefault("global", {}).update(scrape_interval=interval, evaluation_interval=interval)
@@ -94,8 +76,7 @@ def render_prometheus_config(config: dict, discovery_file: Path, interval_s: flo
 
 
 def set_labels(config: dict) -> dict[str, str]:
-    """{label: value} the config's relabelling sets on every target (target_label + replacement, no source
-    labels): what `ray_io_cluster` will be on every series."""
+    """{label: value} the config's relabelling sets on every target (a target_label without source labels)."""
     labels = {}
     for job in config.get("scrape_configs", []):
         for rule in job.get("relabel_configs", []):
@@ -162,9 +143,8 @@ class Prometheus:
         return http_json(f"{self.url}/api/v1/label/{urllib.parse.quote(label)}/values?{params}")["data"]
 
     def graph_url(self, exprs: tuple[str, ...], range_s: int) -> str:
-        params = {}
-        for i, expr in enumerate(exprs):
-            params.update({f"g{i}.expr": expr, f"g{i}.tab": "0", f"g{i}.range_input": f"{range_s}s"})
+        params = {f"g{i}.{key}": value for i, expr in enumerate(exprs)
+                  for key, value in (("expr", expr), ("tab", "0"), ("range_input", f"{range_s}s"))}
         return f"{self.url}/graph?{urllib.parse.urlencode(params)}"
 
     def stop(self) -> None:
@@ -180,8 +160,8 @@ class Prometheus:
 
 def headless_chromium(chromium: str, url: str, profile: Path | str, *flags: str, timeout_s: float = 120
                       ) -> tuple[int, bytes, bytes]:
-    """Run headless `chromium` on `url` with `flags` (what to do: --screenshot=..., --dump-dom, ...) and a
-    fresh profile directory; (exit status, stdout, stderr). Killed with its children after `timeout_s`."""
+    """Run headless `chromium` on `url` with `flags` (--screenshot=..., --dump-dom, ...) and a fresh profile;
+    (exit status, stdout, stderr). Killed with its children after `timeout_s`."""
     cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
            "--disable-background-networking", "--disable-component-update", "--disable-sync",
            "--disable-dev-shm-usage", f"--user-data-dir={profile}", *flags, url]
@@ -224,9 +204,8 @@ def run_workload(args, ray_address: str) -> None:
 
 def check_variables(prom: Prometheus, start: float, end: float,
                     expected: dict[str, str]) -> list[tuple[str, str, str, int, str]]:
-    """(variable, "", status, values, detail) for every `label_values(metric, label)` variable of the dashboard
-    JSON: the values Grafana would offer; NO DATA when there are none, or when `expected` ({label: value})
-    names a value they lack."""
+    """(variable, "", status, values, detail) for every `label_values(metric, label)` variable of the dashboard:
+    NO DATA when Grafana would offer no values, or lack the value `expected` ({label: value}) names."""
     dashboard = json.loads(DASHBOARD_PATH.read_text())
     rows = []
     for var in dashboard["templating"]["list"]:
@@ -281,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="gigpo-dashcheck-"))
     prom = None
     try:
-        shipped = shipped_prometheus_config()
+        shipped = yaml.safe_load(PROMETHEUS_CONFIG_PATH.read_text())
         t0 = time.monotonic()
         # The dashboard is on here (unlike a run's own ray.init) because it writes the discovery file.
         ctx = ray.init(address="local", num_cpus=2, object_store_memory=100 * 1024**2,

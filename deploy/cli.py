@@ -73,10 +73,8 @@ NOT_ON_RESUME = ("run.resume", "run.resume_tag", "run.overwrite")
 
 
 def resume_command(args) -> list[str]:
-    """The `gigpo train` command line that continues this run from its newest checkpoint: the same program
-    (as typed), config, overrides and --address, then run.resume=true. A password in an override's URL is
-    shown as *** (it never appears in a message): the user puts it back, or keeps it in a file
-    (stream.redis_password_file)."""
+    """The `gigpo train` command line that continues this run from its newest checkpoint (a password in an
+    override's URL shown as ***: the user puts it back, or keeps it in stream.redis_password_file)."""
     prog = sys.argv[0] if os.path.basename(sys.argv[0]) == "gigpo" else "gigpo"
     overrides = [redact_credentials(o) for o in args.overrides if o.split("=", 1)[0].strip() not in NOT_ON_RESUME]
     address = ["--address", args.address] if args.address and args.address != os.environ.get("RAY_ADDRESS") else []
@@ -122,8 +120,7 @@ def cmd_status(args) -> int:
         if not args.watch:
             print(text)
             return 0
-        sys.stdout.write("\x1b[2J\x1b[H" + text + "\n")
-        sys.stdout.flush()
+        print("\x1b[2J\x1b[H" + text, flush=True)
         time.sleep(args.interval)
 
 
@@ -164,12 +161,9 @@ def cmd_config(args) -> int:
 
 def cmd_view(args) -> int:
     from deploy.viewer import ViewError, write_view
-
-    def note(message: str) -> None:      # (a partly written last line, skipped)
-        print(f"gigpo: note: {message}", file=sys.stderr)
-
-    try:
-        path = write_view(args.run_dir, args.out or None, note=note)
+    try:          # (a note: a partly written last line, skipped)
+        path = write_view(args.run_dir, args.out or None,
+                          note=lambda message: print(f"gigpo: note: {message}", file=sys.stderr))
     except ViewError as exc:
         raise UsageError(str(exc)) from None
     print(path)
@@ -189,9 +183,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _CommandLineParser(_Parser):
-    """The top-level parser. The command's own parser reads everything after the command name with
-    parse_intermixed_args, so options may come between the config and the overrides: plain argparse stops
-    collecting a positional list at the first option (`train cfg.yaml --address A x=1` was refused)."""
+    """The top-level parser. The command's parser reads the rest with parse_intermixed_args: plain argparse
+    stops collecting a positional list at the first option (`train cfg.yaml --address A x=1`)."""
 
     commands: dict[str, argparse.ArgumentParser]
 

@@ -1,21 +1,13 @@
 """Does a job fit a cluster, with each role on its node kind? Read offline from the files, before `ray up`.
 
-    python -m deploy.cluster_check                                   # every configs/cluster_*.yaml x every
-                                                                     # shipped cluster file
+    python -m deploy.cluster_check              # every configs/cluster_*.yaml x every shipped cluster file
     python -m deploy.cluster_check configs/my_job.yaml --cluster deploy/ray-cluster.yaml [overrides ...]
 
-A cluster file is a Ray cluster launcher config (`available_node_types`) or a Kubernetes file holding a KubeRay
-`RayCluster` (or a `RayJob` with its own `rayClusterSpec`). A node type offers what Ray will see on its nodes:
-the launcher's `resources` of the type; for KubeRay, what Ray's autoscaler derives from the group
-(rayStartParams num-cpus / num-gpus / resources, else the container's limits), by Ray's own code. A role
-needs, per actor, what it asks Ray for (common.placement.job_needs: CPUs, GPUs and `*.resources`).
-
-For each config and cluster it checks that
-- every role (learner process, inference actor, rollout actor) fits some node type;
-- the learner and inference fit only node types with GPUs, rollout actors only node types without;
-- no role fits the head (the driver, GCS and Redis live there);
-- all of the job's actors fit at once with every node type at its maximum count (the autoscaler's limit),
-and reports how many rollout actors `gigpo scale` could reach there. Exit status 0: every check passed.
+A cluster file is a Ray cluster launcher config or a Kubernetes file holding a KubeRay `RayCluster` (or a
+`RayJob`); a KubeRay group's resources are read by Ray's autoscaler's own code. It checks that every role fits
+some node type, GPU roles only GPU node types and rollout actors only the others, no role the head, and all
+the job's actors at once with every node type at its maximum count; and reports how many rollout actors
+`gigpo scale` could reach there. Exit status 0: every check passed.
 """
 from __future__ import annotations
 
@@ -65,7 +57,7 @@ def _rel(path: Path) -> str:
 
 
 def launcher_cluster(config: dict, label: str) -> Cluster:
-    """The node types of a Ray cluster launcher config, as its `resources` declare them."""
+    """The node types of a Ray cluster launcher config."""
     types, problems = [], []
     head_name = config.get("head_node_type")
     global_max = int(config.get("max_workers", 2))
@@ -82,7 +74,7 @@ def launcher_cluster(config: dict, label: str) -> Cluster:
 
 
 def kuberay_cluster(ray_cluster_spec: dict, name: str, label: str) -> Cluster:
-    """The node types (head group + worker groups) of a KubeRay RayCluster spec, as Ray's autoscaler reads them."""
+    """The node types of a KubeRay RayCluster spec, as Ray's autoscaler reads them."""
     from ray.autoscaler._private.kuberay.autoscaling_config import _derive_autoscaling_config_from_ray_cr
     cr = {"metadata": {"name": name, "namespace": "default"}, "spec": copy.deepcopy(ray_cluster_spec)}
     try:
@@ -126,8 +118,7 @@ def cluster_configs() -> list[Path]:
 
 
 def _pack(cluster: Cluster, needs: dict[str, tuple[dict, int]]) -> tuple[dict[str, int], int]:
-    """First-fit of every actor of the job onto the cluster at its largest: ({role: actors placed}, how many
-    more rollout actors fit after them)."""
+    """First-fit of the job's actors onto the cluster at its largest: ({role: placed}, more rollout actors that fit)."""
     nodes = [(t, dict(t.resources)) for t in cluster.types for _ in range(t.max_nodes)]
 
     def place(need: dict) -> bool:

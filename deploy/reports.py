@@ -1,5 +1,5 @@
-"""What a run tells: the status record `gigpo status` reads (with each actor's node), the evaluations'
-records (evals.jsonl), and the terminal's lines: one per evaluation, the paper's table, the final summary."""
+"""What a run tells: the status record `gigpo status` reads, the evaluations' records (evals.jsonl), and the
+terminal's lines (one per evaluation, the paper's table, the final summary)."""
 from __future__ import annotations
 
 import json
@@ -13,8 +13,8 @@ EVALS_FILE = "evals.jsonl"     # a training run's evaluations, one line each (Sy
 
 
 class PlacementWatch:
-    """Which node each actor of the run answered from; a restarted actor may come back on another, so each
-    is asked again every time, with one call in flight per actor."""
+    """Which node each actor answered from, asked again every time (a restarted actor may come back on
+    another), with one call in flight per actor."""
 
     def __init__(self):
         self.nodes: dict[str, dict | None] = {}      # actor name -> its node (None: not started, or died)
@@ -22,15 +22,10 @@ class PlacementWatch:
 
     def refresh(self, actors: dict[str, object], timeout_s: float = 0.0) -> dict[str, dict | None]:
         """{name: node} for `actors` ({name: handle}), waiting up to timeout_s for their answers."""
-        for name in list(self._asks):
-            if name not in actors:
-                del self._asks[name]
-        for name, actor in actors.items():
-            if name not in self._asks:
-                self._asks[name] = actor.node.remote()
+        self._asks = {name: self._asks[name] if name in self._asks else actor.node.remote()
+                      for name, actor in actors.items()}
         refs = list(self._asks.values())
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
-        ready = set(ready)
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0]) if refs else set()
         for name, ref in list(self._asks.items()):
             if ref in ready:
                 del self._asks[name]
@@ -42,16 +37,14 @@ class PlacementWatch:
 
 
 def placement_record(placement: dict[str, dict | None]) -> dict[str, dict]:
-    """Each actor's node for the status record, {name: {"ip", "hostname"}} ("ip" None: not started yet);
-    `gigpo status` groups the actors by node."""
+    """Each actor's node for the status record, {name: {"ip", "hostname"}} ("ip" None: not started yet)."""
     return {name: {"ip": node and node["ip"], "hostname": node and node["hostname"]}
             for name, node in placement.items()}
 
 
 def status_record(cfg, state: str, metrics: dict, last_eval: dict | None, rollouts, inference,
                   placement: dict[str, dict | None], outputs: Path) -> dict:
-    """The record `gigpo status` shows: the run's state, progress, actors (`rollouts`: the RolloutPool,
-    `inference`: the InferencePool) and their nodes, the latest metrics and evaluation."""
+    """The record `gigpo status` shows: state, progress, actors and their nodes, the latest metrics and eval."""
     evaluated = {f"eval/{k}": v for k, v in (last_eval or {}).items() if isinstance(v, float)}
     return {
         "run": cfg.run.name, "state": state, "iteration": int(metrics.get("update", 0)),
@@ -67,8 +60,7 @@ def status_record(cfg, state: str, metrics: dict, last_eval: dict | None, rollou
 
 
 def waiting_state(rollouts, updating: bool) -> str:
-    """The status's state while the driver waits on the learner: why (paused by `scale --rollout 0`,
-    rollout actors coming back after a loss, an update in progress, or waiting for data)."""
+    """The status's state while the driver waits on the learner: why it waits."""
     if not rollouts.live:
         return "paused: no rollout actors (resume with `gigpo scale --rollout N`)"
     if rollouts.restarting:
@@ -78,8 +70,7 @@ def waiting_state(rollouts, updating: bool) -> str:
 
 
 def append_eval_record(out_dir: Path, record: dict, fresh: bool) -> None:
-    """One evaluation as a line of <out_dir>/evals.jsonl; fresh: the file is started anew (as metrics.jsonl
-    is by a run that does not resume)."""
+    """One evaluation as a line of <out_dir>/evals.jsonl; fresh: the file is started anew."""
     with open(out_dir / EVALS_FILE, "w" if fresh else "a") as f:
         f.write(json.dumps(record) + "\n")
 
@@ -109,8 +100,7 @@ PAPER_COLUMNS = {
 
 def format_eval(title: str, results: dict[str, dict]) -> str:
     """The paper's table layout, one row per split (`results`: split -> summary): success in % per task
-    type and All for ALFWorld; score and success (Succ.) for WebShop; then the episodes played. A task type
-    a split did not play shows "-"."""
+    type and All for ALFWorld, score and Succ. for WebShop, then the episodes played."""
     types = {t for r in results.values() for t in r.get("per_task_type", {}) if t not in ("all", "webshop")}
     order = list(PAPER_COLUMNS)
     types = sorted(types, key=lambda t: (order.index(t) if t in order else len(order), t))
@@ -130,8 +120,7 @@ def format_eval(title: str, results: dict[str, dict]) -> str:
 
 
 def format_summary(summary: dict) -> str:
-    """`gigpo train`'s last lines: updates, time, env steps, success (and WebShop's score) before and after,
-    the table, where the outputs are."""
+    """`gigpo train`'s last lines: updates, time, env steps, success (and score) before and after, the table."""
     lines = ["", "=" * 72, f"trained {summary['updates']} updates in {summary['train_s'] / 60:.1f} min, "
              f"{summary['env_steps']:.0f} env steps"]
     if summary.get("before") and summary.get("after"):

@@ -1,6 +1,5 @@
-"""The run's rollout actors, one record each: adding and removing them (`gigpo scale --rollout`), collecting
-the removed ones, noticing one that died (Ray restarts it) and playing it again once it is back, and their
-stats summed over the whole run (actors removed and lives before a restart included)."""
+"""The run's rollout actors: added and removed (`gigpo scale --rollout`), restarted ones played again, and
+their stats summed over the whole run (removed actors and lives before a restart included)."""
 from __future__ import annotations
 
 import logging
@@ -30,8 +29,7 @@ class RolloutRecord:
 
 
 class RolloutPool:
-    """The rollout actors, live and retiring. `create(actor_id)` starts one (the driver knows the inference
-    actors, the stream and the model it gets)."""
+    """The rollout actors, live and retiring. `create(actor_id)` starts one."""
 
     def __init__(self, cfg: ExperimentConfig, create: Callable[[str], object]):
         self.cfg = cfg
@@ -59,9 +57,7 @@ class RolloutPool:
 
     def scale(self, num_actors: int, drain: bool = True) -> None:
         """Add or remove rollout actors (the newest first). A removed actor finishes (drain) or discards its
-        in-flight groups; a group is never half-published either way. Draining runs in the background (its
-        last groups may wait for room in the stream, which the learner keeps making); `reap_retired`
-        collects it."""
+        in-flight groups, in the background (they may wait for room in the stream); `reap_retired` collects it."""
         while len(self.live) < num_actors:
             actor_id = f"rollout-{self._next_id}"
             self._next_id += 1
@@ -87,8 +83,7 @@ class RolloutPool:
             ray.kill(actor.handle)
 
     def stop_all(self, timeout_s: float, say=log.warning) -> None:
-        """Remove every actor without draining; one deadline for all (an actor still waiting for CPUs never
-        answers), then the rest is killed."""
+        """Remove every actor without draining; one deadline for all, then the rest is killed."""
         self.scale(0, drain=False)
         refs = [actor.stop for actor in self.retiring]
         if refs:
@@ -100,10 +95,9 @@ class RolloutPool:
             del self.actors[actor.id]
 
     def check_alive(self, inference: list) -> None:
-        """A rollout actor that died (its process or its node) is restarted by Ray (max_restarts): its
-        in-flight groups are abandoned (a group is published whole or not at all), the run goes on with the
-        others, and it plays again once it is back, with the inference actors of now (`inference`). An
-        exception inside its loop is a bug: the run stops."""
+        """A rollout actor that died (its process or its node) is restarted by Ray: its in-flight groups are
+        abandoned, the run goes on, and it plays again once back, with `inference`. An exception inside its
+        loop is a bug: the run stops."""
         for actor in self.restarting:
             if not ray.wait([actor.restart_ping], timeout=0)[0]:
                 continue
@@ -135,8 +129,7 @@ class RolloutPool:
 
     def tell_inference(self, inference: list) -> None:
         """Every live and retiring actor's later requests go to `inference`. One that does not answer in time
-        (still starting or restarting) is told when it is back (`check_alive`); until then a request of its
-        to a removed inference actor is retried on another."""
+        is told when it is back (`check_alive`)."""
         told = [actor.handle.set_inference_actors.remote(inference) for actor in self.actors.values()
                 if actor.restart_ping is None]
         ready, late = ray.wait(told, num_returns=len(told), timeout=ROLLOUT_TELL_S) if told else ([], [])

@@ -1,7 +1,5 @@
-"""A run's life on Ray: Ray connected to (or started on this machine), its logs linked into the run's; SIGTERM
-made to end the run as Ctrl-C does; at the end the learners closed and Ray shut down leaving no shared
-memory behind; and, when the run failed, which parts it cannot go on without it lost (`RunLost`, said to
-the user with the newest checkpoint and the command that resumes)."""
+"""A run's life on Ray: Ray started or joined, SIGTERM handled as Ctrl-C, the learners and Ray closed leaving no
+shared memory behind, and after a failure, which parts the run lost that it cannot go on without (`RunLost`)."""
 from __future__ import annotations
 
 import logging
@@ -34,12 +32,8 @@ EXIT_LOST = 3            # `gigpo train`'s exit status when the run lost a part 
 
 
 def start_ray(cfg: ExperimentConfig) -> str:
-    """Connect to `run.ray_address` / RAY_ADDRESS, or start a local Ray sized for this machine.
-
-    The project's own environment (common.process_env) is set here first, so that a local Ray's processes
-    inherit it; on a cluster every actor sets it itself. The runtime env carries only the user's settings
-    from this environment, and under `ray job submit` only those the job's runtime env does not already
-    set (Ray refuses to merge two that name one variable)."""
+    """Connect to `run.ray_address` / RAY_ADDRESS, or start a local Ray sized for this machine. The project's
+    environment is set first, so that a local Ray's processes inherit it (on a cluster each actor sets it)."""
     if ray.is_initialized():
         return ray.get_runtime_context().gcs_address
     apply_project_env()
@@ -58,8 +52,7 @@ def start_ray(cfg: ExperimentConfig) -> str:
 
 
 def link_ray_logs(log_dir: str) -> None:
-    """<log_dir>/ray -> this node's Ray session logs (raylet, GCS, and each worker's output before its actor
-    took over its own log file). Best effort: Ray does not publish the path through a public API."""
+    """<log_dir>/ray -> this node's Ray session logs. Best effort: Ray does not publish the path publicly."""
     try:
         ray_logs = ray._private.worker._global_node.get_logs_dir_path()
     except Exception:  # noqa: BLE001 - no local node (a client connection) or Ray moved it
@@ -75,9 +68,8 @@ def link_ray_logs(log_dir: str) -> None:
 
 
 def stop_ray() -> None:
-    """Shut Ray down, then remove the /dev/shm files that this run's processes mapped and nobody maps any
-    more: noted before Ray ends them (a local Ray's processes are all below this one), since afterwards
-    nobody else could name them."""
+    """Shut Ray down, then remove the /dev/shm files this run's processes mapped (noted before Ray ends them:
+    afterwards nobody could name them) and nobody maps any more."""
     held = shm_cleanup.mapped_by(shm_cleanup.descendants(os.getpid()))
     try:
         if ray.is_initialized():
@@ -90,8 +82,8 @@ def stop_ray() -> None:
 
 class RunLost(RuntimeError):
     """The run lost a part it cannot go on without: a learner rank (its process, or its node), or its Redis.
-    `lost`: one line per part; `output_dir`: the run's; `learner_node`: learner rank 0's node when it is not
-    the driver's (its checkpoints are written there). `lost_run_message` says it to the user."""
+    `lost`: one line per part; `learner_node`: learner rank 0's node when not the driver's (its checkpoints
+    are there)."""
 
     def __init__(self, lost: list[str], output_dir: str, learner_node: dict | None = None):
         super().__init__("the run lost " + "; ".join(lost))
@@ -99,8 +91,7 @@ class RunLost(RuntimeError):
 
 
 def lost_run_message(exc: RunLost, resume_command: list[str]) -> str:
-    """What `gigpo train` prints (a few lines, no traceback) when the run lost a part it needs: what was
-    lost, the newest complete checkpoint (or that there is none) and the command that resumes from it."""
+    """What `gigpo train` prints on RunLost: what was lost, the newest complete checkpoint, how to resume."""
     root = Path(exc.output_dir) / "checkpoints"
     complete = [tag for tag in checkpoint_tags(root) if is_complete_checkpoint(tag)]
     lines = [f"gigpo: the run lost {part}" for part in exc.lost]
@@ -117,11 +108,9 @@ def lost_run_message(exc: RunLost, resume_command: list[str]) -> str:
 
 
 class SignalTrap:
-    """SIGTERM (`kill`, a scheduler stopping the job) raises KeyboardInterrupt in the main thread, as Ctrl-C
-    does, so that the `with System(...)` block runs close(); its __exit__ then turns it into SystemExit(143).
-    (KeyboardInterrupt because it is the one exception a blocked ray.get passes on unchanged: Ray turns a
-    SystemExit raised there into SystemExit(1).) While the run closes (`closing`), both are noted and
-    ignored."""
+    """SIGTERM raises KeyboardInterrupt in the main thread, as Ctrl-C does, so that `with System(...)` runs
+    close(); its __exit__ then exits 143. (KeyboardInterrupt: a blocked ray.get passes it on unchanged, but
+    turns a SystemExit into SystemExit(1).) While the run closes (`closing`), both are noted and ignored."""
 
     def __init__(self):
         self.closing = False
@@ -129,8 +118,7 @@ class SignalTrap:
         self._saved: dict | None = None          # SIGINT/SIGTERM handlers from before `trap`
 
     def trap(self) -> None:
-        """Install the handlers. Called again after ray.init, which installs a SIGTERM handler of its own that
-        kills Ray's processes before anything could be closed."""
+        """Install the handlers; again after ray.init, whose SIGTERM handler kills Ray before anything closes."""
         if threading.current_thread() is not threading.main_thread():
             return
         if self._saved is None:
@@ -156,12 +144,10 @@ class SignalTrap:
 
 def lost_parts(learners: list, embedded_redis, redis_url: str | None, timeout_s: float = LOST_CHECK_S,
                decide_s: float = LOST_DECIDE_S) -> tuple[list[str], bool]:
-    """What the run cannot go on without and has lost, one line each ([]: nothing), and whether a learner
-    rank is among it: a learner rank whose actor Ray reports dead (its process died, or its node left the
-    cluster: said which, with the node), the embedded Redis (its process ended) or the configured one (it
-    does not answer). A rank that does not answer within timeout_s (busy in a collective with a dead one,
-    or hung) is not counted; one that Ray calls unavailable (its node stopped answering and Ray's health
-    checks have not yet declared it dead) is asked again until Ray decides, for up to decide_s."""
+    """What the run has lost and cannot go on without, one line each, and whether a learner rank is among
+    it: a learner rank Ray reports dead (its process, or its node), or the Redis. A rank that does not answer
+    within timeout_s (busy in a collective with a dead one, or hung) is not counted; one Ray calls
+    unavailable (health checks pending) is asked again for up to decide_s."""
     lost = []
     learner_lost = False
     if learners and ray.is_initialized():
@@ -213,8 +199,7 @@ def lost_parts(learners: list, embedded_redis, redis_url: str | None, timeout_s:
 
 def close_learners(learners: list, learner_lost: bool, say=log.warning) -> None:
     """Close every learner rank (it checkpoints uncommitted updates), then kill it. After a lost rank, the
-    others are killed at once: they would wait for it in the close's collectives (a checkpoint); the resumed
-    run starts from the last checkpoint written, as it would have after the close."""
+    others are killed at once: they would wait for it in the close's collectives."""
     if learner_lost:
         for worker in learners:
             ray.kill(worker)

@@ -17,9 +17,7 @@ log = logging.getLogger("gigpo")
 
 
 def initial_model(cfg: ExperimentConfig, progress=None) -> str:
-    """The policy a training run starts from: model.path ("tiny": built under run.output_dir), then the
-    supervised warm start on training walkthroughs (cached under run.output_dir). progress: where the warm
-    start's progress bar goes."""
+    """The policy a training run starts from: model.path made ready, then warm-started (its bar on `progress`)."""
     path = prepare_model_path(cfg.model.path, cfg.run.output_dir)
     if cfg.model.warm_start_steps > 0:
         path = warm_start(cfg, path, progress=progress)
@@ -27,10 +25,9 @@ def initial_model(cfg: ExperimentConfig, progress=None) -> str:
 
 
 def eval_model(cfg: ExperimentConfig, scratch_dir: str) -> str:
-    """The model `gigpo eval` starts its learner and actors from, without writing into the run: the run's
-    own warm model or tiny model as they are (the settings they were made with are the run's, whatever
-    this evaluation's config says); with a checkpoint to load, that model only supplies the architecture
-    and tokenizer. What the run lacks is built in `scratch_dir`."""
+    """The model `gigpo eval` starts from, without writing into the run: the run's own warm or tiny model as
+    it is (with a checkpoint, it only supplies the architecture and tokenizer); what the run lacks is built
+    in `scratch_dir`."""
     if cfg.model.warm_start_steps > 0:
         warm = existing_warm_model(cfg.run.output_dir)
         if warm:
@@ -47,10 +44,8 @@ def eval_model(cfg: ExperimentConfig, scratch_dir: str) -> str:
 
 
 def ship_model(cfg: ExperimentConfig, path: str) -> ModelSource:
-    """The model as every actor receives it. It was built or found here, in this node's output directory,
-    which other nodes do not see: on a cluster (an address given, or more than one node) a local model of
-    up to model.ship_max_mb travels with the actors through Ray's object store. A local Ray is one node that
-    sees the path itself: nothing is copied (its object store is small)."""
+    """The model as every actor receives it: on a cluster (other nodes do not see this one's files) a local
+    model of up to model.ship_max_mb travels through Ray's object store; a local Ray reads the path itself."""
     if Path(path).is_dir():
         path = str(Path(path).resolve())       # the actors' working directory may differ from this one
     cluster = bool(cfg.run.ray_address or os.environ.get("RAY_ADDRESS")) or len(alive_nodes()) > 1

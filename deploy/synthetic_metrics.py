@@ -1,8 +1,6 @@
-"""A synthetic workload that records every declared metric from Ray actors of each kind that records it
-(`MetricSpec.recorded_by`), with values that follow from the tick number alone, so that a test (or
-`deploy/check_dashboard.py`) can check what the scrape endpoint and Prometheus show without running the
-real planes. Each round, a counter adds 1 for each value of its label, a gauge is set to the round's
-number, a histogram observes 0.3 s.
+"""A synthetic workload: every declared metric recorded from a Ray actor of each kind that records it, with
+values that follow from the tick alone (a counter adds 1 per label value, a gauge is the tick, a histogram
+observes 0.3 s), so that tests and deploy/check_dashboard.py can check the scrape without the real planes.
 """
 from __future__ import annotations
 

@@ -6,16 +6,10 @@
             v                                     |
     rollout actors (env instances inside)  -------+
 
-The driver (this module) starts every part, then loops: one learner update per iteration; in async mode
-(the default) the rollout actors play continuously and the learner trains on whatever complete groups the
-stream holds (dropping those older than `stream.max_policy_lag` versions); in sync mode (`run.sync=true`,
-the reference's schedule) the rollout actors play exactly one batch with the current weights, then the
-learner trains on it. Every iteration it logs metrics (TensorBoard + metrics.jsonl), publishes a status
-record for `gigpo status`, and applies `gigpo scale` commands.
-
-Its parts: deploy.run_model (the policy every actor receives), deploy.rollout_pool and
-deploy.inference_pool (the actors `gigpo scale` adds and removes), deploy.run_control (Ray, signals, the
-close, what a failed run lost) and deploy.reports (status, evaluation records, the terminal's lines).
+The driver (this module) starts every part, then runs one learner update per iteration: in async mode the
+rollout actors play continuously and the learner trains on the complete groups the stream holds; in sync mode
+(`run.sync=true`) they play exactly one batch with the current weights first. Every iteration it logs metrics,
+publishes the status for `gigpo status` and applies `gigpo scale` commands.
 """
 from __future__ import annotations
 
@@ -64,15 +58,13 @@ WAIT_FOR_DATA_S = 10.0   # the learner's wait for a batch, between which the dri
 
 
 class System:
-    """Starts, runs and stops every part of one training run (or of `gigpo eval`'s evaluation). cfg is not
-    changed: what the run needs different is a copy (`self.cfg`)."""
+    """Starts, runs and stops every part of one training run (or of `gigpo eval`'s evaluation)."""
 
     def __init__(self, cfg: ExperimentConfig, log_dir: str = ""):
         self.cfg = cfg
         self.out = Path(cfg.run.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
-        # Each actor's log file goes here (`gigpo eval` points it into the eval's own directory).
-        self.log_dir = log_dir or run_log_dir(cfg.run.output_dir)
+        self.log_dir = log_dir or run_log_dir(cfg.run.output_dir)      # each actor's log file goes here
         self.terminal: Terminal | None = None     # where the bar and eval lines go (None: stdout/stderr)
         self.signals = SignalTrap()
         self.rollouts = RolloutPool(cfg, self._new_rollout_actor)
@@ -97,11 +89,9 @@ class System:
     # -- start and stop --------------------------------------------------------------------------------
 
     def start(self, eval_only: bool = False, scratch_dir: str = "") -> None:
-        """Start every part. eval_only: inference actors and a read-only learner that serves the resumed
-        checkpoint, nothing else; nothing is written into run.output_dir (no job file, no metrics, no
-        model builds; the actors' logs go to self.log_dir), so a run that is still training is not
-        disturbed. What such an evaluation must build (a model the run does not have) goes into
-        `scratch_dir`, which the caller removes."""
+        """Start every part. eval_only: inference actors and a read-only learner serving the resumed
+        checkpoint, and nothing is written into run.output_dir (a run still training is not disturbed);
+        a model the run lacks is built in `scratch_dir`, which the caller removes."""
         cfg = self.cfg
         t0 = time.perf_counter()
         self._training = not eval_only
@@ -125,8 +115,8 @@ class System:
         # One weights directory for the run's inference actors, those `gigpo scale --inference` adds included.
         self._actor_cfg = with_weights_dir(cfg)
         self.inference.start()
-        # Resources no node has would leave an actor pending forever: say which, before waiting on any. (The
-        # learner checks its own need, in create_learner_workers; the eval actor rides on a rollout actor's.)
+        # Resources no node has would leave an actor pending forever: say which, before waiting on any (the
+        # learner checks its own need).
         needs = job_needs(cfg)
         wait_placeable({"an inference actor": needs["inference actor"][0],
                         "a rollout actor": needs["rollout actor"][0]}, PLACEMENT_TIMEOUT_S, log=log)
@@ -134,8 +124,7 @@ class System:
                                                read_only=eval_only, log_dir=self.log_dir)
         state = ray.get(self.learners[0].state.remote())
         if eval_only and state["policy_version"] > 0:
-            # The inference actors must serve the checkpoint's weights, not the initial ones. (A resumed
-            # training learner has pushed them itself, as a new version: Learner._resume.)
+            # The inference actors must serve the checkpoint's weights (a training learner pushes its own).
             ray.get([w.sync_weights.remote() for w in self.learners])
         self.update = state["updates"]
         self.rollouts.scale(0 if eval_only else cfg.rollout.num_actors)
@@ -156,17 +145,16 @@ class System:
         return create_inference_actors(self._actor_cfg, self.model, log_dir=self.log_dir, **options)
 
     def _use_inference(self, actors: list) -> dict:
-        """Make `actors` the run's inference actors: first the learner (it pushes to them from now on, and its
-        current version to one that lacks it), then every rollout actor. Returns learner rank 0's answer."""
+        """Make `actors` the run's inference actors: first for the learner (it pushes its current version to
+        one that lacks it), then for every rollout actor. Returns learner rank 0's answer."""
         info = set_learner_inference(self.learners, actors, timeout_s=2 * self.cfg.inference.transfer_timeout_s + 60,
                                      on_wait=self._while_updating)
         self.rollouts.tell_inference(actors)
         return info
 
     def refresh_placement(self, timeout_s: float = 0.0) -> dict[str, dict | None]:
-        """{actor name: its node, None while it has not started} for every actor of the run, in role order.
-        Asks the inference and rollout actors again (PlacementWatch) and waits up to timeout_s for the
-        answers; the learner's ranks reported theirs at start."""
+        """{actor name: its node, None while it has not started} for every actor of the run, in role order,
+        waiting up to timeout_s for the answers (the learner's ranks reported theirs at start)."""
         serving = self.inference.serving + [actor for actor, _ in self.inference.starting]
         actors = {f"inference-{i}": actor for i, actor in enumerate(serving)} | self.rollouts.handles()
         nodes = getattr(self.learners, "nodes", None) or [None] * len(self.learners)
@@ -174,12 +162,8 @@ class System:
 
     def close(self) -> None:
         """Stop every part and leave nothing behind, whatever state the run is in (also after Ctrl-C or
-        SIGTERM, and half-way through start()): rollout actors, learners (they checkpoint uncommitted
-        updates), the vLLM engines (their own shutdown, which removes their shared memory, then ray.kill),
-        the embedded Redis with its temporary directory, the weights directory made for this run, Ray, and
-        last the /dev/shm files that processes of this run mapped and nobody maps any more. Each step has a
-        deadline; a step that fails is logged and the next one still runs. While it runs, another Ctrl-C
-        or SIGTERM is noted and ignored."""
+        SIGTERM, and half-way through start()). Each step has a deadline; a step that fails is logged and
+        the next one still runs. Another Ctrl-C or SIGTERM meanwhile is noted and ignored."""
         self.signals.closing = True
         # After a lost part, actors on a lost node wait for a restart that may never come: a short deadline.
         rollout_stop_s = LOST_STOP_S if self._lost else ROLLOUT_STOP_S
@@ -188,13 +172,11 @@ class System:
         steps = [("rollout actors", lambda: self.rollouts.stop_all(rollout_stop_s, say)),
                  ("learners", lambda: close_learners(self.learners, self._learner_lost, say)),
                  ("inference actors", lambda: self.inference.stop_all(inference_stop_s, say)),
-                 # What killed engines noted in a weights directory of the config's; one made for this run
-                 # goes with its notes.
+                 # (what killed engines noted in the config's weights directory; one made for this run goes whole)
                  ("engine shared memory", lambda: shm_cleanup.remove_noted_in(self.cfg.inference.weights_dir)),
                  ("weights directory", remove_made_weights_dirs),
                  ("tracker", lambda: self.tracker and self.tracker.close()),
-                 # (it removes its data directory if it is a temporary one)
-                 ("redis", lambda: self.redis and self.redis.stop(cleanup=True))]
+                 ("redis", lambda: self.redis and self.redis.stop(cleanup=True))]     # (and its temp directory)
         try:
             for name, step in steps:
                 try:
@@ -207,8 +189,7 @@ class System:
             self.signals.restore()
 
     def _say_closing(self, msg: str, *args) -> None:
-        """A part that failed to stop: a warning, but only a line in the log file after a lost part
-        (lost_parts), when the parts that needed it are expected to fail."""
+        """A part that failed to stop: a warning, but only a log line after a lost part (expected then)."""
         (log.info if self._lost else log.warning)(msg, *args)
 
     def __enter__(self) -> "System":
@@ -235,8 +216,7 @@ class System:
     # -- the loop --------------------------------------------------------------------------------------
 
     def _while_updating(self) -> None:
-        """Every ON_WAIT_EVERY_S of a long update (e.g. a weight push waiting for an inference actor whose
-        node is gone): notice lost rollout actors and say so in the status."""
+        """Every ON_WAIT_EVERY_S of a long update: notice lost rollout actors and say so in the status."""
         self.rollouts.check_alive(self.inference.serving)
         self._publish_waiting_status(updating=True)
 
@@ -245,8 +225,7 @@ class System:
             self._publish_status(self._last_metrics, state=waiting_state(self.rollouts, updating))
 
     def _between_updates(self) -> None:
-        """What the driver does while the learner is not in an update: apply `gigpo scale` commands, collect
-        retired rollout actors, let started inference actors join, stop retired ones once idle."""
+        """Between updates: apply `gigpo scale` commands, collect retired actors, let started ones join."""
         self._apply_commands()
         self.rollouts.reap_retired()
         self.inference.join_started()
@@ -274,9 +253,8 @@ class System:
         history: list[dict] = []
         prev = self.rollouts.stats()
         prev_t = time.perf_counter()
-        # The bar's env steps/s: over the last RATE_WINDOW updates, not the last one alone. The rollout side
-        # plays in bursts (it waits whenever the stream is full), so one update's delta swings between 0
-        # and twice the mean; the window always spans some playing.
+        # The bar's env steps/s is over RATE_WINDOW updates: the rollout side plays in bursts (it waits while
+        # the stream is full), so one update's delta swings between 0 and twice the mean.
         samples = deque([(prev_t, prev.get("env_steps", 0.0))], maxlen=RATE_WINDOW + 1)
         terminal = self.terminal or Terminal(sys.stdout, sys.stderr)
         bar = terminal.bar = tqdm(initial=self.update, total=cfg.run.iterations, desc="training",
@@ -331,10 +309,9 @@ class System:
     # -- evaluation ------------------------------------------------------------------------------------
 
     def evaluate(self, split: str = "", record: str = "") -> dict:
-        """Play the eval split (or `split`) once per task (group size 1, eval temperature) with the current
-        weights. record: when the evaluation is ("before training", "after update 8", ...): the result,
-        per-episode records included, is appended to <run.output_dir>/evals.jsonl under that label with the
-        update and the policy version that played it (`gigpo eval` saves its own, in eval/)."""
+        """Play the eval split (or `split`) once per task with the current weights. record: when it is
+        ("before training", "after update 8", ...): the result is appended to <run.output_dir>/evals.jsonl
+        under that label, with the update and the policy version that played it."""
         cfg = self.cfg
         if split and split != cfg.env.eval_split:
             cfg = dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, eval_split=split))
@@ -351,9 +328,7 @@ class System:
 
 
 def train(cfg: ExperimentConfig) -> dict:
-    """`gigpo train`: start, evaluate, train, evaluate, print a summary. The terminal shows a progress bar,
-    one line per evaluation, warnings and the summary; every component's logs (the driver's included) go
-    to <run.output_dir>/logs/."""
+    """`gigpo train`: start, evaluate, train, evaluate, print a summary (every log in <run.output_dir>/logs/)."""
     log_dir = run_log_dir(cfg.run.output_dir)
     with run_output(log_dir) as terminal, System(cfg) as system:
         system.terminal = terminal
@@ -379,8 +354,8 @@ def train(cfg: ExperimentConfig) -> dict:
 
 
 def checkpoint_location(checkpoint: str) -> tuple[str, str]:
-    """(run.output_dir, run.resume_tag) of a checkpoint directory <output_dir>/checkpoints/<tag>; raises
-    FileNotFoundError when `checkpoint` is not a complete checkpoint written by the learner."""
+    """(run.output_dir, run.resume_tag) of a checkpoint directory <output_dir>/checkpoints/<tag>;
+    FileNotFoundError when it is not a complete checkpoint."""
     path = Path(checkpoint).resolve()
     if not is_complete_checkpoint(path):
         raise FileNotFoundError(f"{checkpoint} is not a checkpoint directory (no {LEARNER_STATE} in it); "
@@ -389,14 +364,10 @@ def checkpoint_location(checkpoint: str) -> tuple[str, str]:
 
 
 def evaluate_only(cfg: ExperimentConfig, checkpoint: str = "", splits: list[str] | None = None) -> dict:
-    """`gigpo eval`: the weights of `checkpoint` (a checkpoint directory), else of the latest checkpoint
-    in run.output_dir, else the initial model, on each of `splits` (default: env.eval_split). The result,
-    {"update", "policy_version", "splits": {split: summary}} (a summary per split as `summarize` makes it,
-    per-episode records included), is printed in the paper's table layout and saved as
-    <output_dir>/eval/update_<N>.json; its logs go to <output_dir>/eval/logs/. Nothing else in the run is
-    touched (it may still be training). The run's own tiny / warm model is used as it is, whatever this
-    config's settings for them; one the run lacks is built in a temporary directory, removed afterwards.
-    cfg is not changed: the evaluation's settings are a copy."""
+    """`gigpo eval`: the weights of `checkpoint`, else of the latest checkpoint in run.output_dir, else the
+    initial model, on each of `splits` (default: env.eval_split). The result, {"update", "policy_version",
+    "splits": {split: summary}}, is printed in the paper's table layout and saved as
+    <output_dir>/eval/update_<N>.json, its logs in <output_dir>/eval/logs/; nothing else in the run is touched."""
     splits = list(splits or [cfg.env.eval_split])
     output_dir, resume_tag = checkpoint_location(checkpoint) if checkpoint else (cfg.run.output_dir,
                                                                                  cfg.run.resume_tag)

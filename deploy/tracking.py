@@ -13,8 +13,7 @@ log = logging.getLogger("gigpo")
 
 
 def redacted_config(config: dict) -> dict:
-    """A copy of `config` (nested dicts) with the password of every Redis URL in it (a key ending in
-    redis_url: stream.redis_url) replaced by ***."""
+    """A copy of `config` (nested dicts) with the password of every `*redis_url` replaced by ***."""
     from common.redis_server import redact
     return {key: redacted_config(value) if isinstance(value, dict)
             else redact(value) if key.endswith("redis_url") and isinstance(value, str) else value
@@ -23,8 +22,7 @@ def redacted_config(config: dict) -> dict:
 
 class Tracker:
     def __init__(self, output_dir: str, run_name: str, config: dict, resume: bool = False):
-        """resume: append to the run's metrics.jsonl; otherwise it starts anew (a run.overwrite run must not
-        mix its lines with the deleted run's). `config` is kept (as `self.config`) and sent to W&B redacted."""
+        """resume: append to the run's metrics.jsonl, else start it anew. `config` is kept redacted (`self.config`)."""
         self.config = redacted_config(config)
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)

@@ -1,21 +1,13 @@
 """`gigpo view RUN_DIR [--out FILE]`: one static, self-contained HTML page of a run's trajectories with the
 credit GiGPO gave every step.
 
-It reads RUN_DIR/groups.jsonl (the learner's record of each update's training groups: learner/group_record.py,
-run.record_groups) and RUN_DIR/evals.jsonl when there is one (the run's evaluations), and shows
-- the evaluations: success and mean steps per evaluation, split and task type, and each episode (task,
-  type, success, steps, return) where the line holds them (`episodes_detail`);
-- per update (`id="update-N"`, so that `view.html#update-N` lands on it), each recorded group as a table:
-  a trajectory per row, a step per cell, coloured by the advantage the learner trained with (blue above 0,
-  red below, white at 0; the scale is the update's largest |advantage|), with GiGPO's episode and step parts
-  and GRPO's advantage beside it, the action, the anchor group (same label and colour for the steps taken
-  from the same state) and the observation (each distinct one once per group, folded);
-- filters by task type, success and update (vanilla JS; also from the page's query: ?update=3&success=1).
-
-No script or style is loaded from anywhere: the page works offline. An update recorded twice (a resumed run
-redoes the updates lost since its last checkpoint) shows its last record, the one training went on from.
-Bad input is a ViewError: no groups.jsonl, or a line that is not a record; a partly written last line (a
-run still writing it) is skipped with a note.
+From RUN_DIR/groups.jsonl (learner/group_record.py, run.record_groups) and RUN_DIR/evals.jsonl if any, it shows
+the evaluations (and each episode where the line holds them); per update (`view.html#update-N`), each recorded
+group as a table of a trajectory per row and a step per cell, coloured by the advantage the learner trained
+with, with GiGPO's episode and step parts, GRPO's advantage, the action, the anchor group and the observation;
+and filters by task type, success and update (also from the query: ?update=3&success=1). The page loads
+nothing (it works offline). An update recorded twice (a resumed run) shows its last record. Bad input is a
+ViewError; a partly written last line (a run still writing it) is skipped with a note.
 """
 from __future__ import annotations
 
@@ -44,8 +36,8 @@ class ViewError(ValueError):
 # -- reading -----------------------------------------------------------------------------------------------
 
 def read_jsonl(path: Path, note: Callable[[str], None]) -> list[dict]:
-    """The JSON objects of `path`, one a line. A line that is not one raises ViewError, except an unfinished
-    last line (no newline at its end: the run is still writing it), skipped with a note."""
+    """The JSON objects of `path`, one a line; ViewError for a line that is not one, except an unfinished last
+    line (the run is still writing it), skipped with a note."""
     try:
         lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
     except OSError as exc:
@@ -209,12 +201,11 @@ def _evaluations(evals: list[dict]) -> str:
 
 
 def _mean_steps_by_type(episodes: list[dict]) -> dict[str, float]:
-    steps, counts = Counter(), Counter()
+    by_type: dict[str, list] = {}
     for e in episodes:
         if isinstance(e.get("steps"), (int, float)):
-            steps[e.get("task_type") or ""] += e["steps"]
-            counts[e.get("task_type") or ""] += 1
-    return {t: steps[t] / counts[t] for t in counts}
+            by_type.setdefault(e.get("task_type") or "", []).append(e["steps"])
+    return {t: sum(steps) / len(steps) for t, steps in by_type.items()}
 
 
 def _eval_episodes(index: int, ev: dict) -> str:

@@ -2,30 +2,14 @@
 
     path = warm_start(cfg, "runs/embedded/tiny_model")    # -> "runs/embedded/warm_model" (or the input)
 
-Why: the embedded default's tiny random model is a near-uniform random policy over the admissible actions
-(~3% success on the tiny generated games); RL from there needs many more updates than fit in a short CPU
-run. A few dozen supervised steps on walkthroughs lift it off the floor while leaving room for RL
-(`model.warm_start_steps` keeps it partial on purpose).
+Why: the embedded default's tiny random model is a near-uniform random policy (~3% success on the tiny
+generated games); a few dozen supervised steps on walkthroughs lift it off the floor while leaving room for RL.
 
-Solution paths come from the env's reset report, `info["walkthrough"]`: ALFWorld's generated games carry
-their walkthrough; WebShop builds one from the goal (env_servers.webshop.env.solution_path: search the
-goal's words, click the goal's product, choose its options, buy). WebShop's search query is free text: a
-step is usable when constrained generation could produce it (`actors.rollout.is_admissible`).
-
-How, so that the supervised rows look exactly like rollout rows:
-- each training game's walkthrough (the generator writes the solution into every game) is replayed
-  through the real env (env_servers.registry.make_env), so observations, admissible actions and history
-  are what a rollout sees at that step;
-- the prompt is `actors.rollout.build_user_message` + `prompt_token_ids` with the run's history length;
-- the response is what constrained generation (`rollout.constrain_actions`) can produce: an empty think
-  section and the walkthrough action, `<think></think> <action>go to desk 1</action>`, then the
-  end-of-turn token (vLLM stops there once the action regex is complete);
-- the loss is the cross-entropy of the response tokens only (the prompt is context).
-
-The warmed model is saved as `<run.output_dir>/warm_model` with a record of what made it; a second call
-with the same settings (a resumed run) reuses it. `gigpo eval` never builds one there: it uses the run's
-own as it is (`existing_warm_model`). It is written to a temporary directory and renamed, so a crash never
-leaves a half-written model behind.
+Each training game's walkthrough (`info["walkthrough"]` at reset; WebShop builds one from the goal) is replayed
+through the real env, so every supervised row is exactly a rollout row: the rollout's prompt, and as response
+what constrained generation can produce, `<think></think> <action>go to desk 1</action>` then end-of-turn;
+the loss is the response tokens' cross-entropy. The model is saved atomically as `<run.output_dir>/warm_model`
+with a record of its settings, and reused by a run with the same settings (`gigpo eval` uses the run's as is).
 """
 from __future__ import annotations
 
@@ -47,12 +31,10 @@ WARM_DIR = "warm_model"
 _INFO = "warm_start.json"
 
 
-# How many times a step whose action fills a free-text slot (WebShop's search query) is in the example pool,
-# against once for a step that picks a listed action. Writing a query means copying the goal's words token
-# by token, which the tiny model learns only after ~3,000 such rows (measured: greedy queries put the goal's
-# product on the first results page for 10/24 held-out goals after 1,600 search rows, 15/24 after 3,200);
-# choosing among listed actions takes far fewer. The search rows are also the cheap ones (the search page
-# is short), so repeating them costs little next to the long results and item pages.
+# How many times a free-text step (WebShop's search query) is in the example pool, against once for a listed
+# action: copying the goal's words takes the tiny model ~3,000 such rows (measured: the goal's product on the
+# first results page for 10/24 held-out goals after 1,600 search rows, 15/24 after 3,200), and search rows
+# are short, so repeating them is cheap.
 FREE_TEXT_REPEAT = 32
 
 
@@ -66,18 +48,14 @@ class Example:
 
 
 def response_text(action: str) -> str:
-    """The response constrained generation yields for `action` with an empty think section (see
-    actors.rollout.action_regex; parse_action reads it back as a valid `action`)."""
+    """The response constrained generation yields for `action` with an empty think section."""
     return f"<think></think> <action>{action}</action>"
 
 
 def collect_examples(cfg: ExperimentConfig, tokenizer) -> tuple[list[Example], dict]:
-    """Replay the walkthroughs of the first `model.warm_start_games` training games through the env.
-    Returns the examples and counts (games used, games skipped because a walkthrough step was not
-    admissible or did not win, rows dropped for exceeding `model.max_prompt_tokens`).
-
-    The env runs in an EnvPool worker process, as in a rollout: the engine's C state never lives in this
-    (driver) process, and a crashed engine is an error result, not a crash of the run."""
+    """Replay the walkthroughs of the first `model.warm_start_games` training games through the env: the
+    examples and counts (games used or skipped, rows over `model.max_prompt_tokens`). The env runs in an
+    EnvPool worker process, as in a rollout, so a crashed engine is an error result, not a crashed driver."""
     from actors import rollout
     from env_servers.server import EnvPool
 
@@ -85,7 +63,7 @@ def collect_examples(cfg: ExperimentConfig, tokenizer) -> tuple[list[Example], d
     counts = {"games": 0, "games_skipped": 0, "rows_too_long": 0, "free_text_rows": 0}
     eos = tokenizer.eos_token_id
 
-    def report_of(results) -> "object":
+    def report_of(results):
         res = results[0]
         if res.error is not None or res.report is None:
             raise RuntimeError(f"warm start: env call failed: {res.error}")
@@ -131,14 +109,10 @@ def collect_examples(cfg: ExperimentConfig, tokenizer) -> tuple[list[Example], d
 
 def finetune(model, examples: list[Example], steps: int, lr: float, batch_size: int, seed: int,
              on_step=None) -> list[float]:
-    """`steps` AdamW steps of response-token cross-entropy on batches drawn from `examples` (whole
-    passes in shuffled order, each example `repeat` times per pass); returns the loss of each step.
-    on_step: called after each step (a progress bar's update).
-
-    A step's rows go through the learner's own path: packed by length into micro-batches of at most
-    MICRO_BATCH_TOKENS padded tokens (`learner.batching.pack_by_tokens`: WebShop's 300- and 3,500-token
-    pages are not padded to each other), left-padded (`collate`), and scored for their response tokens
-    only (`learner.trainer.response_logprobs`); the micro-batches' gradients add up to the step's token mean."""
+    """`steps` AdamW steps of response-token cross-entropy on batches drawn from `examples` (shuffled whole
+    passes, each example `repeat` times); returns each step's loss. on_step: called after each step. Rows go
+    through the learner's own path (pack_by_tokens, collate, response_logprobs), so WebShop's 300- and
+    3,500-token pages are not padded to each other; the micro-batches' gradients add up to the token mean."""
     import numpy as np
     import torch
 
@@ -211,8 +185,7 @@ def _settings(cfg: ExperimentConfig, model_path: str) -> dict:
 
 
 def _webshop_catalog() -> str:
-    """Which catalog the WebShop env loads ($WEBSHOP_DATA, else the shipped sample): its files' names,
-    sizes and modification times (another catalog gives other goals, so another warm model)."""
+    """A fingerprint of the catalog WebShop loads (another catalog gives other goals, so another warm model)."""
     from env_servers.webshop.data import resolve_data_dir
     folder = Path(resolve_data_dir(None))
     files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.glob("*.json"))
@@ -226,9 +199,9 @@ def existing_warm_model(output_dir: str) -> str | None:
 
 
 def warm_start(cfg: ExperimentConfig, model_path: str, out_dir: str | None = None, progress=None) -> str:
-    """The run's initial model: `model_path` itself when `model.warm_start_steps` is 0, else the warmed
-    copy in `out_dir` (default `<run.output_dir>/warm_model`; built once, reused while the settings are
-    unchanged). progress: a text stream (the terminal) for a progress bar of the fine-tuning steps."""
+    """The run's initial model: `model_path` when `model.warm_start_steps` is 0, else the warmed copy in
+    `out_dir` (default `<run.output_dir>/warm_model`; reused while the settings match). progress: a text
+    stream for the fine-tuning's progress bar."""
     m = cfg.model
     if m.warm_start_steps <= 0:
         return model_path
@@ -246,6 +219,7 @@ def warm_start(cfg: ExperimentConfig, model_path: str, out_dir: str | None = Non
         pass   # none yet, or made with other settings: build it below
 
     import torch
+    from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
@@ -257,18 +231,15 @@ def warm_start(cfg: ExperimentConfig, model_path: str, out_dir: str | None = Non
     t_collect = time.perf_counter() - t0
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    bar = None
+    bar = tqdm(total=m.warm_start_steps, desc="warm start", unit="step", dynamic_ncols=True, file=progress,
+               disable=progress is None)
     try:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        if progress is not None:
-            from tqdm import tqdm
-            bar = tqdm(total=m.warm_start_steps, desc="warm start", unit="step", dynamic_ncols=True, file=progress)
         losses = finetune(model, examples, m.warm_start_steps, m.warm_start_lr, m.warm_start_batch, cfg.run.seed,
-                          on_step=bar.update if bar is not None else None)
+                          on_step=bar.update)
     finally:
         torch.set_num_threads(threads)
-        if bar is not None:
-            bar.close()
+        bar.close()
     record = {"settings": settings, **counts, "rows": len(examples), "collect_s": round(t_collect, 1),
               "train_s": round(time.perf_counter() - t0 - t_collect, 1),
               "loss_first": losses[0], "loss_last": sum(losses[-5:]) / len(losses[-5:])}
@@ -283,9 +254,8 @@ def warm_start(cfg: ExperimentConfig, model_path: str, out_dir: str | None = Non
 
 
 def _give_back_freed_memory() -> None:
-    """The warm start runs in the driver, which then lives as long as the run. Its freed tensors stay in
-    glibc's heap unless trimmed: SmolLM2's warm start left the driver at 12.2 GB resident, and with the
-    learner and vLLM beside it Ray's memory monitor killed the run's actors during update 7 on a 24 GB machine."""
+    """The driver lives as long as the run, and freed tensors stay in glibc's heap unless trimmed: SmolLM2's
+    warm start left it at 12.2 GB resident, and Ray's memory monitor then killed actors on a 24 GB machine."""
     import ctypes
     import gc
 

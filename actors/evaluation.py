@@ -45,8 +45,7 @@ def episode_record(episode: EpisodeGroup) -> dict:
 
 def summarize(episodes: list[EpisodeGroup]) -> dict:
     """Success overall and per task type, mean steps, the share of valid responses (and WebShop's mean
-    score), and `episodes_detail`:
-    one `episode_record` per episode (a group of one trajectory), in the order played."""
+    score), and `episodes_detail`: one `episode_record` per episode, in the order played."""
     trajectories = [e.trajectories[0] for e in episodes]
     per_type: dict[str, list[bool]] = defaultdict(list)
     for t in trajectories:
@@ -72,11 +71,10 @@ def evaluate_tasks(cfg: ExperimentConfig, inference_actors: list, log_dir: str =
     """Evaluate in a short-lived Ray actor (its env instances are freed afterwards); log_dir: its output
     goes to <log_dir>/eval.log; model: see `actors.rollout.Rollout`.
 
-    The actor runs on a node that could run a rollout actor (rollout.cpus_per_actor CPUs and
-    rollout.resources: where the env's data and settings are), the same one every time (`pinned_node`: the
-    driver's own node when it qualifies), so that evaluations of one run, and of runs on one cluster, are
-    played on the same machine. It reserves nothing there (num_cpus=0, no custom resources): it mostly waits
-    on inference and borrows the rollout actors' share, which it could otherwise wait for forever."""
+    The actor runs on a node that could run a rollout actor (where the env's data and settings are), the
+    same one every time (`pinned_node`), so that evaluations of one run, and of runs on one cluster, are
+    played on the same machine. It reserves nothing there (num_cpus=0): it mostly waits on inference and
+    borrows the rollout actors' share, which it could otherwise wait for forever."""
     ev = eval_config(cfg)
     node_id = pinned_node(actor_need(cfg.rollout.cpus_per_actor, 0, cfg.rollout.resources))
     actor = RolloutActor.options(

@@ -5,31 +5,15 @@ the agent's text: each step's prompt, and the action in each response.
     done = actor.run.remote()            # runs until stop(); returns stats()
     ray.get(actor.stop.remote(drain=True))
 
-One episode group = N trajectories of the same task, reset with the same task id and seed. The actor runs
-`rollout.groups_per_actor` groups at once, each on its own N env instances. Everything is one asyncio
-loop: while one trajectory waits for its environment, the others generate (the inference actors batch all
-concurrent requests), so neither side idles on the other. Env calls never block the loop: the actor's EnvPool
-runs its instances in worker processes and hands back futures.
+One episode group = N trajectories of one task, reset with the same task id and seed, on its own N env
+instances; the actor runs `rollout.groups_per_actor` groups at once in one asyncio loop, so while one
+trajectory waits for its environment (EnvPool worker processes, awaited as futures) the others generate
+(the inference actors batch concurrent requests). A group is published only when all its trajectories have
+ended, as one stream entry, so a consumer never sees half a group.
 
-A group is published only when all its trajectories have ended, as one stream entry, so a consumer never
-sees half a group. `stop(drain=True)` starts no new groups and publishes the ones in flight;
-`stop(drain=False)` discards them.
-
-Each step becomes a StepRow: the prompt the policy saw, the sampled response with its log-probs, the
-env reward (`step_reward`: success_reward on the winning step, else 0; or that times the native score), the
-anchor (the raw observation the action was taken from), whether the response parsed as a well-formed
-action, and the policy version that sampled it.
-
-Prompts and actions (the first part of this file; the reference's defaults). Each step's prompt is rebuilt
-from scratch (no growing chat): a role line, the task, the last K (observation, action) pairs, the current
-observation, the admissible actions and the instruction to think inside <think> </think> and answer with one
-action inside <action> </action>; then the model's chat template.
-
-Parsing follows the reference: the response is lower-cased, the action is the text between the first
-<action> and the first </action> after it; the response is *valid* only if both action tags and both think
-tags are present and it contains no CJK characters. An invalid response still drives the environment: the
-env gets the raw tail of the response (its last 30 characters), which it normally answers with
-"Nothing happens."; the -0.1 penalty is applied by the learner from `StepRow.valid`.
+Each step's prompt is rebuilt from scratch (the reference's defaults, no growing chat): a role line, the
+task, the last K (observation, action) pairs, the observation, the admissible actions and the instruction
+to think inside <think> </think> and answer inside <action> </action>; then the model's chat template.
 """
 from __future__ import annotations
 
@@ -57,10 +41,7 @@ from common.transport import InMemoryTrajectories, TrajectorySink
 
 log = logging.getLogger(__name__)
 
-
-# ----------------------------------------------------------------------------------------------------------
-# The agent's text: the prompt of a step, and the action in a response
-# ----------------------------------------------------------------------------------------------------------
+# -- the agent's text: the prompt of a step, and the action in a response ------------------------------------
 
 # The role line per environment; anything else gets the generic one.
 ROLE_LINES = {
@@ -87,7 +68,10 @@ class ParsedAction:
 
 
 def parse_action(response: str) -> ParsedAction:
-    """Extract the action of a model response (see the module doc for the rules)."""
+    """The action of a model response, as the reference parses it: lower-cased, the text between the first
+    <action> and the first </action> after it; valid only with both action tags, both think tags and no CJK.
+    An invalid response still drives the env with its last RAW_TAIL_CHARS characters (which the env normally
+    answers with "Nothing happens."); the learner applies the penalty from `StepRow.valid`."""
     text = response.lower()
     start = text.find("<action>")
     end = text.find("</action>", start + len("<action>")) if start != -1 else -1
@@ -169,10 +153,8 @@ def is_admissible(action: str, admissible: list[str]) -> bool:
 def action_regex(admissible: list[str], max_think_chars: int = 200) -> str:
     """For `rollout.constrain_actions`: a short free-text think section, then exactly one admissible
     action (a free-text slot filled in its shape, see FREE_TEXT_SLOT); the format tags stay, so parsing and
-    validity work unchanged.
-
-    `max_think_chars` is sized by the caller so that the longest listed action fits the response budget;
-    a free-text slot can be longer than its placeholder, and the think section gives up the difference."""
+    validity work unchanged. `max_think_chars`: see think_chars; a free-text slot can be longer than its
+    placeholder, and the think section gives up the difference."""
     actions = [a for a in admissible if a != "help"]
     choices = "|".join(_action_pattern(a) for a in actions) or "look"
     slot_growth = max((FREE_TEXT_MAX_CHARS - len(FREE_TEXT_SLOT) for a in actions if FREE_TEXT_SLOT in a),
@@ -182,32 +164,17 @@ def action_regex(admissible: list[str], max_think_chars: int = 200) -> str:
     return rf"<think>[ -;=?-~]{{0,{think}}}</think> <action>({choices})</action>"
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The actor
-# ----------------------------------------------------------------------------------------------------------
+def think_chars(admissible: list[str], max_response_tokens: int) -> int:
+    """action_regex's think budget: the grammar constrains characters, not tokens, and a token is >= 1
+    character, so even a one-character-per-token answer must end within max_response_tokens."""
+    fixed = len("<think></think> <action></action>") + max(map(len, admissible))
+    return max(0, min(200, max_response_tokens - fixed))
+
+
+# -- the actor ----------------------------------------------------------------------------------------------
 
 # Errors after which a request is retried (on another inference actor when there is one).
 _RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
-
-
-class _EnvClient:
-    """Env calls of one trajectory step on the actor's EnvPool, awaited without blocking the event loop (calls
-    on instances in different worker processes run in parallel)."""
-
-    def __init__(self, pool):
-        self.pool = pool
-        self.wait_s = 0.0
-        self.calls = 0
-
-    async def call(self, kind: str, request: tuple):
-        """kind "reset": (instance, task_id, seed); kind "step": (instance, action). -> InstanceResult."""
-        t0 = time.perf_counter()
-        try:
-            submit = self.pool.submit_resets if kind == "reset" else self.pool.submit_steps
-            return await asyncio.wrap_future(submit([request])[0])
-        finally:
-            self.calls += 1
-            self.wait_s += time.perf_counter() - t0
 
 
 class Rollout:
@@ -249,16 +216,15 @@ class Rollout:
             trajectories = TrajectoryStream(trajectories, self.cfg.stream, consumer_name=f"producer-{actor_id}")
         self.stream: TrajectorySink = trajectories or InMemoryTrajectories()
         self._rng = random.Random(_stable_seed(self.cfg.run.seed, actor_id))
-        self._stopping = False
-        self._drain = True
+        self._stopping, self._drain = False, True
         self._running: asyncio.Future | None = None
         self._group_tasks: set[asyncio.Task] = set()
         self._started = 0.0
         self.counters: Counter = Counter()
         self.terminations: Counter = Counter()
-        # gen_wait_s / weight_wait_s / publish_wait_s: summed over concurrent trajectories (so they can
-        # exceed wall_s); weight_wait_s is the part of gen_wait_s spent paused by weight updates.
-        self.timers = {"gen_wait_s": 0.0, "weight_wait_s": 0.0, "publish_wait_s": 0.0}
+        # Summed over concurrent trajectories (so they can exceed wall_s); weight_wait_s is the part of
+        # gen_wait_s spent paused by weight updates.
+        self.timers = {"gen_wait_s": 0.0, "weight_wait_s": 0.0, "publish_wait_s": 0.0, "env_wait_s": 0.0}
         self._wall_total = 0.0
         self.metrics = ActorMetrics("rollout", actor_id)
         # Series that may stay at 0 for a whole run exist from the start (the dashboard shows 0, not no data).
@@ -289,7 +255,6 @@ class Rollout:
         self._running = loop.create_future()
         self._stopping, self._drain = False, True
         self._started = time.perf_counter()
-        self._env = _EnvClient(self._env_pool)
         self._max_groups = max_groups
         self._run_started = 0
         try:
@@ -309,7 +274,6 @@ class Rollout:
         has env instances; nothing is published. Used for evaluation."""
         if self._running is not None:
             raise RuntimeError(f"rollout actor {self.actor_id} is running: evaluate with another actor")
-        self._env = _EnvClient(self._env_pool)
         queue = list(enumerate(task_ids))[::-1]
         results: list[EpisodeGroup | None] = [None] * len(task_ids)
 
@@ -337,18 +301,12 @@ class Rollout:
 
     def stats(self) -> dict:
         # Counters add up over run() calls, and so does the wall time the rates divide by.
-        wall = self._wall_total + ((time.perf_counter() - self._started) if self._running is not None else 0.0)
-        out = dict(self.counters)
-        out.update(self.timers)
-        out["env_wait_s"] = self._env.wait_s if hasattr(self, "_env") else 0.0
-        out["env_calls"] = self._env.calls if hasattr(self, "_env") else 0
-        out["terminations"] = dict(self.terminations)
-        out["wall_s"] = wall
-        out["running"] = self._running is not None
-        out["actor_id"] = self.actor_id
-        for key in ("env_steps", "generated_tokens", "groups_published", "groups_completed",
-                    "groups_discarded", "trajectories", "invalid_actions", "successes"):
-            out.setdefault(key, 0)
+        running = self._running is not None
+        wall = self._wall_total + (time.perf_counter() - self._started if running else 0.0)
+        out = {key: 0 for key in ("env_steps", "generated_tokens", "groups_published", "groups_completed",
+                                  "groups_discarded", "trajectories", "invalid_actions", "successes", "env_calls")}
+        out.update(self.counters, **self.timers, terminations=dict(self.terminations), wall_s=wall, running=running,
+                   actor_id=self.actor_id)
         if wall > 0:
             out["env_steps_per_s"] = out["env_steps"] / wall
             out["generated_tokens_per_s"] = out["generated_tokens"] / wall
@@ -426,13 +384,24 @@ class Rollout:
 
     # -- one trajectory ---------------------------------------------------------------------------------
 
+    async def _env_call(self, kind: str, request: tuple):
+        """kind "reset": (instance, task_id, seed); kind "step": (instance, action). -> InstanceResult, awaited
+        without blocking the loop (instances in different worker processes step in parallel)."""
+        t0 = time.perf_counter()
+        try:
+            submit = self._env_pool.submit_resets if kind == "reset" else self._env_pool.submit_steps
+            return await asyncio.wrap_future(submit([request])[0])
+        finally:
+            self.counters["env_calls"] += 1
+            self.timers["env_wait_s"] += time.perf_counter() - t0
+
     async def _play_trajectory(self, instance: int, task_id: str, env_seed: int, group_id: str,
                                member: int) -> tuple[Trajectory, list[StepRow]]:
         cfg = self.cfg
         traj = Trajectory(traj_id=f"{group_id}-{member}")
         steps: list[StepRow] = []
         self.counters["trajectories"] += 1
-        res = await self._env.call("reset", (instance, task_id, env_seed))
+        res = await self._env_call("reset", (instance, task_id, env_seed))
         if res.error is not None or res.report is None:
             log.warning("reset of %s on instance %d failed: %s", task_id, instance, res.error)
             return self._end(traj, steps, Termination.ENV_ERROR)
@@ -449,15 +418,12 @@ class Rollout:
             sampling = {"temperature": cfg.rollout.temperature, "max_tokens": cfg.model.max_response_tokens,
                         "seed": _stable_seed(cfg.run.seed, traj.traj_id, step)}
             if cfg.rollout.constrain_actions and report.admissible_actions:
-                # The grammar constrains characters, not tokens, and a token is >= 1 character: size the
-                # think part so that even a one-character-per-token answer ends within max_tokens.
-                fixed = len("<think></think> <action></action>") + max(map(len, report.admissible_actions))
-                think = max(0, min(200, cfg.model.max_response_tokens - fixed))
+                think = think_chars(report.admissible_actions, cfg.model.max_response_tokens)
                 sampling["regex"] = action_regex(report.admissible_actions, think)
             out = await self._generate(instance, prompt_ids, sampling)
             # Decoded here, not vLLM's text: that one is detokenized in the context of the prompt.
             parsed = parse_action(self.tokenizer.decode(out["response_ids"], skip_special_tokens=True))
-            res = await self._env.call("step", (instance, parsed.action))
+            res = await self._env_call("step", (instance, parsed.action))
             if res.error is not None or res.report is None:
                 # The step's outcome is unknown: its row is dropped, the trajectory ends marked.
                 log.warning("step of %s on instance %d failed: %s", traj.traj_id, instance, res.error)
@@ -565,8 +531,7 @@ RolloutActor = ray.remote(Rollout)
 def create_rollout_actor(cfg: ExperimentConfig, actor_id: str, inference_actors: list, stream_url: str | None,
                          log_dir: str = "", model: ModelSource | None = None):
     """A rollout actor with the CPU share and the custom resources (`rollout.resources`: which nodes it may
-    run on) the config asks for, hosting its env instances (in worker processes); log_dir:
-    its output goes to <log_dir>/<actor_id>.log; model: see `Rollout`."""
+    run on) the config asks for; log_dir: its output goes to <log_dir>/<actor_id>.log; model: see `Rollout`."""
     # max_restarts=-1: an actor lost with its process or node comes back whenever Ray can place it again
     # (deploy.rollout_pool restarts its loop); its run() is not retried by Ray, so the driver sees the loss.
     return RolloutActor.options(num_cpus=cfg.rollout.cpus_per_actor, resources=cfg.rollout.resources or None,

@@ -1,13 +1,8 @@
-"""GiGPO advantage throughput on an ALFWorld-sized batch, against a per-row Python loop in the same run.
-
-Batch: 16 episode groups x 8 trajectories x up to 50 steps (6,400 rows when every trajectory runs out of
-steps), observation strings shaped like ALFWorld's. Targets (issue 2): >= 50x the loop, < 20 ms per batch.
-
-Two loop baselines, both measured here:
-- "tensor loop": the reference implementation's style: per-row loops that index and update torch tensors
-  element by element (verl-agent spends ~0.5 s per 4,700-row batch this way);
-- "dict loop": a pure-Python loop over floats and dicts (learner.gigpo.gigpo_readable,
-  the definition the tests check against); a much harder baseline.
+"""GiGPO advantage throughput on an ALFWorld-sized batch (16 episode groups x 8 trajectories x up to 50 steps,
+ALFWorld-shaped observations) against two per-row loops in the same run. Targets (issue 2): >= 50x the
+"tensor loop" (the reference's style, per-row loops updating torch tensors element by element: verl-agent
+spends ~0.5 s per 4,700-row batch this way), < 20 ms per batch. The "dict loop" (learner.gigpo.gigpo_readable,
+the definition the tests check against: pure Python over floats and dicts) is a much harder baseline.
 """
 import os
 import sys

@@ -1,22 +1,14 @@
-"""Environment throughput: ALFWorld steps/s per core, upstream TextWorld engine vs ours, same games, same run.
+"""Environment throughput: ALFWorld steps/s per core, upstream TextWorld engine vs ours, same games, same run;
+WebShop per catalog. ~1 minute on a 2-core machine.
 
-Games: real valid_unseen games (from $ALFWORLD_DATA when `make data` ran, else unpacked from the shared
-archive into a temporary directory). Each engine plays, per game: reset, the stored walkthrough (a won
-episode), then reset and 15 seeded random admissible actions (exploration, like an untrained policy).
-Both engines see the same action sequence (the random picks come from the admissible lists, which must be
-identical), and every observation and admissible list is compared.
+ALFWorld: one valid_unseen game per task type ($ALFWORLD_DATA after `make data`, else the test games); per
+game, each engine plays the stored walkthrough (must win), then 15 seeded random admissible actions; every
+observation and admissible list is compared. Figures in CPU time of this one-thread process (other load on
+the machine counts against neither engine): steps/s (target: fast >= 3x upstream) and reset/s (first load).
 
-Figures (one process, one thread, so per core; CPU time of this process, so other load on the machine
-does not count against either engine):
-- steps/s: env steps only; target: fast >= 3x upstream;
-- reset/s: load + reset of a game (first time each game is seen: nothing cached);
-- WebShop, per catalog (the shipped 50-product sample; the 1,000-product one from $WEBSHOP_DATA after
-  `make data`, else from $WEBSHOP_SOURCE; the original full catalog when $WEBSHOP_DATA points at it): the
-  one-time build of the shop (products, goals, BM25 index), search latency over the index (the queries
-  of the first 500 goals' solution paths, i.e. the goal's words, and the goals' short product queries),
-  and env steps/s of scripted purchases (each episode: a search, paging, the item, sub pages, options, buy).
-
-Runs in ~1 minute on a 2-core machine.
+WebShop, per catalog at hand (the shipped sample, $WEBSHOP_DATA, $WEBSHOP_SOURCE): the one-time shop build
+(products, goals, BM25 index), search latency (the first 500 goals' solution queries and their short product
+queries) and env steps/s of scripted purchases (search, paging, item, sub pages, options, buy).
 """
 import os
 import random
@@ -40,15 +32,11 @@ def pick_games() -> list[str]:
         root = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "alfworld", GAME_SET)
         print(f"no game set in $ALFWORLD_DATA (`make data`): the repository's test games ({root})")
     ids = list_data_tasks(root, "valid_unseen") or list_data_tasks(root, "valid_seen")
-    return [os.path.join(root, t, GAME_FILE) for t in _one_per_type(ids)]
-
-
-def _one_per_type(ids: list[str]) -> list[str]:
     by_type: dict[str, str] = {}
     for t in ids:
         by_type.setdefault(t.split("/")[1].split("-")[0], t)
     chosen = list(by_type.values())
-    return (chosen + [t for t in ids if t not in chosen])[:N_GAMES]
+    return [os.path.join(root, t, GAME_FILE) for t in (chosen + [t for t in ids if t not in chosen])[:N_GAMES]]
 
 
 def play(engine_name: str, game_files: list[str]) -> dict:
@@ -143,13 +131,8 @@ def main() -> None:
           f"reset speed-up: {fast['resets_per_s'] / up['resets_per_s']:.1f}x")
     print(f"  observations + admissible lists identical: {identical} ({len(up['trace'])} states compared)")
     print(f"  ({time.time() - start:.0f}s)")
-    try:
-        import env_servers.webshop  # noqa: F401
-    except ImportError:
-        print("WebShop: env_servers.webshop not present; skipped")
-    else:
-        for label, data_dir in webshop_catalogs():
-            bench_webshop(label, data_dir)
+    for label, data_dir in webshop_catalogs():
+        bench_webshop(label, data_dir)
     if not identical:
         raise SystemExit("fast engine diverged from upstream")
 

@@ -1,33 +1,20 @@
-"""Learner step cost of GiGPO against GRPO on the same batches in the same run, and weight-push cost.
+"""Learner step cost of GiGPO against GRPO on the same batches in the same run, weight-push cost, and the
+learner's tokens/s inside a real run. < ~3 minutes on 2 cores (+ ~8 minutes for the two system runs).
 
-One DeepSpeed engine (ZeRO-2, fp32, gloo, CPU) on the tiny Qwen2 policy trains on synthetic
-ALFWorld-shaped batches. Each batch is trained on twice, once with GiGPO advantages and once with GRPO
-advantages, in alternating order (so drift of the weights and of the machine's load hits both alike).
-A "step" is what the learner does per update: build the batch (rows + advantages) and train on it.
-
-Figures:
-- step time (process CPU time, one torch thread; wall-clock also printed), median over batches, and
-  the GiGPO / GRPO ratio (target <= 1.02: the paper reports the same cost as GRPO; GiGPO's anchor
-  grouping is the only extra work);
+- step = build the batch (rows + advantages) and train on it (one DeepSpeed ZeRO-2 fp32 engine on CPU, the
+  tiny Qwen2 policy, synthetic ALFWorld-shaped batches), each batch trained on by both algorithms in
+  alternating order (drift hits both alike): process CPU time with one torch thread (wall also printed),
+  GiGPO / GRPO (target <= 1.02: the paper reports GRPO's cost; anchor grouping is the only extra work);
 - peak memory: the RSS high-water mark above the pre-step RSS (after malloc_trim), sampled every 2 ms
-  during each step (torch's CPU tensors are invisible to tracemalloc), and tracemalloc's peak of building the batch
-  (NumPy allocations are traced), GiGPO / GRPO ratio of each;
-- weight push, learner side: gathering `named_weights()` and writing them as safetensors buckets into
-  shared memory (`common.weight_transfer.write_buckets`, what `ShmTransfer.push` does before the
-  inference actors load them), per update, against the bare gather as baseline.
-
-- the learner inside a real system run (`--system-updates`, default 6; 0 skips it): a short `gigpo train` of
-  configs/embedded.yaml (the tiny model; the warm start off, so both sides train the same initial model),
-  once async (the default schedule) and once with `run.sync=true`; its per-update tokens/s
-  (`perf/tokens_per_s`: every token of every row, a log-prob recompute included) against this bench's own
-  figure for the same groups, captured off the Redis stream as the rollout actors publish them and trained
-  again here, in the same order and batch size, with the threads the learner runs
-  (common.cpu_placement.compute_threads), and again with one thread (how much of one core's worth the
-  learner gets beside the run's rollout side). Target (issue 31): ratio >= 0.9 where the learner has the
-  machine to itself (sync); async, on a machine whose cores both sides share, the ratio is the learner's
-  share of them.
-
-Runs in < ~3 minutes on a 2-core machine (+ ~8 minutes for the two system runs).
+  (torch's CPU tensors are invisible to tracemalloc), and tracemalloc's peak of building the batch;
+- weight push, learner side: gathering `named_weights()` and writing them as safetensors buckets into shared
+  memory (`common.weight_transfer.write_buckets`) per update, against the bare gather;
+- in a real run (`--system-updates`, default 6; 0 skips it): a short `gigpo train` of configs/embedded.yaml
+  (warm start off, so both sides train the same initial model), async and with `run.sync=true`; its
+  `perf/tokens_per_s` against this bench's on the same groups (tapped off the Redis stream, trained in the
+  same order and batch size) with the learner's threads (common.cpu_placement.compute_threads) and with one
+  (how much of one core the learner gets). Target (issue 31): >= 0.9 where the learner has the machine to
+  itself (sync); async, on cores both sides share, the ratio is the learner's share of them.
 """
 import os
 import sys
@@ -57,13 +44,10 @@ GROUPS, GROUP_SIZE = 8, 8
 
 
 class PeakRSS:
-    """Highest RSS seen while the block runs, sampled by a thread."""
-
-    def __init__(self, interval_s: float = 0.002):
-        self.proc = psutil.Process()
-        self.interval_s = interval_s
+    """Highest RSS seen while the block runs, sampled by a thread every 2 ms."""
 
     def __enter__(self):
+        self.proc = psutil.Process()
         self.base = self.peak = self.proc.memory_info().rss
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -71,18 +55,13 @@ class PeakRSS:
         return self
 
     def _run(self):
-        while not self._stop.is_set():
+        while not self._stop.wait(0.002):
             self.peak = max(self.peak, self.proc.memory_info().rss)
-            time.sleep(self.interval_s)
 
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, self.proc.memory_info().rss)
-
-    @property
-    def above_base_mb(self) -> float:
-        return (self.peak - self.base) / 2 ** 20
 
 
 def _malloc_trim() -> None:
@@ -108,7 +87,7 @@ def one_step(trainer, groups, cfg, update):
         step_s = time.perf_counter() - t0
         cpu_s = time.process_time() - c0
     return {"step_s": step_s, "cpu_s": cpu_s, "build_s": build_s, "build_peak_mb": build_peak / 2 ** 20,
-            "rss_peak_mb": rss.above_base_mb, "tokens": metrics["train/response_tokens"]}
+            "rss_peak_mb": (rss.peak - rss.base) / 2 ** 20, "tokens": metrics["train/response_tokens"]}
 
 
 class StreamTap:
@@ -170,16 +149,13 @@ def in_system(updates: int, sync: bool) -> None:
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
-    def per_update(values: list[float]) -> str:
-        return " ".join(f"{v:.0f}" for v in values)
-
     schedule = "sync: the rollout side idles while the learner trains" if sync else "async"
     print(f"learner in a real run (configs/embedded.yaml, {schedule}, {threads} torch threads, {len(in_run)} updates "
           f"after a warm-up, ~{np.mean(rows):.0f} rows each): {np.median(in_run):.0f} tokens/s "
-          f"(per update: {per_update(in_run)})")
+          f"(per update: {' '.join(f'{v:.0f}' for v in in_run)})")
     for n, rates in alone.items():
         print(f"this bench on the same groups, alone, {n} thread(s): {np.median(rates):.0f} tokens/s "
-              f"(per update: {per_update(rates)})")
+              f"(per update: {' '.join(f'{v:.0f}' for v in rates)})")
     print(f"in the run / on the bench ({threads} threads)   {np.median(in_run) / np.median(alone[threads]):.2f}  "
           + ("(target >= 0.9)" if sync else "(the learner's share of cores the rollout side also uses)"))
     if threads > 1:
@@ -194,8 +170,7 @@ def train_alone(model_path: str, cfg, batches: list, threads: int) -> list[float
     from common.cpu_placement import use_compute_threads
     use_compute_threads(threads)
     trainer = PolicyTrainer(model_path, cfg.learner, dtype=cfg.model.dtype, head_dtype=cfg.model.head_dtype,
-                            seed=cfg.run.seed,
-                            temperature=cfg.rollout.temperature)
+                            seed=cfg.run.seed, temperature=cfg.rollout.temperature)
     rates = []
     for i, groups in enumerate(batches):
         m = trainer.train_step(build_batch(groups, cfg.learner, invalid_action_penalty=0.1), update=i)
@@ -241,27 +216,26 @@ def main() -> None:
         print(f"  {a:6s} per-round step CPU s: " + " ".join(f"{r['cpu_s']:.2f}" for r in rs)
               + "   wall s: " + " ".join(f"{r['step_s']:.2f}" for r in rs))
     med = {a: {k: float(np.median([r[k] for r in rs])) for k in rs[0]} for a, rs in results.items()}
-    for a in ("gigpo", "grpo"):
-        m = med[a]
-        print(f"{a:6s} step CPU {m['cpu_s'] * 1000:8.1f} ms, wall {m['step_s'] * 1000:8.1f} ms (build batch {m['build_s'] * 1000:6.1f} ms)  "
-              f"peak RSS +{m['rss_peak_mb']:7.1f} MB  build tracemalloc peak {m['build_peak_mb']:6.2f} MB  "
-              f"{m['tokens'] / m['step_s']:8.0f} response tok/s")
+    for a, m in med.items():
+        print(f"{a:6s} step CPU {m['cpu_s'] * 1000:8.1f} ms, wall {m['step_s'] * 1000:8.1f} ms "
+              f"(build batch {m['build_s'] * 1000:6.1f} ms)  peak RSS +{m['rss_peak_mb']:7.1f} MB  "
+              f"build tracemalloc peak {m['build_peak_mb']:6.2f} MB  {m['tokens'] / m['step_s']:8.0f} response tok/s")
     # Paired: both algorithms trained on the same batch back to back; the median of the per-batch ratios
     # cancels slow drifts of the machine's load.
     ratio_t = float(np.median([g["cpu_s"] / r["cpu_s"] for g, r in zip(results["gigpo"], results["grpo"])]))
     ratio_w = med["gigpo"]["step_s"] / med["grpo"]["step_s"]
     ratio_m = (med["gigpo"]["rss_peak_mb"] + 1e-9) / (med["grpo"]["rss_peak_mb"] + 1e-9)
-    print(f"GiGPO / GRPO step time  {ratio_t:.3f}  (median of per-batch CPU-time ratios; target <= 1.02)   wall-clock {ratio_w:.3f} "
-          f"(noisy on a shared machine)")
+    print(f"GiGPO / GRPO step time  {ratio_t:.3f}  (median of per-batch CPU-time ratios; target <= 1.02)   "
+          f"wall-clock {ratio_w:.3f} (noisy on a shared machine)")
     print(f"GiGPO / GRPO peak RSS   {ratio_m:.3f}  (target <= 1.02)")
-    print(f"GiGPO / GRPO build peak {med['gigpo']['build_peak_mb'] / med['grpo']['build_peak_mb']:.3f}"
-          f"  (advantage bookkeeping only; absolute: {med['gigpo']['build_peak_mb'] - med['grpo']['build_peak_mb']:+.2f} MB)")
+    build_g, build_r = med["gigpo"]["build_peak_mb"], med["grpo"]["build_peak_mb"]
+    print(f"GiGPO / GRPO build peak {build_g / build_r:.3f}  (advantage bookkeeping only; absolute: "
+          f"{build_g - build_r:+.2f} MB)")
 
     # Weight push, learner side.
     from common.weight_transfer import write_buckets
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
     gather, push = [], []
-    nbytes = 0
     for _ in range(5):
         t0 = time.perf_counter()
         tensors = [(n, t.clone()) for n, t in trainer.named_weights()]

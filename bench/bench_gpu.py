@@ -252,33 +252,25 @@ THINK_CHARS = " abcdefghijklmnopqrstuvwxyz,.'"
 
 def constrained_groups(tokenizer, vocab: int, num_groups: int, group_size: int, seed: int,
                        prompt=(200, 600)) -> list:
-    """Groups of 1-4 step trajectories whose responses are what a constrained sampler writes,
-    `<think>..</think> <action>A</action>` and the end-of-sequence token, each row carrying its grammar
-    (the shape of actors/rollout.py's action_regex); random prompts, 3 anchor states, 40% of them won."""
-    from common.records import EpisodeGroup, StepRow, Trajectory
+    """Synthetic groups whose responses are what a constrained sampler writes, `<think>..</think>
+    <action>A</action>` and the end-of-sequence token, each row carrying its grammar (the shape of
+    actors/rollout.py's action_regex)."""
+    from bench.synthetic import synthetic_groups
 
-    rng = np.random.default_rng(seed)
     grammar = rf"<think>[ -;=?-~]{{0,40}}</think> <action>({'|'.join(ACTIONS)})</action>"
-    groups = []
-    for g in range(num_groups):
-        played = []
-        for k in range(group_size):
-            n, won = int(rng.integers(1, 5)), bool(rng.random() < 0.4)
-            steps = []
-            for t in range(n):
-                think = "".join(rng.choice(list(THINK_CHARS), int(rng.integers(0, 41))))
-                action = ACTIONS[int(rng.integers(len(ACTIONS)))]
-                text = f"<think>{think}</think> <action>{action}</action>"
-                ids = np.array(tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id])
-                steps.append(StepRow(prompt_ids=rng.integers(1, vocab, int(rng.integers(*prompt))),
-                                     response_ids=ids, response_logprobs=np.full(len(ids), -0.5, np.float32),
-                                     reward=10.0 if won and t == n - 1 else 0.0, valid=True, step=t,
-                                     anchor=f"observation {int(rng.integers(3))}", policy_version=0,
-                                     action=action, grammar=grammar))
-            played.append((Trajectory(traj_id=f"c{seed}-{g}-{k}", success=won, episode_return=10.0 * won,
-                                      score=float(won)), steps))
-        groups.append(EpisodeGroup.pack(f"c{seed}-{g}", f"task{g}", "alfworld", played, producer="bench_gpu"))
-    return groups
+
+    def respond(rng):
+        think = "".join(rng.choice(list(THINK_CHARS), int(rng.integers(0, 41))))
+        text = f"<think>{think}</think> <action>{ACTIONS[int(rng.integers(len(ACTIONS)))]}</action>"
+        return np.array(tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]), grammar
+
+    return synthetic_groups(num_groups, group_size, vocab_size=vocab, seed=seed, max_steps=4,
+                            prompt_tokens=prompt, prefix="c", respond=respond)
+
+
+def forced_tokens(bits: list[np.ndarray]) -> np.ndarray:
+    """bool per response token of all rows: exactly one token was allowed there."""
+    return np.concatenate([np.unpackbits(b.view(np.uint8), axis=1, bitorder="little").sum(1) == 1 for b in bits])
 
 
 def part_constrained(args) -> None:
@@ -325,8 +317,7 @@ def part_constrained(args) -> None:
         unmasked = np.concatenate(_logprobs(cpu, batch, "cpu"))
         batch.allowed_bits = bits
         del cpu
-        forced = np.concatenate([(np.unpackbits(b.view(np.uint8), axis=1, bitorder="little").sum(1) == 1)
-                                 for b in bits])
+        forced = forced_tokens(bits)
         out.update(mean_logprob_cpu=float(ref.mean()), mean_log_z=float((ref - unmasked).mean()),
                    forced_share=float(forced.mean()), forced_max_abs_cpu=float(np.abs(ref[forced]).max()))
         say(f"constrained: CPU fp32 masked mean log-prob {ref.mean():.3f} (unmasked {unmasked.mean():.3f}: "
@@ -360,8 +351,7 @@ def part_constrained(args) -> None:
                 f"loss {row['loss']:.4f}")
             steps.append(row)
         lp = np.concatenate(trainer.compute_logprobs(batch))
-        forced = np.concatenate([(np.unpackbits(b.view(np.uint8), axis=1, bitorder="little").sum(1) == 1)
-                                 for b in batch.allowed_bits])
+        forced = forced_tokens(batch.allowed_bits)
         out.update(learner_steps=steps, learner_device=str(trainer.device),
                    learner_forced_max_abs=float(np.abs(lp[forced]).max()), learner_logprob_finite=bool(
                        np.isfinite(lp).all()))

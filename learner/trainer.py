@@ -23,7 +23,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from common.config import LearnerConfig
 from common.placement import free_port
-from learner.batching import MicroBatch, TrainBatch, collate, mini_batches, plan_micro_batches
+from learner.batching import MicroBatch, MicroBatchPlan, TrainBatch, collate, mini_batches, plan_micro_batches
 from learner.grammar_mask import GrammarMasks, allowed_tokens
 from learner.gigpo import (LossSettings, correction_weights, logprob_gap, policy_loss,
                            token_logprobs_and_entropy)
@@ -219,6 +219,7 @@ class PolicyTrainer:
         self.updates = 0   # optimizer-update calls (train_step) done by this trainer, restored on load
         self.model_path = model_path
         self._grammar_masks: GrammarMasks | None = None     # built for the first row with a grammar
+        self.masked_rows = 0    # rows whose grammar masks this process built
 
     def _logprobs(self, model, mb: MicroBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         return response_logprobs(model, mb, self.temperature, self.device, with_entropy)
@@ -233,23 +234,35 @@ class PolicyTrainer:
             return collate(batch, rows, self.pad_id), 1.0
         return collate(batch, np.array([fallback_row]), self.pad_id), 0.0
 
-    def constrain(self, batch: TrainBatch) -> float:
-        """Set `batch.allowed_bits` from its rows' grammars, once (learner/grammar_mask.py); returns the seconds
-        taken."""
-        if batch.grammars is None or batch.allowed_bits is not None:
+    def _own_rows(self, plan: MicroBatchPlan, fallback_row: int) -> list[int]:
+        """The rows this process feeds the model in `plan` (and the stand-in of an empty share)."""
+        return [fallback_row, *np.concatenate(plan.per_rank[self.rank]).tolist()]
+
+    def constrain(self, batch: TrainBatch, rows: Iterable[int]) -> float:
+        """Set `batch.allowed_bits` (learner/grammar_mask.py) of `rows`, each row once. A process builds
+        only the masks of the rows it feeds the model (`_own_rows`): they cost host CPU, which the processes
+        of a node share. Returns the seconds taken."""
+        if batch.grammars is None:
+            return 0.0
+        if batch.allowed_bits is None:
+            batch.allowed_bits = [None] * batch.num_rows
+        todo = sorted({r for r in rows if batch.allowed_bits[r] is None})
+        if not todo:
             return 0.0
         t = time.perf_counter()
         if self._grammar_masks is None:
             self._grammar_masks = GrammarMasks(self.model_path, self.vocab_size)
-        batch.allowed_bits = self._grammar_masks.rows(batch.grammars, batch.response_ids)
+        built = self._grammar_masks.rows([batch.grammars[r] for r in todo], [batch.response_ids[r] for r in todo])
+        for r, bits in zip(todo, built):
+            batch.allowed_bits[r] = bits
+        self.masked_rows += len(todo)
         return time.perf_counter() - t
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch) -> list[np.ndarray]:
         """Log-probs of every row's response under the current weights (all processes join and get all rows)."""
-        self.constrain(batch)
-        rows = np.arange(batch.num_rows)
-        plan = self._plan(batch, rows)
+        plan = self._plan(batch, np.arange(batch.num_rows))
+        self.constrain(batch, self._own_rows(plan, 0))
         mine: dict[int, np.ndarray] = {}
         self.engine.eval()
         for rows_mb in plan.per_rank[self.rank]:
@@ -282,8 +295,13 @@ class PolicyTrainer:
             return {"train/skipped_empty_batch": 1.0}
         t0 = time.perf_counter()
         metrics: dict[str, float] = {}
+        # Every pass's plan, first: the grammar masks this process needs are those of its rows in them.
+        passes = [(rows, self._plan(batch, rows)) for epoch in range(self.cfg.ppo_epochs)
+                  for rows in mini_batches(batch.num_rows, self.cfg.mini_batch_rows,
+                                           seed=(update * 1000003 + epoch) % (2 ** 32))]
         if batch.grammars is not None:
-            metrics["time/grammar_mask_s"] = self.constrain(batch)
+            metrics["time/grammar_mask_s"] = self.constrain(
+                batch, [r for rows, plan in passes for r in self._own_rows(plan, int(rows[0]))])
         # The gap between the sampler's log-probs and the learner's old ones (learner.gigpo): from the
         # recompute when there is one (every token), else from the first mini-batch's forward pass, whose
         # weights are still the old ones (its tokens only: all of them when one mini-batch holds the batch).
@@ -312,31 +330,28 @@ class PolicyTrainer:
         grad_norms: list[float] = []
         tokens_seen = 0.0
         steps = 0
-        for epoch in range(self.cfg.ppo_epochs):
-            seed = (update * 1000003 + epoch) % (2 ** 32)
-            for rows in mini_batches(batch.num_rows, self.cfg.mini_batch_rows, seed=seed):
-                plan = self._plan(batch, rows)
-                # Loss x world_size: DeepSpeed averages gradients over processes, we want their sum.
-                scale = float(self.world_size) / max(plan.response_tokens, 1)
-                measure = gap_in_first_mini_batch and steps == 0
-                for rows_mb in plan.per_rank[self.rank]:
-                    mb, weight = self._micro(batch, rows_mb, int(rows[0]))
-                    ms, logp = self._train_micro(mb, scale * weight)
-                    if weight:
-                        for k, v in ms.items():
-                            sums[k] = sums.get(k, 0.0) + v
-                        tokens_seen += float(mb.attention_mask.sum())
-                        if measure:
-                            kept = mb.loss_mask.bool()
-                            gap = logprob_gap(logp[kept].numpy(), mb.old_logprobs[kept].numpy())
-                            n = int(kept.sum())
-                            gap_sums += [gap["mean"] * n, gap["kl"] * n, gap["share"] * n, n]
-                            gap_max = max(gap_max, gap["max"])
-                self.engine.step()
-                steps += 1
-                gn = self.engine.get_global_grad_norm()
-                if gn is not None:
-                    grad_norms.append(float(gn))
+        for rows, plan in passes:
+            # Loss x world_size: DeepSpeed averages gradients over processes, we want their sum.
+            scale = float(self.world_size) / max(plan.response_tokens, 1)
+            measure = gap_in_first_mini_batch and steps == 0
+            for rows_mb in plan.per_rank[self.rank]:
+                mb, weight = self._micro(batch, rows_mb, int(rows[0]))
+                ms, logp = self._train_micro(mb, scale * weight)
+                if weight:
+                    for k, v in ms.items():
+                        sums[k] = sums.get(k, 0.0) + v
+                    tokens_seen += float(mb.attention_mask.sum())
+                    if measure:
+                        kept = mb.loss_mask.bool()
+                        gap = logprob_gap(logp[kept].numpy(), mb.old_logprobs[kept].numpy())
+                        n = int(kept.sum())
+                        gap_sums += [gap["mean"] * n, gap["kl"] * n, gap["share"] * n, n]
+                        gap_max = max(gap_max, gap["max"])
+            self.engine.step()
+            steps += 1
+            gn = self.engine.get_global_grad_norm()
+            if gn is not None:
+                grad_norms.append(float(gn))
         self.updates = update + 1
 
         keys = sorted(sums)

@@ -15,8 +15,10 @@ import os
 import sys
 import time
 
+import numpy as np
 import torch
 
+from actors.rollout import action_regex
 from common.config import ExperimentConfig, LearnerConfig, StreamConfig
 from learner.batching import build_batch
 from bench.synthetic import synthetic_groups
@@ -36,20 +38,33 @@ def train_config(stage: int) -> LearnerConfig:
                          micro_batch_tokens=1, recompute_old_logprobs=True)
 
 
-def agreement_batch():
-    return build_batch(synthetic_groups(6, 4, vocab_size=1000, seed=11), LearnerConfig())
+def agreement_batch(model_path: str):
+    """Half the responses sampled under an action grammar (each process builds only its own rows' masks),
+    half random unconstrained ones."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    actions = ["go to cabinet 1", "go to cabinet 2", "take mug 1 from desk 2", "look"]
+    answers = [tokenizer.encode(f"<think></think> <action>{a}</action>", add_special_tokens=False)
+               + [tokenizer.eos_token_id] for a in actions]     # what action_regex(actions, 0) allows
+
+    def respond(rng):
+        if rng.random() < 0.5:
+            return rng.integers(1, 1000, int(rng.integers(4, 24))), ""
+        return np.array(answers[int(rng.integers(len(answers)))]), action_regex(actions, 0)
+    return build_batch(synthetic_groups(6, 4, vocab_size=1000, seed=11, respond=respond), LearnerConfig())
 
 
 def train_once(model_path: str, stage: int, term_sums: bool = False) -> dict:
     """One update on the fixed synthetic batch with `train_config(stage)` and AdamW's eps = ADAM_EPS.
     Returns the metrics, the log-probs the update started from (recomputed by the learner), every full
-    weight after the update, the batch's row and token counts and, with term_sums (in a world of one, where
-    this process sees every row, at ZeRO stage 1 or 2, where the parameters are whole), per weight:
+    weight after the update, the batch's row and token counts, the rows whose grammar masks this process
+    built and, with term_sums (in a world of one, where this process sees every row, at ZeRO stage 1 or 2,
+    where the parameters are whole), per weight:
       row_sums    sum over rows of |the row's gradient|
       token_sums  sum over token positions of |each position's term| in the weight's gradient, for the
                   weights of linear and embedding layers (a linear weight's gradient is sum_t dy_t x_t^T,
                   its bias's sum_t dy_t, an embedding row's the dy_t of the positions holding its token)."""
-    batch = agreement_batch()
+    batch = agreement_batch(model_path)
     trainer = PolicyTrainer(model_path, train_config(stage), dtype="float32")
     for group in trainer.engine.optimizer.param_groups:
         group["eps"] = ADAM_EPS
@@ -64,7 +79,8 @@ def train_once(model_path: str, stage: int, term_sums: bool = False) -> dict:
     weights = {n: w.clone() for n, w in trainer.named_weights()}
     trainer.close()
     return {"metrics": metrics, "before": batch.old_logprobs, "weights": weights, "row_sums": row_sums,
-            "token_sums": token_sums, "rows": batch.num_rows, "tokens": int(batch.row_lengths().sum())}
+            "token_sums": token_sums, "rows": batch.num_rows, "tokens": int(batch.row_lengths().sum()),
+            "masked_rows": trainer.masked_rows}
 
 
 def _track_gradient_terms(module: torch.nn.Module, row_sums: dict, token_sums: dict) -> list:

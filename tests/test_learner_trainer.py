@@ -339,6 +339,8 @@ def test_two_learner_processes_agree_with_one(tiny_model_path, one_process_stage
     _run_ranks(["train", tiny_model_path, str(tmp_path / "two.pt"), "2"], free_port(), world=2)
     two = torch.load(tmp_path / "two.pt", weights_only=False)
     _assert_same_update(one, two, one["row_sums"], terms=one["rows"])
+    # Each process builds the grammar masks of its own rows only (the batch, plans and shares are fixed).
+    assert 0 < two["masked_rows"] < one["masked_rows"]
 
 
 @pytest.mark.fault

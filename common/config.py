@@ -262,34 +262,23 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping of fields, got {value!r}", where)
         return _build(tp, value, where)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{where}: expected true/false, got {value!r}", where)
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{where}: expected an integer, got {value!r}", where)
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if tp not in _PLAIN:
+        return value
+    accepted, expected = _PLAIN[tp]
+    if isinstance(value, accepted) and (tp is bool or not isinstance(value, bool)):
+        return tp(value) if tp in (float, str) else value
+    if tp is float and isinstance(value, str):          # YAML 1.1 reads "2e-6" (no dot) as a string
+        try:
             return float(value)
-        if isinstance(value, str):          # YAML 1.1 reads "2e-6" (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{where}: expected a number, got {value!r}", where)
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, int) and not isinstance(value, bool):   # YAML reads `run.learner_cpus=0` as 0
-            return str(value)
-        raise ConfigError(f"{where}: expected a string, got {value!r}", where)
-    if tp in (list, dict):
-        if isinstance(value, tp):
-            return value
-        raise ConfigError(f"{where}: expected a {tp.__name__}, got {value!r}", where)
-    return value
+        except ValueError:
+            pass
+    raise ConfigError(f"{where}: expected {expected}, got {value!r}", where)
+
+
+# The plain field types: what each accepts (a bool is never taken for a number) and what it must be.
+_PLAIN = {bool: (bool, "true/false"), int: (int, "an integer"), float: ((int, float), "a number"),
+          str: ((str, int), "a string"),        # YAML reads `run.learner_cpus=0` as 0
+          list: (list, "a list"), dict: (dict, "a dict")}
 
 
 def _build(cls: type, data: dict, where: str = "") -> Any:

@@ -168,11 +168,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
     init_info_cls = GlooWeightTransferInitInfo
     update_info_cls = GlooWeightTransferUpdateInfo
-
-    def __init__(self, config, vllm_config, device, model) -> None:
-        super().__init__(config, vllm_config, device, model)
-        self.group = None
-        self.store = None
+    group = None        # (set by init_transfer_engine, dropped by shutdown)
+    store = None
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
         import torch.distributed as dist
@@ -259,14 +256,13 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     the full weights on rank 0 before a push)."""
 
     init_info_cls = GlooTrainerInitInfo
+    group = None            # (set by trainer_init, dropped by shutdown)
+    store = None
 
     def __init__(self, *, client, source: WeightSource, timeout_s: float, buffer_size_bytes: int) -> None:
         super().__init__(client=client, source=source, is_sender=True)
         self.timeout_s = timeout_s
         self.buffer_size_bytes = buffer_size_bytes
-        self.group = None
-        self.store = None
-        self.address = ""              # where the group's store listens (host:port), for messages
 
     @classmethod
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source: WeightSource | None = None):
@@ -281,7 +277,6 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         timeout = datetime.timedelta(seconds=init_info.timeout_s)
         store = dist.TCPStore(init_info.master_address, init_info.master_port, init_info.world_size,
                               is_master=True, timeout=timeout, wait_for_workers=False)
-        engine.address = f"{init_info.master_address}:{store.port}"
         worker_info = GlooWeightTransferInitInfo(
             master_address=init_info.master_address, master_port=store.port, rank_offset=1,
             world_size=init_info.world_size, timeout_s=init_info.timeout_s)
@@ -295,8 +290,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             done, _ = wait([joined, opened], timeout=init_info.timeout_s + 30, return_when=FIRST_EXCEPTION)
             failure = next((f.exception() for f in (opened, joined) if f in done and f.exception()), None)
             if failure is None and len(done) < 2:
-                failure = TimeoutError(f"gloo rendezvous at {engine.address} did not finish within "
-                                       f"{init_info.timeout_s + 30:.0f} s")
+                failure = TimeoutError(f"gloo rendezvous at {init_info.master_address}:{store.port} did not "
+                                       f"finish within {init_info.timeout_s + 30:.0f} s")
             if failure is not None:
                 # Those that never came are the cause; the others' errors are only their timeouts.
                 missing = [r for r in range(1, init_info.world_size)

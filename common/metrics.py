@@ -264,19 +264,13 @@ def _refresh_gauges() -> None:
 
 
 def _ray_metric(spec: MetricSpec):
-    metric = _RAY_METRICS.get(spec.name)
-    if metric is not None:
-        return metric
     with _RAY_METRICS_LOCK:
-        metric = _RAY_METRICS.get(spec.name)
-        if metric is not None:
-            return metric
-        from ray.util import metrics as rm
-        kind = {"counter": rm.Counter, "gauge": rm.Gauge, "histogram": rm.Histogram}[spec.type]
-        extra = {"boundaries": list(spec.boundaries)} if spec.type == "histogram" else {}
-        metric = kind(spec.ray_name, spec.doc, tag_keys=spec.label_keys, **extra)
-        _RAY_METRICS[spec.name] = metric
-    return metric
+        if spec.name not in _RAY_METRICS:
+            from ray.util import metrics as rm
+            kind = {"counter": rm.Counter, "gauge": rm.Gauge, "histogram": rm.Histogram}[spec.type]
+            extra = {"boundaries": list(spec.boundaries)} if spec.type == "histogram" else {}
+            _RAY_METRICS[spec.name] = kind(spec.ray_name, spec.doc, tag_keys=spec.label_keys, **extra)
+        return _RAY_METRICS[spec.name]
 
 
 _VERBS = {"counter": "inc", "gauge": "set", "histogram": "observe"}    # the recording method of each type

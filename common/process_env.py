@@ -86,18 +86,6 @@ def apply_project_env(environ: MutableMapping[str, str] | None = None) -> dict[s
     return added
 
 
-def job_env_vars(environ: Mapping[str, str]) -> dict[str, str]:
-    """The env_vars of the runtime env of the Ray job this process is the driver of ({} outside a job)."""
-    raw = environ.get(RAY_JOB_CONFIG_VAR)
-    if not raw:
-        return {}
-    try:
-        runtime_env = json.loads(raw).get("runtime_env") or {}
-    except (ValueError, AttributeError):
-        return {}
-    return dict(runtime_env.get("env_vars") or {})
-
-
 def driver_runtime_env(environ: Mapping[str, str], project_set: Mapping[str, str] | None = None) -> dict | None:
     """The runtime env the driver passes to ray.init, or None: the user's settings from the driver's
     environment (FORWARDED_PREFIXES) for the workers on every node, less what the project set itself
@@ -105,7 +93,11 @@ def driver_runtime_env(environ: Mapping[str, str], project_set: Mapping[str, str
     `ray job submit` job's runtime env sets (Ray refuses to merge two runtime envs that name one variable;
     the job's value, which the driver's environment holds too, wins)."""
     project_set = _set_by_project if project_set is None else project_set
-    job_vars = job_env_vars(environ)
+    try:        # the env_vars of the runtime env of the Ray job this process is the driver of
+        runtime_env = json.loads(environ.get(RAY_JOB_CONFIG_VAR) or "{}").get("runtime_env") or {}
+    except (ValueError, AttributeError):
+        runtime_env = {}
+    job_vars = dict(runtime_env.get("env_vars") or {})
     env_vars = {k: v for k, v in environ.items()
                 if k.startswith(FORWARDED_PREFIXES) and k not in project_set and k not in job_vars}
     return {"env_vars": env_vars} if env_vars else None

@@ -97,19 +97,14 @@ _LENGTHS_AT = TABLE.fields[LENGTHS[0]][1]
 assert [TABLE.fields[name][1] for name in LENGTHS] == list(range(_LENGTHS_AT, _LENGTHS_AT + 4 * len(LENGTHS), 4))
 
 
-def _lengths(table: np.ndarray) -> np.ndarray:
-    """The table's length columns as one int32 [rows, len(LENGTHS)] view (they are adjacent in a record):
-    one reduction checks them all."""
-    if not len(table):
-        return np.zeros((0, len(LENGTHS)), "<i4")
-    return np.ndarray((len(table), len(LENGTHS)), "<i4", table, _LENGTHS_AT, (TABLE.itemsize, 4))
-
-
 def layout(table: np.ndarray) -> tuple[dict[str, tuple[int, int]], int]:
     """Where each ragged field lies in the data block of the rows in `table`: {name: (byte offset, number
     of values)}, and the block's size in bytes. Raises ValueError for negative lengths."""
-    lengths = _lengths(table)
-    if len(table) and lengths.min() < 0:
+    if not len(table):
+        return {name: (0, 0) for name in RAGGED}, 0
+    # The length columns, adjacent in a record, as one int32 [rows, len(LENGTHS)] view: one reduction each.
+    lengths = np.ndarray((len(table), len(LENGTHS)), "<i4", table, _LENGTHS_AT, (TABLE.itemsize, 4))
+    if lengths.min() < 0:
         raise ValueError(f"negative lengths in {', '.join(LENGTHS)}")
     totals = dict(zip(LENGTHS, lengths.sum(axis=0, dtype=np.int64).tolist()))
     where, end = {}, 0
@@ -204,7 +199,7 @@ class Rows:
                 table[name] = [getattr(s, name) for s in steps]
                 continue
             if name in TEXT:
-                values[name] = [str(getattr(s, name)).encode() for s in steps]
+                values[name] = [np.frombuffer(str(getattr(s, name)).encode(), np.uint8) for s in steps]
             else:
                 values[name] = [getattr(s, name) for s in steps]
                 if any(v.ndim != 1 for v in values[name]):
@@ -212,9 +207,7 @@ class Rows:
             table[RAGGED[name]] = np.fromiter(map(len, values[name]), dtype="<i4", count=len(steps))
         rows = Rows(table, np.zeros(layout(table)[1], dtype=np.uint8))      # (then filled in)
         for name, parts in values.items():
-            if name in TEXT:
-                rows.ragged[name][:] = np.frombuffer(b"".join(parts), np.uint8)
-            elif parts:
+            if parts:
                 np.concatenate(parts, out=rows.ragged[name], casting="same_kind")
         return rows
 

@@ -202,7 +202,6 @@ class EmbeddedRedis:
         self.data_dir = data_dir or tempfile.mkdtemp(prefix="gigpo-redis-")
         self._secret_dir = self.data_dir if self._own_dir else ""    # made by start() for a given data_dir
         self._proc: subprocess.Popen | None = None
-        self._atexit_registered = False
 
     @property
     def url(self) -> str:
@@ -276,9 +275,8 @@ class EmbeddedRedis:
                     threading.current_thread() is threading.main_thread() else None,
                 )
             if self._wait_ready(timeout_s):
-                if not self._atexit_registered:     # a safety net for owners that forget stop()
-                    atexit.register(self.stop, cleanup=True)
-                    self._atexit_registered = True
+                atexit.unregister(self.stop)        # a safety net for owners that forget stop(), registered once
+                atexit.register(self.stop, cleanup=True)
                 _password_files[self.url] = self.password_file
                 return self
             err = err_path.read_text(errors="replace")[-2000:]

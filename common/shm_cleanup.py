@@ -140,7 +140,5 @@ def remove_noted(path: str, wait_s: float = 0.0) -> list[str]:
 
 def remove_noted_in(directory: str, wait_s: float = 0.0) -> list[str]:
     """`remove_noted` for every note in `directory`."""
-    removed: list[str] = []
-    for note in sorted(Path(directory).glob(NOTE_GLOB)) if directory else []:
-        removed += remove_noted(str(note), wait_s)
-    return removed
+    notes = sorted(Path(directory).glob(NOTE_GLOB)) if directory else []
+    return [path for note in notes for path in remove_noted(str(note), wait_s)]

@@ -181,10 +181,9 @@ class TrajectoryStream:
                 if len(out) >= max_groups:
                     self._next_scan = 0.0
                     return out
-        first = True
         while len(out) < max_groups:
-            block = min(block_ms, self._max_block_ms) if (first and not out and block_ms > 0) else None
-            first = False
+            block = min(block_ms, self._max_block_ms) if (not out and block_ms > 0) else None
+            block_ms = 0                        # only the first read waits
             resp = self._group_call(
                 self.redis.xreadgroup, self.consumer_group, self.consumer_name, {self.key: ">"},
                 count=max_groups - len(out), block=block,

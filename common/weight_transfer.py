@@ -238,9 +238,10 @@ class ShmTransfer:
                        timeout=timeout_s) if self.inference_actors else []
         self.weights_dirs = sorted(set(dirs))
 
-    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict:
+    def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, states=None) -> dict:
         """Publish `named_tensors` (HF checkpoint names) as policy `version` to every inference actor. Returns
-        timings in seconds (write: the buckets, load: the slowest actor's reload, total), bytes and buckets."""
+        timings in seconds (write: the buckets, load: the slowest actor's reload, total), bytes and buckets.
+        (`states`: the actors' `transfer_state()`, which the collective way needs; unused here.)"""
         t0 = time.perf_counter()
         if not self.weights_dirs:
             raise RuntimeError("ShmTransfer has no inference actors")
@@ -294,60 +295,6 @@ def _tensor_list_source(pairs: list):
     return TensorListSource()
 
 
-class _ActorsClient:
-    """vLLM's `VLLMWeightSyncClient` over our inference actors: every call fans out to all of them with the
-    push's deadline. Unlike vLLM's RayVLLMWeightSyncClient it gives each actor its own place in the group
-    (rank_offset), so several engines share one group, and it names the actor that failed."""
-
-    def __init__(self, actors: list, timeout_s: float):
-        self.actors = actors
-        self.timeout_s = timeout_s
-        self.states: list[dict] = []
-        self.group = ""                 # token of the group being built / in use
-        self.offsets: list[int] = []    # each actor's first rank after the trainer's
-        self.version = 0
-        self.deadline = 0.0
-
-    def prepare(self, states: list[dict], group: str) -> None:
-        self.states, self.group = states, group
-        self.offsets = [sum(s["workers"] for s in states[:i]) for i in range(len(states))]
-
-    def begin_push(self, version: int) -> None:
-        self.version, self.deadline = int(version), time.monotonic() + self.timeout_s
-
-    def rank_owner(self, rank: int) -> int | None:
-        """The actor index whose worker has group rank `rank` (the trainer is rank 0)."""
-        for i, (offset, state) in enumerate(zip(self.offsets, self.states)):
-            if offset < rank <= offset + state["workers"]:
-                return i
-        return None
-
-    def label(self, i: int) -> str:
-        return _label(i, self.states[i] if i < len(self.states) else None)
-
-    def _call(self, method: str, args_of, what: str) -> None:
-        call_actors(self.actors, method, args_of, self.deadline, what, self.states)
-
-    def init_weight_transfer_engine(self, init_info: dict) -> None:
-        def args_of(i):
-            info = dict(init_info)
-            if "rank_offset" in info:
-                info["rank_offset"] += self.offsets[i]
-            return info, self.group
-
-        self.deadline = time.monotonic() + self.timeout_s + 30     # its own: the gloo join waits timeout_s
-        self._call("init_weight_transfer_engine", args_of, "join the weight-transfer group")
-
-    def start_weight_update(self) -> None:
-        self._call("start_weight_update", lambda i: (self.version,), f"start the update to version {self.version}")
-
-    def update_weights(self, update_info) -> None:
-        self._call("update_weights", lambda i: (update_info,), f"receive weight version {self.version}")
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self._call("finish_weight_update", lambda i: (self.version,), f"finish the update to {self.version}")
-
-
 def _rank_zero_ipc_engine():
     """vLLM's CUDA IPC trainer engine, for a sender that holds the full weights alone: vLLM's all-gathers
     the handles of every trainer rank over torch.distributed's default group, which our learner's other
@@ -389,8 +336,11 @@ def _run_with_deadline(fn, timeout_s: float, what: str):
 
 class EngineTransfer:
     """Learner side of the collective ("gloo" on CPU, "nccl" on GPU) and "ipc" ways: vLLM's trainer engine
-    for the backend, driving the actors through `_ActorsClient`. The group is built at the first push and
-    rebuilt (fresh port, every actor) whenever an actor is not in it (restarted) or a push failed."""
+    for the backend, with this object as its `VLLMWeightSyncClient` (the four methods below it calls fan out
+    to every actor with the push's deadline). Unlike vLLM's RayVLLMWeightSyncClient it gives each actor its
+    own place in the group (rank_offset), so several engines share one group, and it names the actor that
+    failed. The group is built at the first push and rebuilt (fresh port, every actor) whenever an actor is
+    not in it (restarted) or a push failed."""
 
     def __init__(self, inference_actors: list, backend: str, bucket_mb: float = 512, timeout_s: float = 600.0):
         from common import gloo_weight_transfer
@@ -402,10 +352,13 @@ class EngineTransfer:
         self.backend = backend
         self.bucket_bytes = max(1, int(bucket_mb * 1024 * 1024))
         self.timeout_s = timeout_s
-        self.client = _ActorsClient(self.actors, timeout_s)
         self.engine = None
-        self.group = ""
-        self.builds = 0                # groups built so far (the first, then after restarts and failures)
+        self.group = ""                 # token of the group being built / in use
+        self.states: list[dict] = []    # the actors' states when the group was built
+        self.offsets: list[int] = []    # each actor's first rank after the trainer's
+        self.version = 0
+        self.deadline = 0.0             # of the calls to the actors (time.monotonic())
+        self.builds = 0                 # groups built so far (the first, then after restarts and failures)
 
     @property
     def rebuilds(self) -> int:
@@ -419,8 +372,9 @@ class EngineTransfer:
         from common.gloo_weight_transfer import GlooTrainerInitInfo, PeersMissingError
 
         self.close_group()
-        group = uuid.uuid4().hex[:12]
-        self.client.prepare(states, group)
+        self.group = uuid.uuid4().hex[:12]      # (a failed build is abandoned: close_group clears it)
+        self.states = states
+        self.offsets = [sum(s["workers"] for s in states[:i]) for i in range(len(states))]
         world_size = 1 + sum(s["workers"] for s in states)
         address = ray.util.get_node_ip_address()
         if self.backend == "gloo":
@@ -438,20 +392,21 @@ class EngineTransfer:
             info = IPCTrainerInitInfo(packed=True, packed_buffer_size_bytes=self.bucket_bytes, rank=0)
         try:
             if self.backend == "ipc":
-                self.engine = _rank_zero_ipc_engine().trainer_init(info, client=self.client, source=source)
+                self.engine = _rank_zero_ipc_engine().trainer_init(info, client=self, source=source)
             else:
                 self.engine = _run_with_deadline(
-                    lambda: WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=source),
+                    lambda: WeightTransferTrainerFactory.trainer_init(info, client=self, source=source),
                     self.timeout_s + 60, f"the {self.backend} weight-transfer rendezvous")
         except PeersMissingError as exc:
             if isinstance(exc.__cause__, ActorLost):
                 raise exc.__cause__ from exc      # it died (Ray restarts it): the push tries again
-            owners = sorted({self.client.rank_owner(r) for r in exc.ranks} - {None})
-            names = ", ".join(self.client.label(i) for i in owners) or f"rank(s) {exc.ranks}"
+            # The actors whose workers have the missing group ranks (the trainer is rank 0).
+            owners = sorted({i for r in exc.ranks for i, (offset, s) in enumerate(zip(self.offsets, states))
+                             if offset < r <= offset + s["workers"]})
+            names = ", ".join(_label(i, states[i]) for i in owners) or f"rank(s) {exc.ranks}"
             raise TimeoutError(f"{names} did not join the gloo weight-transfer group of learner rank 0 "
                                f"({address}) within {self.timeout_s:.0f} s: can its "
                                f"node reach the learner's node on TCP? ({exc})") from exc
-        self.group = group
 
     def push(self, named_tensors: Iterable, version: int, states: list[dict] | None = None) -> dict:
         """Send `named_tensors` as `version` to every actor; returns timings."""
@@ -478,7 +433,7 @@ class EngineTransfer:
                     built = True
                 t_ready = time.perf_counter()
                 self.engine.source = source
-                self.client.begin_push(version)
+                self.version, self.deadline = int(version), time.monotonic() + self.timeout_s
                 sent = _run_with_deadline(self.engine.send_weights, self.timeout_s + 60,
                                           f"the {self.backend} push of version {version}") or {}
                 break
@@ -499,6 +454,32 @@ class EngineTransfer:
             out["buffers"] = sent["buffers"]
         return out
 
+    # -- vLLM's VLLMWeightSyncClient, for self.engine: each call reaches every actor, by self.deadline
+
+    def _call(self, method: str, args_of, what: str) -> None:
+        call_actors(self.actors, method, args_of, self.deadline, what, self.states)
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        def args_of(i):
+            info = dict(init_info)
+            if "rank_offset" in info:
+                info["rank_offset"] += self.offsets[i]
+            return info, self.group
+
+        self.deadline = time.monotonic() + self.timeout_s + 30     # its own: the gloo join waits timeout_s
+        self._call("init_weight_transfer_engine", args_of, "join the weight-transfer group")
+
+    def start_weight_update(self) -> None:
+        self._call("start_weight_update", lambda i: (self.version,), f"start the update to version {self.version}")
+
+    def update_weights(self, update_info) -> None:
+        self._call("update_weights", lambda i: (update_info,), f"receive weight version {self.version}")
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self._call("finish_weight_update", lambda i: (self.version,), f"finish the update to {self.version}")
+
+    # -- leaving
+
     def _abandon(self, version: int) -> None:
         """After a failed push: drop the group (a failed collective leaves it unusable) and have every actor
         abandon the update (one that received everything completes it; one holding a half-loaded model
@@ -506,7 +487,7 @@ class EngineTransfer:
         self.close_group()
         try:
             call_actors(self.actors, "abort_weight_update", lambda i: (), time.monotonic() + 60,
-                        f"abandon the update to version {version}", self.client.states or None)
+                        f"abandon the update to version {version}", self.states or None)
         except Exception as exc:  # noqa: BLE001 - reported; the push's own error is what the caller gets
             log.warning("after a failed push: %s", exc)
 
@@ -518,8 +499,9 @@ class EngineTransfer:
                 log.warning("closing the weight-transfer group: %s", exc)
         self.engine, self.group = None, ""
 
-    def close(self) -> None:
-        """Leave the group; the actors are told to leave it too (best effort: they may be gone)."""
+    def close(self, remove_files: bool = False) -> None:
+        """Leave the group; the actors are told to leave it too (best effort: they may be gone). (remove_files:
+        the shm way's; there are none here.)"""
         had_group = self.engine is not None
         self.close_group()
         if had_group:
@@ -532,16 +514,6 @@ class EngineTransfer:
 
 # -- the interface ------------------------------------------------------------------------------------------
 
-def _same_node(states: list[dict], learner_node: dict) -> tuple[bool, str]:
-    away = [(i, s) for i, s in enumerate(states) if s["node"]["node_id"] != learner_node["node_id"]]
-    if not away:
-        return True, (f"learner rank 0 and the {len(states)} inference actor(s) share node "
-                      f"{node_label(learner_node)}")
-    i, s = away[0]
-    return False, (f"{_label(i, s)} is not on learner rank 0's node {node_label(learner_node)}"
-                   + (f" (and {len(away) - 1} more)" if len(away) > 1 else ""))
-
-
 class WeightTransfer:
     """The learner's end of the learner -> inference boundary (see the module docstring): `push`,
     `needs_push`, `close`. `mode` is the way in use ("shm", "collective" or "ipc"), `reason` why."""
@@ -551,9 +523,6 @@ class WeightTransfer:
                  timeout_s: float = InferenceConfig.transfer_timeout_s, shared_weights_dir: bool = False):
         if mode not in MODES:
             raise ValueError(f"inference.weight_transfer must be one of {MODES}, got {mode!r}")
-        if not inference_actors:
-            raise ValueError("a weight transfer needs inference actors")
-        self.actors = list(inference_actors)
         self.requested = mode
         self.bucket_mb = bucket_mb
         self.timeout_s = timeout_s
@@ -561,19 +530,25 @@ class WeightTransfer:
         self.mode = ""
         self.reason = ""
         self.transport = None
-        self._choose(actor_states(self.actors, timeout_s))
+        self.set_actors(inference_actors)
 
     def _choose(self, states: list[dict]) -> None:
         """Pick the way for the actors' current placement; builds the transport when it changes."""
         from common.placement import this_node
 
-        same, where = _same_node(states, this_node())
+        here = this_node()
+        away = [i for i, s in enumerate(states) if s["node"]["node_id"] != here["node_id"]]
+        if away:
+            where = (f"{_label(away[0], states[away[0]])} is not on learner rank 0's node {node_label(here)}"
+                     + (f" (and {len(away) - 1} more)" if len(away) > 1 else ""))
+        else:
+            where = f"learner rank 0 and the {len(states)} inference actor(s) share node {node_label(here)}"
         backends = sorted({s["backend"] or "none" for s in states})
         if self.requested == "auto":
-            mode, reason = ("shm" if same else "collective"), f"auto: {where}"
+            mode, reason = ("collective" if away else "shm"), f"auto: {where}"
         else:
             mode, reason = self.requested, f"configured; {where}"
-        if mode == "shm" and not same and not self.shared_weights_dir:
+        if mode == "shm" and away and not self.shared_weights_dir:
             raise ValueError(f"inference.weight_transfer=shm, but {where}: /dev/shm is one node's; use "
                              "collective (or auto), or set inference.weights_dir to a filesystem every node mounts")
         if mode == "ipc":
@@ -628,18 +603,13 @@ class WeightTransfer:
         if self.requested == "auto":
             self._choose(states)       # an actor may have come back from a restart on another node
         named_tensors = with_aliases(named_tensors, {k: v for s in states for k, v in s["aliases"].items()})
-        if self.mode == "shm":
-            info = self.transport.push(named_tensors, version)
-        else:
-            info = self.transport.push(named_tensors, version, states)
+        info = self.transport.push(named_tensors, version, states)
         total = time.perf_counter() - t0
         return dict(info, transfer=self.mode, total_s=total, gbps=info["bytes"] / max(total, 1e-9) / 1e9)
 
     def close(self, remove_files: bool = False) -> None:
-        if isinstance(self.transport, ShmTransfer):
+        if self.transport is not None:
             self.transport.close(remove_files=remove_files)
-        elif self.transport is not None:
-            self.transport.close()
 
 
 def create_weight_transfer(cfg: ExperimentConfig, inference_actors: list) -> WeightTransfer:

@@ -1,11 +1,8 @@
 """Checks the Grafana dashboard end to end on this machine, without Grafana:
 
-a local Ray (with its dashboard, which writes the metrics service discovery file), Debian's `prometheus` with
-the shipped deploy/prometheus/prometheus.yml (only the discovery file and the intervals replaced), a workload
-(the synthetic one, `--workload module:function` or `--command "..."` with RAY_ADDRESS set to this Ray), then
-EVERY query of deploy/grafana/gigpo-dashboard.json and the values of each dashboard variable, asked of
-Prometheus with Grafana's variables filled in, and a chromium screenshot of Prometheus' graph page
-(docs/dashboard-check.png). docs/deploy.md says more.
+a local Ray, Debian's `prometheus` with the shipped scrape config, a workload, then EVERY query and variable of
+deploy/grafana/gigpo-dashboard.json asked of Prometheus, and a chromium screenshot of Prometheus' graph page
+(docs/dashboard-check.png). docs/deploy.md ("Check it locally") says more.
 
     python deploy/check_dashboard.py [--seconds 30] [--workload synthetic] [--command CMD] [--png PATH]
 
@@ -296,16 +293,14 @@ def main(argv: list[str] | None = None) -> int:
         width = max(len(r[0]) for r in rows + var_rows) + 4
         for title, ref, status, n, detail in rows + var_rows:
             print(f"{status:8s} {title + ' ' + ref:{width}s} series={n} {detail}")
-        empty = [r for r in rows if r[2] != "DATA"]
-        empty_vars = [r for r in var_rows if r[2] != "DATA"]
-        print(f"{len(rows) - len(empty)}/{len(rows)} dashboard queries returned data", flush=True)
-        print(f"{len(var_rows) - len(empty_vars)}/{len(var_rows)} dashboard variables have values", flush=True)
+        for found, says in ((rows, "dashboard queries returned data"), (var_rows, "dashboard variables have values")):
+            print(f"{sum(r[2] == 'DATA' for r in found)}/{len(found)} {says}", flush=True)
 
         if not args.no_screenshot:
             png = Path(args.png)
             screenshot(chromium, prom.graph_url(SCREENSHOT_EXPRS, int(end - start) + 5), png, workdir)
             print(f"screenshot of Prometheus' graph page (env steps/s, policy lag): {png}")
-        return 0 if not empty and not empty_vars else 1
+        return 0 if all(r[2] == "DATA" for r in rows + var_rows) else 1
     finally:
         if prom is not None:
             prom.stop()

@@ -153,9 +153,9 @@ def cmd_config(args) -> int:
         args.config, args.overrides = None, [args.config, *args.overrides]
     if args.config or args.overrides:
         print(yaml.safe_dump(to_dict(_load(args)), sort_keys=False))
-        return 0
-    for name, default, doc in describe():
-        print(f"{name} = {default!r}\n    {doc}")
+    else:
+        for name, default, doc in describe():
+            print(f"{name} = {default!r}\n    {doc}")
     return 0
 
 
@@ -207,22 +207,19 @@ def build_parser() -> argparse.ArgumentParser:
     debug.add_argument("--debug", action="store_true",
                        help="on an error, show the whole traceback instead of one line")
 
-    def command(name: str, fn, help: str) -> argparse.ArgumentParser:
+    def command(name: str, fn, help: str, config: bool = False) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, parents=[debug])
         p.set_defaults(fn=fn)
         parser.commands[name] = p
+        if config:
+            p.add_argument("config", help="experiment YAML file")
+            p.add_argument("overrides", nargs="*", default=[], help="dotted overrides, e.g. learner.lr=2e-6")
+            p.add_argument("--address", default=os.environ.get("RAY_ADDRESS", ""),
+                           help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
         return p
 
-    def with_config(p):
-        p.add_argument("config", help="experiment YAML file")
-        p.add_argument("overrides", nargs="*", default=[], help="dotted overrides, e.g. learner.lr=2e-6")
-        p.add_argument("--address", default=os.environ.get("RAY_ADDRESS", ""),
-                       help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
-
-    p = command("train", cmd_train, "train: rollout actors, inference actors and the learner")
-    with_config(p)
-    p = command("eval", cmd_eval, "evaluate a checkpoint (success per task type, WebShop score)")
-    with_config(p)
+    command("train", cmd_train, "train: rollout actors, inference actors and the learner", config=True)
+    p = command("eval", cmd_eval, "evaluate a checkpoint (success per task type, WebShop score)", config=True)
     p.add_argument("--checkpoint", default="",
                    help="a checkpoint directory, <run.output_dir>/checkpoints/update_* (default: the latest in "
                         "run.output_dir)")

@@ -1,13 +1,9 @@
 """Does a job fit a cluster, with each role on its node kind? Read offline from the files, before `ray up`.
 
     python -m deploy.cluster_check              # every configs/cluster_*.yaml x every shipped cluster file
-    python -m deploy.cluster_check configs/my_job.yaml --cluster deploy/ray-cluster.yaml [overrides ...]
+    python -m deploy.cluster_check configs/my_job.yaml --cluster deploy/ray-cluster.yaml --set rollout.num_actors=32
 
-A cluster file is a Ray cluster launcher config or a Kubernetes file holding a KubeRay `RayCluster` (or a
-`RayJob`); a KubeRay group's resources are read by Ray's autoscaler's own code. It checks that every role fits
-some node type, GPU roles only GPU node types and rollout actors only the others, no role the head, and all
-the job's actors at once with every node type at its maximum count; and reports how many rollout actors
-`gigpo scale` could reach there. Exit status 0: every check passed.
+What it reads and checks: docs/deploy.md. Exit status 0: every check passed.
 """
 from __future__ import annotations
 

@@ -67,8 +67,7 @@ class ControlChannel:
         self.status_key, self.commands_key = f"gigpo:{run_id}:status", f"gigpo:{run_id}:commands"
 
     def publish_status(self, status: dict) -> None:
-        status = {**status, "updated_at": time.time()}
-        self.client.set(self.status_key, json.dumps(status))
+        self.client.set(self.status_key, json.dumps({**status, "updated_at": time.time()}))
 
     def read_status(self) -> dict | None:
         raw = self.client.get(self.status_key)

@@ -88,16 +88,14 @@ def _variable(name: str, description: str, query: str, all_value: str) -> dict:
 
 
 def build_dashboard() -> dict:
-    panels, pid, y = [], 1, 0
+    panels, y = [], 0        # (a panel's id: its place in the list, from 1)
     for section, specs in SECTIONS.items():
         row_panels = [metric_panel(spec) for spec in specs] + DERIVED_PANELS.get(section, [])
-        panels.append({"id": pid, "type": "row", "title": section.capitalize(), "collapsed": False,
+        panels.append({"id": len(panels) + 1, "type": "row", "title": section.capitalize(), "collapsed": False,
                        "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})
-        pid += 1
         y += 1
         for i, panel in enumerate(row_panels):
-            panels.append(_panel(pid, *panel, x=8 * (i % 3), y=y + 8 * (i // 3)))
-            pid += 1
+            panels.append(_panel(len(panels) + 1, *panel, x=8 * (i % 3), y=y + 8 * (i // 3)))
         y += 8 * ((len(row_panels) + 2) // 3)
     version_metric = N("policy_version")
     return {

@@ -92,23 +92,20 @@ def run_one(config: str, protocol: Protocol, algorithm: str, seed: int, warm_mod
     return info
 
 
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in (path.read_text().splitlines() if path.exists() else [])]
+
+
 def read_evals(run_dir: Path) -> dict[str, list[dict]]:
     """{"before": episodes, "after": episodes} of a run's evals.jsonl (missing ones left out)."""
-    path = run_dir / "evals.jsonl"
-    out: dict[str, list[dict]] = {}
-    for line in (path.read_text().splitlines() if path.exists() else []):
-        e = json.loads(line)
-        key = {"before training": "before", "after training": "after"}.get(e.get("when"))
-        if key:
-            out[key] = e["episodes_detail"]
-    return out
+    keys = {"before training": "before", "after training": "after"}
+    return {keys[e["when"]]: e["episodes_detail"] for e in _read_jsonl(run_dir / "evals.jsonl")
+            if e.get("when") in keys}
 
 
 def read_curves(run_dir: Path) -> list[dict]:
     """Per update of one run: its metrics.jsonl line (training-batch success, steps, diagnostics)."""
-    path = run_dir / "metrics.jsonl"
-    lines = [json.loads(x) for x in (path.read_text().splitlines() if path.exists() else [])]
-    return [m for m in lines if "batch/success_rate" in m]
+    return [m for m in _read_jsonl(run_dir / "metrics.jsonl") if "batch/success_rate" in m]
 
 
 # -- statistics --------------------------------------------------------------------------------------------
@@ -269,12 +266,11 @@ def _fmt_paired(d: dict, scale: float, unit: str) -> str:
 
 def code_commit() -> str:
     """The checkout's commit for the report's header (or "unknown"), "+ uncommitted changes" if tracked files differ."""
-    root = Path(__file__).resolve().parents[1]
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                              text=True, timeout=30).stdout.strip()
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                              timeout=30).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=30).stdout.strip()
+        head, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return (head + (" + uncommitted changes" if dirty else "")) if head else "unknown"
@@ -282,6 +278,7 @@ def code_commit() -> str:
 
 def write_markdown(summary: dict, diags: dict, runs: dict, protocol: Protocol, command: str, path: Path) -> None:
     p = protocol
+    titles = [title.format(fast=p.fast_steps) for _, title, *_ in MEASURES]
     lines = ["# Learning check: GiGPO vs GRPO where they should differ", "",
              f"Made by `{command}` at commit {code_commit()} "
              f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}).", "",
@@ -292,7 +289,7 @@ def write_markdown(summary: dict, diags: dict, runs: dict, protocol: Protocol, c
              f"{p.eval_games} held-out games before and after training at temperature {p.eval_temperature}. "
              "Steps: steps to finish a game, a failure counting as the budget. Intervals: 95%, over seeds "
              "(here) and, for the paired differences, also over games.", "",
-             "| algorithm | seeds | | " + " | ".join(t.format(fast=p.fast_steps) for _, t, *_ in MEASURES) + " |",
+             "| algorithm | seeds | | " + " | ".join(titles) + " |",
              "|---|---|---|" + "---|" * len(MEASURES)]
     for algo, row in summary["algorithms"].items():
         for when in ("before", "after"):
@@ -303,14 +300,14 @@ def write_markdown(summary: dict, diags: dict, runs: dict, protocol: Protocol, c
                   "sooner). Each cell: the difference, its 95% interval over games, and over seeds:", "",
                   "| measure | difference | 95% interval over games | 95% interval over seeds | per seed |",
                   "|---|---|---|---|---|"]
-        for k, title, scale, unit in MEASURES:
+        for (k, _, scale, unit), title in zip(MEASURES, titles):
             d = summary["paired"][k]
             per_seed = ", ".join(f"s{seed}: {scale * v:+.1f}{unit}" for seed, v in d["by_seed"].items())
-            lines.append(f"| {title.format(fast=p.fast_steps)} | {scale * d['diff']:+.1f}{unit} | "
+            lines.append(f"| {title} | {scale * d['diff']:+.1f}{unit} | "
                          f"{_ci(d['ci_games'], scale, unit)} ({d['games']} games) | "
                          f"{_ci(d['ci_seeds'], scale, unit)} ({d['seeds']} seeds) | {per_seed} |")
     lines += ["", "Change from before to after training, paired by held-out game (after minus before):", "",
-              "| algorithm | " + " | ".join(t.format(fast=p.fast_steps) for _, t, *_ in MEASURES) + " |",
+              "| algorithm | " + " | ".join(titles) + " |",
               "|---|" + "---|" * len(MEASURES)]
     for algo, row in summary["algorithms"].items():
         lines.append(f"| {algo} | " + " | ".join(_fmt_paired(row["change"][k], scale, unit)
@@ -359,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 if v is not None})
     out, work = Path(args.out), Path(args.work_dir)
     out.mkdir(parents=True, exist_ok=True)
-    command = "python -m deploy.experiment " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    command = "python -m deploy.experiment " + shlex.join(sys.argv[1:] if argv is None else argv)
     t0 = time.perf_counter()
     print(f"[experiment] {protocol}", flush=True)
     if not args.report:
@@ -382,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
             evals[algo][seed], curves[algo][seed] = read_evals(run_dir), read_curves(run_dir)
             got = {w: measures(per_game(e, protocol.step_budget, protocol.fast_steps))
                    for w, e in evals[algo][seed].items()}
-            print(f"[experiment] {algo} seed {seed}: {'ok' if info['ok'] else 'FAILED'} in {info['wall_s'] / 60:.1f} min; "
+            print(f"[experiment] {algo} seed {seed}: {'ok' if info['ok'] else 'FAILED'} in "
+                  f"{info['wall_s'] / 60:.1f} min; "
                   + "; ".join(f"{w}: {m['steps']:.1f} steps, success {m['success']:.0%}" for w, m in got.items()),
                   flush=True)
             if not args.report:                       # a cut-short experiment still leaves its report
@@ -391,11 +389,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[experiment] no finished runs under {work}", file=sys.stderr)
         return 1
     summary = write_report(evals, curves, runs, protocol, command, out)
-    for k, title, scale, unit in MEASURES:
-        if summary["paired"]:
-            d = summary["paired"][k]
-            print(f"GiGPO - GRPO, {title.format(fast=protocol.fast_steps)}: {scale * d['diff']:+.1f}{unit} "
-                  f"(95% over games ± {scale * d['ci_games']:.1f}, over seeds ± {scale * d['ci_seeds']:.1f})")
+    for k, title, scale, unit in (MEASURES if summary["paired"] else ()):
+        d = summary["paired"][k]
+        print(f"GiGPO - GRPO, {title.format(fast=protocol.fast_steps)}: {scale * d['diff']:+.1f}{unit} "
+              f"(95% over games ± {scale * d['ci_games']:.1f}, over seeds ± {scale * d['ci_seeds']:.1f})")
     print(f"wrote {out / 'learning-check.png'} and {out / 'learning-check.md'} in "
           f"{(time.perf_counter() - t0) / 60:.0f} min")
     return 0 if all(i["ok"] for i in runs.values()) else 1

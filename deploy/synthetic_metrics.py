@@ -18,32 +18,27 @@ def label_sets(spec: MetricSpec) -> list[dict[str, str]]:
     return [{label: value} for label, values in (spec.labels or {}).items() for value in values] or [{}]
 
 
-def record_tick(m: ActorMetrics, tick: int) -> None:
-    """Record one round of the metrics `m.kind` records; tick counts from 1."""
-    for spec in METRICS.values():
-        if m.kind not in spec.recorded_by:
-            continue
-        for labels in label_sets(spec):
-            if spec.type == "counter":
-                m.inc(spec.name, 1, **labels)
-            elif spec.type == "gauge":
-                m.set(spec.name, tick, **labels)
-            else:
-                m.observe(spec.name, HISTOGRAM_VALUE_S, **labels)
-
-
 @ray.remote(num_cpus=0)
 class SyntheticActor:
-    """Stands in for one actor of `kind`: records its metrics, one round per `tick`."""
+    """Stands in for one actor of `kind`: records its metrics, one round per `tick` (counted from 1)."""
 
     def __init__(self, kind: str, actor_id: str = "0"):
         self.metrics = ActorMetrics(kind, actor_id)
+        self.series = [(spec, labels) for spec in METRICS.values() if kind in spec.recorded_by
+                       for labels in label_sets(spec)]
         self.ticks = 0
 
     def tick(self, rounds: int = 1) -> int:
+        m = self.metrics
         for _ in range(rounds):
             self.ticks += 1
-            record_tick(self.metrics, self.ticks)
+            for spec, labels in self.series:
+                if spec.type == "counter":
+                    m.inc(spec.name, 1, **labels)
+                elif spec.type == "gauge":
+                    m.set(spec.name, self.ticks, **labels)
+                else:
+                    m.observe(spec.name, HISTOGRAM_VALUE_S, **labels)
         return self.ticks
 
 

@@ -1,13 +1,8 @@
 """`gigpo view RUN_DIR [--out FILE]`: one static, self-contained HTML page of a run's trajectories with the
-credit GiGPO gave every step.
-
-From RUN_DIR/groups.jsonl (learner/group_record.py, run.record_groups) and RUN_DIR/evals.jsonl if any, it shows
-the evaluations (and each episode where the line holds them); per update (`view.html#update-N`), each recorded
-group as a table of a trajectory per row and a step per cell, coloured by the advantage the learner trained
-with, with GiGPO's episode and step parts, GRPO's advantage, the action, the anchor group and the observation;
-and filters by task type, success and update (also from the query: ?update=3&success=1). The page loads
-nothing (it works offline). An update recorded twice (a resumed run) shows its last record. Bad input is a
-ViewError; a partly written last line (a run still writing it) is skipped with a note.
+credit GiGPO gave every step, from RUN_DIR/groups.jsonl (learner/group_record.py, run.record_groups) and
+RUN_DIR/evals.jsonl if any; README.md ("Trajectories and their credit") describes the page. An update recorded
+twice (a resumed run) shows its last record. Bad input is a ViewError; a partly written last line (a run still
+writing it) is skipped with a note.
 """
 from __future__ import annotations
 
@@ -243,16 +238,13 @@ def _update(record: dict) -> str:
 def _group(update: int, index: int, group: dict, scale: float, omega) -> str:
     trajs, rows = group["trajectories"], group["rows"]
     sizes = Counter(row["anchor_group"] for row in rows)
-    by_traj: dict[int, list[dict]] = {}
-    for row in rows:
-        by_traj.setdefault(row["traj"], []).append(row)
     lines = []
     for k, t in enumerate(trajs):
         won = bool(t.get("success"))
         head = (f"<th class=\"traj-head\">traj {k} {'&#10003;' if won else '&#10007;'}<br><small>return "
                 f"{esc(t.get('return'))}, {esc(t.get('steps'))} steps, {esc(t.get('termination'))}</small></th>")
         cells = "".join(_step(update, index, row, sizes[row["anchor_group"]], scale)
-                        for row in sorted(by_traj.get(k, []), key=lambda r: r["step"]))
+                        for row in sorted((r for r in rows if r["traj"] == k), key=lambda r: r["step"]))
         lines.append(f"<tr class=\"traj filterable {'won' if won else 'lost'}\" data-traj=\"{k}\" "
                      f"data-success=\"{int(won)}\">{head}{cells}</tr>")
     singletons = sum(1 for n in sizes.values() if n == 1)

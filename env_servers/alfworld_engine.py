@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import threading
 from typing import Any, Mapping
+from unittest import mock
 
 from common.config import EnvConfig, choices
 
 ENGINES = choices(EnvConfig, "engine")
-
-_INSTALL_HINT = ("the ALFWorld engine is not installed (needs alfworld==0.4.2, textworld[pddl]==1.7.0 with "
-                 "fast_downward): run `make install`")
 
 try:  # The engine is an optional heavy dependency: import errors become a clear message at use time.
     import fast_downward
@@ -34,7 +31,7 @@ try:  # The engine is an optional heavy dependency: import errors become a clear
     from textworld.envs.pddl import textgen
     from textworld.logic import Rule
     from alfworld.agents.environment.alfred_tw_env import AlfredDemangler
-    _UPSTREAM_PDDL2SAS = fast_downward.pddl2sas
+    _UPSTREAM_PDDL2SAS, _UPSTREAM_GAME_LOGIC = fast_downward.pddl2sas, pddl_logic.GameLogic
     _IMPORT_ERROR: Exception | None = None
 except ImportError as exc:  # pragma: no cover - exercised only on machines without the engine
     _IMPORT_ERROR = exc
@@ -43,7 +40,8 @@ except ImportError as exc:  # pragma: no cover - exercised only on machines with
 def require_engine() -> None:
     """Raise a clear ImportError when textworld/alfworld/fast_downward are missing."""
     if _IMPORT_ERROR is not None:
-        raise ImportError(f"{_INSTALL_HINT} ({_IMPORT_ERROR})") from _IMPORT_ERROR
+        raise ImportError("the ALFWorld engine is not installed (needs alfworld==0.4.2, textworld[pddl]==1.7.0 "
+                          f"with fast_downward): run `make install` ({_IMPORT_ERROR})") from _IMPORT_ERROR
 
 
 @functools.lru_cache(maxsize=4096)
@@ -80,30 +78,28 @@ class FastGrammar:
         if not rules:
             raise textgen.CSGUnknownSymbolError(name)
         for rule in rules:
-            if not rule.condition:
-                return rule.rhs
-            query = _parse_query(rule.condition)
-            for _ in ctx["state"].all_assignments(query, ctx["mapping"]):
+            if not rule.condition or any(True for _ in ctx["state"].all_assignments(_parse_query(rule.condition),
+                                                                                     ctx["mapping"])):
                 return rule.rhs
         # Upstream indexes the filtered list and fails with IndexError when no rule applies.
         raise IndexError(f"no applicable production rule for #{name}#")
 
     @staticmethod
-    def _query(given: str, ctx: dict) -> list[dict]:
-        contexts = []
+    def _expand_conditional(symbol, ctx: dict) -> list[tuple[Any, dict]]:
+        """(symbol.expression, context) for each assignment of the symbol's query (the context as it is when
+        it has none)."""
+        if not symbol.given:
+            return [(symbol.expression, ctx)]
+        items = []
         infos = ctx["entity_infos"]
-        for mapping in ctx["state"].all_assignments(_parse_query(given), ctx["mapping"]):
+        for mapping in ctx["state"].all_assignments(_parse_query(symbol.given), ctx["mapping"]):
             variables = dict(ctx["variables"])
             variables.update({ph.name: infos[var.name] for ph, var in mapping.items()})
             new_mapping = dict(ctx["mapping"])
             new_mapping.update(mapping)
-            contexts.append({"state": ctx["state"], "facts": ctx["facts"], "variables": variables,
-                             "mapping": new_mapping, "entity_infos": infos})
-        return contexts
-
-    def _expand_conditional(self, symbol, ctx: dict) -> list[tuple[Any, dict]]:
-        contexts = self._query(symbol.given, ctx) if symbol.given else [ctx]
-        return [(symbol.expression, c) for c in contexts]
+            items.append((symbol.expression, {"state": ctx["state"], "facts": ctx["facts"], "variables": variables,
+                                              "mapping": new_mapping, "entity_infos": infos}))
+        return items
 
     def derive(self, start: str, context: Mapping = {}) -> str:
         ctx = {"state": context["state"], "facts": context["facts"], "variables": dict(context["variables"]),
@@ -145,7 +141,7 @@ class FastGrammar:
 def _game_logic(domain: str, grammar: str):
     """Parsed GameLogic per (domain, grammar), with its grammar served by FastGrammar. Shared by every
     instance in the process: the fast interpreter never mutates it."""
-    logic = pddl_logic.GameLogic(domain=domain, grammar=grammar)
+    logic = _UPSTREAM_GAME_LOGIC(domain=domain, grammar=grammar)
     logic.grammar = FastGrammar(logic.grammar)
     return logic
 
@@ -160,58 +156,36 @@ _SWAP_LOCK = threading.RLock()
 
 
 @contextlib.contextmanager
-def _swapped(module, name: str, value):
-    """Set `module.name` to `value` for the duration of the block (under a lock), so that upstream engines
-    in the same process keep their own behaviour outside it."""
-    with _SWAP_LOCK:
-        original = getattr(module, name)
-        setattr(module, name, value)
-        try:
-            yield
-        finally:
-            setattr(module, name, original)
-
-
-def _new_state(downward_lib, problem: str, logic) -> "pddl_logic.PddlState":
-    """An upstream PddlState whose two PDDL->SAS translations come from the memo."""
-    with _swapped(fast_downward, "pddl2sas", _memo_pddl2sas):
-        return pddl_logic.PddlState(downward_lib, problem, logic)
+def _memoized():
+    """Upstream's GameLogic and fast_downward.pddl2sas replaced by the memos for the duration of the block
+    (under a lock), so that upstream engines in the same process keep their own behaviour outside it."""
+    with _SWAP_LOCK, mock.patch.object(pddl_logic, "GameLogic", _game_logic), \
+            mock.patch.object(fast_downward, "pddl2sas", _memo_pddl2sas):
+        yield
 
 
 if _IMPORT_ERROR is None:
 
     class FastPddlEnv(PddlEnv):
-        """PddlEnv with memoized logic parsing, SAS translation and text generation. Game dynamics, the
-        admissible-command list and the goal check are upstream's own code."""
+        """PddlEnv with memoized logic parsing, SAS translation and text generation: upstream's own load and
+        reset (game dynamics, the admissible-command list and the goal check are upstream's code), run
+        with the memos in place."""
 
         def load(self, filename_or_data) -> None:
-            if isinstance(filename_or_data, (str, bytes)) or hasattr(filename_or_data, "__fspath__"):
-                with open(filename_or_data) as f:
-                    data = json.load(f)
-                self._game_file = filename_or_data
-            else:
-                data = filename_or_data
-                self._game_file = None
-            self._game_data = data
-            self.walkthrough = data.get("walkthrough", None)
-            self._logic = _game_logic(data["pddl_domain"], data["grammar"])
-            self._pddl_state = _new_state(self.downward_lib, data["pddl_problem"], self._logic)
-            self._entity_infos = self._get_entity_infos()
+            with _memoized():
+                super().load(filename_or_data)
 
         def reset(self):
-            # Upstream's reset rebuilds the state with a plain PddlState (two translations); build it from the
-            # memo instead, then run upstream's reset body on top of it.
-            self._pddl_state = _new_state(self.downward_lib, self._game_data["pddl_problem"], self._logic)
-            with _swapped(pddl_logic, "PddlState", lambda *a, **k: self._pddl_state):
+            with _memoized():
                 return super().reset()
 
 
 def make_engine(engine: str = "fast"):
     """A TextWorld env for ALFWorld games: the PDDL engine wrapped by ALFWorld's name demangler (which
     turns `Mug_bar__minus_02...` into `mug 1`). `engine` is "fast" (default) or "upstream"."""
-    require_engine()
     if engine not in ENGINES:
         raise ValueError(f"unknown ALFWorld engine {engine!r}; choose one of {ENGINES}")
+    require_engine()
     infos = textworld.EnvInfos(won=True, admissible_commands=True)
     base = FastPddlEnv(infos) if engine == "fast" else PddlEnv(infos)
     return AlfredDemangler(base, shuffle=False)

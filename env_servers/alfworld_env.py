@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 
 from common.config import EnvConfig, choices
-from env_servers.alfworld_engine import ENGINES, make_engine, require_engine
+from env_servers.alfworld_engine import make_engine
 from env_servers.alfworld_gen import GeneratorOptions, game_seed, generate_game
 from env_servers.base import EnvReport
 
@@ -47,6 +47,20 @@ def task_type_of(game_dir_name: str) -> str:
     return game_dir_name.split("-", 1)[0]
 
 
+def game_trials(game_root: str | os.PathLike, split: str):
+    """(game directory, trial directory) of every game file of a split of the standard game set, sorted."""
+    split_dir = Path(game_root) / split
+    for game_dir in sorted(split_dir.iterdir()) if split_dir.is_dir() else ():
+        for trial in sorted(game_dir.iterdir()) if game_dir.is_dir() else ():
+            if (trial / GAME_FILE).is_file():
+                yield game_dir, trial
+
+
+def skipped(game_dir_name: str) -> bool:
+    """The games ALFWorld's own loader skips."""
+    return "movable" in game_dir_name or "Sliced" in game_dir_name
+
+
 def list_data_tasks(game_root: str | os.PathLike, split: str) -> list[str]:
     """Task ids of a split of the standard game set: the index written by `make data` when present
     (solvable games only), else every directory holding a game file. Task types take turns (the first game
@@ -59,14 +73,7 @@ def list_data_tasks(game_root: str | os.PathLike, split: str) -> list[str]:
         with open(index) as f:
             ids = json.load(f).get(split)
     if ids is None:
-        split_dir = root / split
-        ids = []
-        for game_dir in sorted(split_dir.iterdir()) if split_dir.is_dir() else ():
-            if not game_dir.is_dir() or "movable" in game_dir.name or "Sliced" in game_dir.name:
-                continue   # ALFWorld's loader skips these too
-            for trial in sorted(game_dir.iterdir()):
-                if (trial / GAME_FILE).exists():
-                    ids.append(f"{split}/{game_dir.name}/{trial.name}")
+        ids = [f"{split}/{g.name}/{trial.name}" for g, trial in game_trials(root, split) if not skipped(g.name)]
     by_type: dict[str, list[str]] = {}
     for task_id in ids:
         by_type.setdefault(task_type_of(task_id.split("/")[1]), []).append(task_id)
@@ -81,9 +88,6 @@ class ALFWorldEnv:
                  generator: dict | GeneratorOptions | None = None, num_generated_games: int = 64, seed: int = 0):
         if source not in choices(EnvConfig, "source"):
             raise ValueError(f"ALFWorld source {source!r}: choose one of {choices(EnvConfig, 'source')}")
-        if engine not in ENGINES:
-            raise ValueError(f"ALFWorld engine {engine!r}: choose one of {ENGINES}")
-        require_engine()
         self.source = source
         self.engine_name = engine
         self.data_dir = data_dir or default_data_dir()

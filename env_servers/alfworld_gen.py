@@ -89,12 +89,10 @@ class GeneratorOptions:
                 if len(value) != 2 or value[0] > value[1] or value[0] < 1:
                     raise ValueError(f"generator.{key} must be a count or [low, high] with 1 <= low <= high")
             setattr(base, key, value)
-        bad = [t for t in base.task_types if t not in TASK_TYPES]
-        if bad or not base.task_types:
-            raise ValueError(f"generator.task_types {bad or '[]'}: choose from {TASK_TYPES}")
-        bad = [r for r in base.rooms if r not in ROOM_RECEPTACLES]
-        if bad or not base.rooms:
-            raise ValueError(f"generator.rooms {bad or '[]'}: choose from {sorted(ROOM_RECEPTACLES)}")
+        for key, allowed in (("task_types", TASK_TYPES), ("rooms", sorted(ROOM_RECEPTACLES))):
+            bad = [v for v in getattr(base, key) if v not in allowed]
+            if bad or not getattr(base, key):
+                raise ValueError(f"generator.{key} {bad or '[]'}: choose from {allowed}")
         return base
 
 
@@ -131,8 +129,8 @@ class _Scene:
 
     def __init__(self, rng: random.Random):
         self.rng = rng
-        self.receptacles: list[tuple[str, str]] = []    # (id, type)
-        self.objects: list[tuple[str, str]] = []        # (id, type)
+        self.receptacles: dict[str, str] = {}           # id -> type, in the order added
+        self.objects: dict[str, str] = {}               # id -> type, in the order added
         self.inside: dict[str, str] = {}                # object id -> receptacle id
         self._used: set[str] = set()
 
@@ -145,17 +143,14 @@ class _Scene:
 
     def add_receptacle(self, kind: str) -> str:
         ident = self._new_id(kind) if kind != "SinkBasin" else self._new_id("Sink") + "_bar_SinkBasin"
-        self.receptacles.append((ident, kind))
+        self.receptacles[ident] = kind
         return ident
 
     def add_object(self, kind: str, receptacle: str) -> str:
         ident = self._new_id(kind)
-        self.objects.append((ident, kind))
+        self.objects[ident] = kind
         self.inside[ident] = receptacle
         return ident
-
-    def rtype(self, rid: str) -> str:
-        return dict(self.receptacles)[rid]
 
 
 def _goal(task_type: str, obj: str, target: str, tool: tuple | None) -> str:
@@ -212,8 +207,8 @@ def generate_game(options: GeneratorOptions | None = None, seed: int = 0) -> dic
         if tool:
             objs &= props[tool[1].capitalize() + "able"]
         for obj in sorted(objs):
-            starts = [r for r in rids if obj in can_hold.get(scene.rtype(r), set())
-                      and (task_type == "look_at_obj_in_light" or scene.rtype(r) != target)]
+            starts = [r for r in rids if obj in can_hold.get(scene.receptacles[r], set())
+                      and (task_type == "look_at_obj_in_light" or scene.receptacles[r] != target)]
             if starts:
                 candidates.append((target, obj, starts))
     if not candidates:   # this draw of receptacles supports no such task: draw again from a new seed
@@ -221,7 +216,7 @@ def generate_game(options: GeneratorOptions | None = None, seed: int = 0) -> dic
     target, obj_kind, starts = rng.choice(candidates)
     if task_type == "look_at_obj_in_light":
         target = "DeskLamp"
-        lamp_home = next(r for r in rids if scene.rtype(r) == needed[0])
+        lamp_home = next(r for r in rids if scene.receptacles[r] == needed[0])
         scene.add_object("DeskLamp", lamp_home)
 
     n_task_objs = 2 if task_type == "pick_two_obj_and_place" else 1
@@ -230,7 +225,7 @@ def generate_game(options: GeneratorOptions | None = None, seed: int = 0) -> dic
     # a reader expects; the goal would accept any object of the type anyway).
     for _ in range(max(0, n_obj - n_task_objs)):
         rid = rng.choice(rids)
-        holdable = sorted(can_hold.get(scene.rtype(rid), set()) - {obj_kind, "DeskLamp", "FloorLamp"})
+        holdable = sorted(can_hold.get(scene.receptacles[rid], set()) - {obj_kind, "DeskLamp", "FloorLamp"})
         if holdable:
             scene.add_object(rng.choice(holdable), rid)
 
@@ -238,14 +233,14 @@ def generate_game(options: GeneratorOptions | None = None, seed: int = 0) -> dic
     loc = {rid: f"loc_bar_{i}_bar_{rng.randrange(10)}" for i, rid in enumerate(rids)}
     start = "loc_bar_start"
     facts = [f"(atLocation agent1 {start})"]
-    otypes = sorted({k for _, k in scene.objects} | set(DOMAIN_OTYPES))
-    rtypes = sorted({k for _, k in scene.receptacles} | set(DOMAIN_RTYPES))
-    for rid, kind in scene.receptacles:
+    otypes = sorted(set(scene.objects.values()) | set(DOMAIN_OTYPES))
+    rtypes = sorted(set(scene.receptacles.values()) | set(DOMAIN_RTYPES))
+    for rid, kind in scene.receptacles.items():
         facts += [f"(receptacleType {rid} {kind}Type)", f"(receptacleAtLocation {rid} {loc[rid]})"]
         if kind in openable:
             facts.append(f"(openable {rid})")
     facts += [f"(canContain {rk}Type {ok}Type)" for rk in rtypes for ok in otypes if ok in can_hold.get(rk, set())]
-    for oid, kind in scene.objects:
+    for oid, kind in scene.objects.items():
         rid = scene.inside[oid]
         facts += [f"(objectType {oid} {kind}Type)", f"(inReceptacle {oid} {rid})",
                   f"(objectAtLocation {oid} {loc[rid]})"]
@@ -255,15 +250,15 @@ def generate_game(options: GeneratorOptions | None = None, seed: int = 0) -> dic
         facts.append(f"(pickupable {oid})")
         facts += [f"({prop.lower()} {oid})" for prop in ("Cleanable", "Heatable", "Coolable") if kind in props[prop]]
 
-    objects = (["agent1 - agent"] + [f"{i} - object" for i, _ in scene.objects]
-               + [f"{t}Type - otype" for t in otypes] + [f"{i} - receptacle" for i, _ in scene.receptacles]
+    objects = (["agent1 - agent"] + [f"{i} - object" for i in scene.objects]
+               + [f"{t}Type - otype" for t in otypes] + [f"{i} - receptacle" for i in scene.receptacles]
                + [f"{t}Type - rtype" for t in rtypes] + [f"{x} - location" for x in [start, *loc.values()]])
     goal = _goal(task_type, obj_kind, target, tool)
     problem = ("(define (problem gen_%d)\n(:domain alfred)\n(:objects\n  %s\n)\n(:init\n  %s\n)\n(:goal %s)\n)\n"
                % (seed, "\n  ".join(objects), "\n  ".join(facts), goal))
 
     # The walkthrough, in the engine's display names.
-    names = _display_names([i for i, _ in scene.receptacles] + [i for i, _ in scene.objects])
+    names = _display_names([*scene.receptacles, *scene.objects])
     steps: list[str] = []
     here: str | None = None
     opened: set[str] = set()
@@ -273,20 +268,20 @@ def generate_game(options: GeneratorOptions | None = None, seed: int = 0) -> dic
         if here != rid:
             steps.append(f"go to {names[rid]}")
             here = rid
-        if open_it and scene.rtype(rid) in openable and rid not in opened:
+        if open_it and scene.receptacles[rid] in openable and rid not in opened:
             steps.append(f"open {names[rid]}")
             opened.add(rid)
 
-    goal_rid = next((r for r in rids if scene.rtype(r) == target), None)
+    goal_rid = next((r for r in rids if scene.receptacles[r] == target), None)
     for oid in task_objs:
         visit(scene.inside[oid])
         steps.append(f"take {names[oid]} from {names[scene.inside[oid]]}")
         if tool:
-            tool_rid = next(r for r in rids if scene.rtype(r) == tool[0])
+            tool_rid = next(r for r in rids if scene.receptacles[r] == tool[0])
             visit(tool_rid, open_it=False)   # heat/cool/clean work on a closed microwave/fridge
             steps.append(f"{tool[1]} {names[oid]} with {names[tool_rid]}")
         if task_type == "look_at_obj_in_light":
-            lamp = next(i for i, k in scene.objects if k == "DeskLamp")
+            lamp = next(i for i, k in scene.objects.items() if k == "DeskLamp")
             visit(scene.inside[lamp], open_it=False)
             steps.append(f"use {names[lamp]}")
         else:

@@ -22,15 +22,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from env_servers.alfworld_env import DATA_SPLITS, GAME_FILE, GAME_SET, default_data_dir
+from env_servers.alfworld_env import DATA_SPLITS, GAME_FILE, GAME_SET, default_data_dir, game_trials, skipped
 from env_servers.webshop import data as webshop_data
 
 _SOLVABLE = re.compile(r'"solvable"\s*:\s*(true|false)')
 _ALFWORLD_HOW = "set ALFWORLD_SOURCE to a local copy of ALFWorld's json_2.1.1.tar.xz"
-
-
-class DataUnavailable(RuntimeError):
-    """The data cannot be had here; the message (one line) says how to provide it."""
 
 
 def default_alfworld_source() -> str | None:
@@ -78,27 +74,18 @@ def build_metadata(game_root: str | os.PathLike) -> dict[str, list[str]]:
     """Write traj_data.json for every game lacking one and index.json (solvable game ids per split)."""
     root = Path(game_root)
     index: dict[str, list[str]] = {}
-    for split in DATA_SPLITS:
-        split_dir = root / split
-        if not split_dir.is_dir():
-            continue
-        ids = []
-        for game_dir in sorted(p for p in split_dir.iterdir() if p.is_dir()):
+    for split in [s for s in DATA_SPLITS if (root / s).is_dir()]:
+        index[split] = []
+        for game_dir, trial in game_trials(root, split):
             try:
                 traj = traj_data_for(game_dir.name)
             except ValueError:
                 continue
-            for trial in sorted(p for p in game_dir.iterdir() if p.is_dir()):
-                game_file = trial / GAME_FILE
-                if not game_file.is_file():
-                    continue
-                traj_file = trial / "traj_data.json"
-                if not traj_file.exists():
-                    traj_file.write_text(json.dumps(traj))
-                if "movable" in game_dir.name or "Sliced" in game_dir.name or not _is_solvable(game_file):
-                    continue   # as ALFWorld's own loader does
-                ids.append(f"{split}/{game_dir.name}/{trial.name}")
-        index[split] = ids
+            traj_file = trial / "traj_data.json"
+            if not traj_file.exists():
+                traj_file.write_text(json.dumps(traj))
+            if not skipped(game_dir.name) and _is_solvable(trial / GAME_FILE):
+                index[split].append(f"{split}/{game_dir.name}/{trial.name}")
     tmp = root / "index.json.tmp"
     tmp.write_text(json.dumps(index))
     tmp.replace(root / "index.json")   # written last: its presence marks a prepared game set
@@ -154,8 +141,8 @@ def prepare_alfworld(dest: str | None = None, source: str | None = None, log=pri
                 last = next((ln.strip() for ln in reversed(done.stderr.splitlines()) if ln.strip()),
                             f"exit status {done.returncode}")
                 last = last if len(last) <= 160 else last[:157] + "..."
-                raise DataUnavailable(f"ALFWorld: alfworld-download failed ({last}): it needs internet "
-                                      f"(github.com); without it, {_ALFWORLD_HOW}")
+                raise webshop_data.DownloadError(f"ALFWorld: alfworld-download failed ({last}): it needs internet "
+                                                 f"(github.com); without it, {_ALFWORLD_HOW}")
             if not root.is_dir():
                 raise RuntimeError(f"alfworld-download finished but {root} does not exist")
         else:
@@ -191,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         try:
             step()
-        except (FileNotFoundError, DataUnavailable, webshop_data.DownloadError) as exc:
+        except (FileNotFoundError, webshop_data.DownloadError) as exc:
             # One line per data set that could not be had; the other is still prepared.
             print(f"{parser.prog}: {exc}", file=sys.stderr)
             status = 2

@@ -131,47 +131,38 @@ class _Worker:
                               f"restarted") from None
 
     def _serve(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
+        while (item := self._queue.get()) is not None:
             fut, msg = item
             if not fut.set_running_or_notify_cancel():
                 continue
             op, instance = msg[0], (msg[1] if len(msg) > 1 and isinstance(msg[1], int) else None)
+            restarted = False
             if op == "step" and instance in self.lost:
-                self.metrics.inc("env_errors")
-                fut.set_result(InstanceResult(instance, None, "this instance's episode was lost when its env "
-                                              "worker restarted (another instance there crashed or hung); reset "
-                                              "it", restarted=True))
-                continue
-            try:
-                status, payload = self._call(msg)
-            except _WorkerLost as exc:
-                self.metrics.inc("env_errors")
+                ok, payload, restarted = False, ("this instance's episode was lost when its env worker restarted "
+                                                 "(another instance there crashed or hung); reset it"), True
+            else:
                 try:
-                    self._kill_and_restart()
-                except Exception as restart_exc:   # keep serving: the next request tries again
-                    exc = _WorkerLost(f"{exc}; restart failed: {restart_exc}")
-                if instance is None:
-                    fut.set_exception(RuntimeError(str(exc)))
-                else:
-                    fut.set_result(InstanceResult(instance, None, str(exc), restarted=True))
-                continue
-            except Exception as exc:   # e.g. an unpicklable request: this request fails, the worker is fine
-                self.metrics.inc("env_errors")
-                fut.set_exception(exc) if instance is None else fut.set_result(
-                    InstanceResult(instance, None, f"{type(exc).__name__}: {exc}"))
-                continue
-            ok = status == "ok"
+                    status, payload = self._call(msg)
+                    ok = status == "ok"
+                except _WorkerLost as exc:
+                    try:
+                        self._kill_and_restart()
+                    except Exception as restart_exc:   # keep serving: the next request tries again
+                        exc = _WorkerLost(f"{exc}; restart failed: {restart_exc}")
+                    ok, payload, restarted = False, str(exc), True
+                except Exception as exc:   # e.g. an unpicklable request: this request fails, the worker is fine
+                    ok, payload = False, exc if instance is None else f"{type(exc).__name__}: {exc}"
             if not ok:
                 self.metrics.inc("env_errors")
             elif op == "reset":
                 self.lost.discard(instance)
-            if instance is None:
-                fut.set_result(payload) if ok else fut.set_exception(RuntimeError(payload))
+            if instance is not None:
+                fut.set_result(InstanceResult(instance, payload, None, restarted) if ok
+                               else InstanceResult(instance, None, payload, restarted))
+            elif ok:
+                fut.set_result(payload)
             else:
-                fut.set_result(InstanceResult(instance, payload) if ok else InstanceResult(instance, None, payload))
+                fut.set_exception(payload if isinstance(payload, Exception) else RuntimeError(payload))
 
     def close(self) -> None:
         self._queue.put(None)

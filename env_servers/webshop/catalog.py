@@ -65,11 +65,7 @@ def parse_pricing(pricing: str | None) -> tuple[list[float], str]:
 
 def find_file(data_dir: str, names: tuple[str, ...]) -> str | None:
     """The first of `names` present in data_dir, or None."""
-    for name in names:
-        path = os.path.join(data_dir, name)
-        if os.path.isfile(path):
-            return path
-    return None
+    return next((path for path in (os.path.join(data_dir, n) for n in names) if os.path.isfile(path)), None)
 
 
 def has_catalog(data_dir: str | None) -> bool:

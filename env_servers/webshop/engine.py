@@ -153,7 +153,7 @@ class ShopSession:
         s = self.state
         if name == "search" and arg:
             s.keywords = arg
-            s.results = self.shop.search(" ".join(arg.split(" ")))
+            s.results = self.shop.search(arg)
             self._to_results(1)
             self._render()
             return True, 0.0

@@ -70,15 +70,13 @@ def get_shop(data_dir: str, human_goals: bool = False, num_products: int | None 
 
 
 class WebShopEnv:
-    """TextEnv over the text WebShop. Options: human_goals (False), num_products (None = all),
-    price_seed (233), eval_goals (500, or a fifth of the goals for small catalogs)."""
+    """TextEnv over the text WebShop. num_products None: all; eval_goals None: 500, or a fifth of the goals
+    for small catalogs."""
 
-    def __init__(self, data_dir: str | None = None, seed: int = 0, **opts):
-        unknown = set(opts) - {"human_goals", "num_products", "price_seed", "eval_goals"}
-        if unknown:
-            raise TypeError(f"unknown WebShopEnv options {sorted(unknown)}")
+    def __init__(self, data_dir: str | None = None, seed: int = 0, human_goals: bool = False,
+                 num_products: int | None = None, price_seed: int = GOAL_SHUFFLE_SEED, eval_goals: int | None = None):
         self.seed = seed
-        self.shop = get_shop(resolve_data_dir(data_dir), **opts)
+        self.shop = get_shop(resolve_data_dir(data_dir), human_goals, num_products, price_seed, eval_goals)
         self._session: ShopSession | None = None
         self._task_id = ""
 

@@ -7,48 +7,31 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-_VOWELS = frozenset("aeiou")
 
-
-def _is_consonant(w: str, i: int) -> bool:
-    c = w[i]
-    if c in _VOWELS:
-        return False
-    if c == "y":
-        return i == 0 or not _is_consonant(w, i - 1)
-    return True
+def _cv(w: str) -> str:
+    """"c" or "v" per letter: a, e, i, o, u are vowels, and y after a consonant."""
+    out = ""
+    for i, c in enumerate(w):
+        out += "v" if c in "aeiou" or (c == "y" and i > 0 and out[-1] == "c") else "c"
+    return out
 
 
 def _measure(stem: str) -> int:
     """m in [C](VC){m}[V]."""
-    m, i, n = 0, 0, len(stem)
-    while i < n and _is_consonant(stem, i):
-        i += 1
-    while i < n:
-        while i < n and not _is_consonant(stem, i):
-            i += 1
-        if i >= n:
-            break
-        while i < n and _is_consonant(stem, i):
-            i += 1
-        m += 1
-    return m
+    return _cv(stem).count("vc")
 
 
 def _has_vowel(stem: str) -> bool:
-    return any(not _is_consonant(stem, i) for i in range(len(stem)))
+    return "v" in _cv(stem)
 
 
 def _double_consonant(w: str) -> bool:
-    return len(w) >= 2 and w[-1] == w[-2] and _is_consonant(w, len(w) - 1)
+    return len(w) >= 2 and w[-1] == w[-2] and _cv(w)[-1] == "c"
 
 
 def _cvc(w: str) -> bool:
     """consonant-vowel-consonant ending, the last consonant not w, x or y."""
-    if len(w) < 3:
-        return False
-    return (_is_consonant(w, len(w) - 3) and not _is_consonant(w, len(w) - 2)
-            and _is_consonant(w, len(w) - 1) and w[-1] not in "wxy")
+    return _cv(w).endswith("cvc") and w[-1] not in "wxy"
 
 
 # Sorted longest suffix first: the longest matching suffix decides.

@@ -19,6 +19,7 @@ goal title's noun count *with repeats* (a title repeating a noun scores below 1.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 import threading
@@ -87,7 +88,6 @@ _POSSESSIVE_END = re.compile(r"['’]s$")
 _nlp_lock = threading.Lock()
 _tag_lock = threading.Lock()     # an env pool steps instances from worker threads
 _nlp = None                      # spaCy pipeline with a tagger, when en_core_web_sm is installed
-_noun_cache: dict[str, tuple[str, ...]] = {}
 
 
 def noun_method() -> str:
@@ -119,20 +119,14 @@ def approximate_nouns(title: str) -> list[str]:
     return nouns
 
 
+@functools.lru_cache(maxsize=200_000)
 def title_nouns(title: str) -> tuple[str, ...]:
     """Lower-cased nouns of a product title, in order, repeats kept (cached: titles repeat)."""
-    cached = _noun_cache.get(title)
-    if cached is not None:
-        return cached
     if noun_method() == "spacy-model":
         with _tag_lock:
             doc = _nlp(title)
-        nouns = tuple(t.text.lower() for t in doc if t.pos_ in ("PNOUN", "NOUN", "PROPN"))
-    else:
-        nouns = tuple(approximate_nouns(title))
-    if len(_noun_cache) < 200_000:
-        _noun_cache[title] = nouns
-    return nouns
+        return tuple(t.text.lower() for t in doc if t.pos_ in ("PNOUN", "NOUN", "PROPN"))
+    return tuple(approximate_nouns(title))
 
 
 # ---------------------------------------------------------------------------------------------- terms

@@ -46,15 +46,14 @@ def play(engine_name: str, game_files: list[str]) -> dict:
     for path in game_files:
         walkthrough = json.load(open(path))["walkthrough"]
         rng = random.Random(path)
-        for episode in ("walkthrough", "random"):
+        for walk, actions in ((True, walkthrough), (False, [None] * RANDOM_STEPS)):
             t0 = time.process_time()
-            if episode == "walkthrough":
+            if walk:
                 engine.load(path)
             state = engine.reset()
             reset_cpu += time.process_time() - t0
             resets += 1
             trace.append((state.feedback, state["admissible_commands"]))
-            actions = walkthrough if episode == "walkthrough" else [None] * RANDOM_STEPS
             for action in actions:
                 action = action or rng.choice(state["admissible_commands"])
                 t0 = time.process_time()
@@ -62,7 +61,7 @@ def play(engine_name: str, game_files: list[str]) -> dict:
                 step_cpu += time.process_time() - t0
                 steps += 1
                 trace.append((state.feedback, state["admissible_commands"], state["won"]))
-            if episode == "walkthrough":
+            if walk:
                 assert state["won"], f"{engine_name}: walkthrough did not win {path}"
     return {"steps": steps, "steps_per_s": steps / step_cpu, "resets_per_s": resets / reset_cpu, "trace": trace}
 
@@ -122,10 +121,9 @@ def main() -> None:
     up = play("upstream", games)
     fast = play("fast", games)
     identical = up["trace"] == fast["trace"]
-    print(f"  upstream engine: {up['steps_per_s']:7.1f} steps/s per core, {up['resets_per_s']:5.2f} resets/s "
-          f"({up['steps']} steps)")
-    print(f"  fast engine:     {fast['steps_per_s']:7.1f} steps/s per core, {fast['resets_per_s']:5.2f} resets/s "
-          f"({fast['steps']} steps)")
+    for label, r in (("upstream engine:", up), ("fast engine:", fast)):
+        print(f"  {label:16s} {r['steps_per_s']:7.1f} steps/s per core, {r['resets_per_s']:5.2f} resets/s "
+              f"({r['steps']} steps)")
     ratio = fast["steps_per_s"] / up["steps_per_s"]
     print(f"  step speed-up: {ratio:.1f}x (target >= 3x: {'met' if ratio >= 3 else 'NOT met'}); "
           f"reset speed-up: {fast['resets_per_s'] / up['resets_per_s']:.1f}x")

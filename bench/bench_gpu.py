@@ -93,13 +93,13 @@ def build_model(shape: str, folder: str, *, dtype=torch.bfloat16, init_range: fl
     return n
 
 
-def synthetic_batch(cfg, vocab: int, group_size: int, seed: int, prompt=(600, 1200), response=(32, 256)):
+def synthetic_batch(cfg, shape: str, group_size: int, seed: int, prompt=(600, 1200), response=(32, 256)):
     """A TrainBatch of cfg.groups_per_batch synthetic ALFWorld-shaped groups (GiGPO advantages by cfg)."""
     from bench.synthetic import synthetic_groups
     from learner.batching import build_batch
 
-    gs = synthetic_groups(cfg.groups_per_batch, group_size, vocab_size=vocab, seed=seed, max_steps=4,
-                          prompt_tokens=prompt, response_tokens=response)
+    gs = synthetic_groups(cfg.groups_per_batch, group_size, vocab_size=SHAPES[shape]["vocab_size"], seed=seed,
+                          max_steps=4, prompt_tokens=prompt, response_tokens=response)
     return build_batch(gs, cfg)
 
 
@@ -120,12 +120,11 @@ def part_learner(args) -> None:
         trainer = PolicyTrainer(folder, cfg, dtype="auto", head_dtype=args.head_dtype)
         say(f"learner: DeepSpeed ZeRO-{cfg.zero_stage} engine on {trainer.device} in "
             f"{time.perf_counter() - t0:.1f} s")
-    vocab = SHAPES[args.shape]["vocab_size"]
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     steps = []
     for i in range(args.steps + 1):
-        batch = synthetic_batch(cfg, vocab, args.group_size, seed=i)
+        batch = synthetic_batch(cfg, args.shape, args.group_size, seed=i)
         tokens = int(batch.row_lengths().sum())
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -169,18 +168,17 @@ def part_push_and_resume(trainer, batch) -> None:
         files = write_buckets(trainer.named_weights(), folder, 512 * 2 ** 20)
         push_s = time.perf_counter() - t0
         nbytes = sum(os.path.getsize(f) for f in files)
-    small = batch
     with tempfile.TemporaryDirectory(prefix="bench-gpu-ckpt-") as root:
         t0 = time.perf_counter()
         trainer.save_checkpoint(root, {"policy_version": trainer.updates})
         save_s = time.perf_counter() - t0
-        saved = trainer.compute_logprobs(small)
-        trainer.train_step(small, update=trainer.updates)          # move the weights away from the save
-        moved = max(float(np.abs(a - b).max()) for a, b in zip(trainer.compute_logprobs(small), saved))
+        saved = trainer.compute_logprobs(batch)
+        trainer.train_step(batch, update=trainer.updates)          # move the weights away from the save
+        moved = max(float(np.abs(a - b).max()) for a, b in zip(trainer.compute_logprobs(batch), saved))
         t0 = time.perf_counter()
         trainer.load_checkpoint(root)
         load_s = time.perf_counter() - t0
-        same = all(np.array_equal(a, b) for a, b in zip(trainer.compute_logprobs(small), saved))
+        same = all(np.array_equal(a, b) for a, b in zip(trainer.compute_logprobs(batch), saved))
     RESULTS["push_and_resume"] = {"push_bytes": nbytes, "push_s": push_s, "save_s": save_s, "load_s": load_s,
                                   "moved_by_update": moved, "logprobs_identical_after_load": same}
     say(f"push: {nbytes / 1e9:.2f} GB of weights gathered and written as safetensors buckets in {push_s:.2f} s; "
@@ -214,8 +212,8 @@ def part_logprobs(args) -> None:
         # A wider init than 0.02 gives peaked next-token distributions, as a trained model has (0.02 gives
         # near-uniform ones, on which every kernel agrees trivially).
         build_model(shape, folder, dtype=torch.float32, init_range=args.logprob_init, device="cpu")
-        batch = synthetic_batch(LearnerConfig(groups_per_batch=2), SHAPES[shape]["vocab_size"], 4, seed=7,
-                                prompt=(200, 400), response=(32, 96))
+        batch = synthetic_batch(LearnerConfig(groups_per_batch=2), shape, 4, seed=7, prompt=(200, 400),
+                                response=(32, 96))
         cpu = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         t0 = time.perf_counter()
         ref = _logprobs(cpu, batch, "cpu")
@@ -250,12 +248,12 @@ ACTIONS = ["go to cabinet 1", "go to countertop 2", "open drawer 3", "take apple
 THINK_CHARS = " abcdefghijklmnopqrstuvwxyz,.'"
 
 
-def constrained_groups(tokenizer, vocab: int, num_groups: int, group_size: int, seed: int,
-                       prompt=(200, 600)) -> list:
-    """Synthetic groups whose responses are what a constrained sampler writes, `<think>..</think>
-    <action>A</action>` and the end-of-sequence token, each row carrying its grammar (the shape of
-    actors/rollout.py's action_regex)."""
+def constrained_batch(tokenizer, cfg, num_groups: int, seed: int, group_size: int, prompt: tuple[int, int]):
+    """A TrainBatch of synthetic groups whose responses are what a constrained sampler writes,
+    `<think>..</think> <action>A</action>` and the end-of-sequence token, each row carrying its grammar (the
+    shape of actors/rollout.py's action_regex)."""
     from bench.synthetic import synthetic_groups
+    from learner.batching import build_batch
 
     grammar = rf"<think>[ -;=?-~]{{0,40}}</think> <action>({'|'.join(ACTIONS)})</action>"
 
@@ -264,8 +262,8 @@ def constrained_groups(tokenizer, vocab: int, num_groups: int, group_size: int, 
         text = f"<think>{think}</think> <action>{ACTIONS[int(rng.integers(len(ACTIONS)))]}</action>"
         return np.array(tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]), grammar
 
-    return synthetic_groups(num_groups, group_size, vocab_size=vocab, seed=seed, max_steps=4,
-                            prompt_tokens=prompt, prefix="c", respond=respond)
+    return build_batch(synthetic_groups(num_groups, group_size, vocab_size=SHAPES["smollm2-135m"]["vocab_size"],
+                                        seed=seed, max_steps=4, prompt_tokens=prompt, prefix="c", respond=respond), cfg)
 
 
 def forced_tokens(bits: list[np.ndarray]) -> np.ndarray:
@@ -279,7 +277,6 @@ def part_constrained(args) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from common.config import LearnerConfig
-    from learner.batching import build_batch
     from learner.grammar_mask import GrammarMasks
     from learner.trainer import PolicyTrainer
 
@@ -296,8 +293,7 @@ def part_constrained(args) -> None:
             if name.startswith(("tokenizer", "generation_config", "special_tokens", "chat_template")):
                 shutil.copy(os.path.join(args.tokenizer, name), folder)
         # Two groups for the CPU reference (a CPU forward of a whole batch takes minutes).
-        batch = build_batch(constrained_groups(tokenizer, vocab, min(2, cfg.groups_per_batch), seed=11, **size),
-                            cfg)
+        batch = constrained_batch(tokenizer, cfg, min(2, cfg.groups_per_batch), seed=11, **size)
         t0 = time.perf_counter()
         masks = GrammarMasks(folder, vocab)
         first = masks.row(batch.grammars[0], batch.response_ids[0])
@@ -336,8 +332,7 @@ def part_constrained(args) -> None:
         trainer = PolicyTrainer(folder, cfg, dtype="auto")
         steps = []
         for i in range(args.steps + 1):
-            batch = build_batch(constrained_groups(tokenizer, vocab, cfg.groups_per_batch, seed=100 + i, **size),
-                                cfg)
+            batch = constrained_batch(tokenizer, cfg, cfg.groups_per_batch, seed=100 + i, **size)
             t0 = time.perf_counter()
             metrics = trainer.train_step(batch, update=i)
             if cuda:

@@ -119,15 +119,13 @@ def in_system(updates: int, sync: bool) -> None:
     """Tokens/s of the learner inside a real run (async, or `run.sync`) against this bench's on the same
     groups (see the module)."""
     import json
-    import shutil
 
     from common.config import load_config
     from common.cpu_placement import compute_threads
     from common.stream import stream_key
     from deploy.system import System
 
-    out = tempfile.mkdtemp(prefix="gigpo-bench-learner-")
-    try:
+    with tempfile.TemporaryDirectory(prefix="gigpo-bench-learner-", ignore_cleanup_errors=True) as out:
         cfg = load_config("configs/embedded.yaml", [
             f"run.output_dir={out}", f"run.iterations={updates}", "run.eval_every=0", "model.warm_start_steps=0",
             "learner.checkpoint_every=0", f"run.sync={str(sync).lower()}"])
@@ -146,8 +144,6 @@ def in_system(updates: int, sync: bool) -> None:
         alone = {n: train_alone(model_path, cfg, batches, n) for n in sorted({threads, 1}, reverse=True)}
         with open(os.path.join(out, "metrics.jsonl")) as f:
             rows = [json.loads(line)["batch/rows"] for line in f]
-    finally:
-        shutil.rmtree(out, ignore_errors=True)
 
     schedule = "sync: the rollout side idles while the learner trains" if sync else "async"
     print(f"learner in a real run (configs/embedded.yaml, {schedule}, {threads} torch threads, {len(in_run)} updates "

@@ -42,23 +42,15 @@ def play(rollout, groups: int) -> list:
     return [r.group for r in received]
 
 
-def gap_of(trainer, groups, cfg) -> dict:
+def measure(name: str, model_path: str, args, out_dir: str) -> list[dict]:
     import numpy as np
 
-    from learner.batching import build_batch
-    from learner.gigpo import logprob_gap
-
-    batch = build_batch(groups, cfg.learner)
-    mine = trainer.compute_logprobs(batch)
-    stats = logprob_gap(np.concatenate(mine), np.concatenate(batch.old_logprobs))
-    return {"tokens": int(sum(len(m) for m in mine)), **stats}
-
-
-def measure(name: str, model_path: str, args, out_dir: str) -> list[dict]:
     from actors.inference import create_inference_actors, stop_inference_actors
     from actors.rollout import Rollout
     from common.config import load_config
     from common.model_files import ModelSource
+    from learner.batching import build_batch
+    from learner.gigpo import logprob_gap
     from learner.loop import Learner
 
     dtype, head = PRECISIONS[name]
@@ -86,8 +78,11 @@ def measure(name: str, model_path: str, args, out_dir: str) -> list[dict]:
         for lag in range(3):
             if lag:
                 learner.step(train[lag - 1])
+            batch = build_batch(measured, cfg.learner)
+            mine = learner.trainer.compute_logprobs(batch)
             row = {"precision": name, "dtype": dtype, "head_dtype": head, "lag": lag,
-                   **gap_of(learner.trainer, measured, cfg)}
+                   "tokens": int(sum(len(m) for m in mine)),
+                   **logprob_gap(np.concatenate(mine), np.concatenate(batch.old_logprobs))}
             rows.append(row)
             print(f"  {name:15s} lag {lag}: {row['tokens']:5d} tokens, mean {row['mean']:.2e}, max "
                   f"{row['max']:.2e}, > 0.1 nat {row['share']:.1%}, KL {row['kl']:.1e}", flush=True)

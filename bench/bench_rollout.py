@@ -18,12 +18,6 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _layout(n: int) -> tuple[int, int]:
-    """(groups_per_actor, group_size) giving n instances: groups of up to 8."""
-    size = min(n, 8)
-    return max(1, n // size), size
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--window", type=float, default=12.0, help="seconds measured per setting")
@@ -56,7 +50,8 @@ def main() -> None:
 
     rows = []
     for n in [int(x) for x in args.instances.split(",")]:
-        groups, size = _layout(n)
+        size = min(n, 8)               # n instances: groups of up to 8
+        groups = max(1, n // size)
         cfg.rollout.groups_per_actor, cfg.rollout.group_size = groups, size
         actor = create_rollout_actor(cfg, f"bench-{n}", inference, None)
         run = actor.run.remote()
@@ -92,15 +87,10 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     timings = {}
-    version = 0
-    for label, bucket_mb in (("buckets (512 MB)", 512), ("per tensor", 1e-6)):
+    for j, (label, bucket_mb) in enumerate((("buckets (512 MB)", 512), ("per tensor", 1e-6))):
         pub = WeightPublisher(inference, bucket_mb=bucket_mb)
-        best = None
-        for _ in range(3):
-            version += 1
-            t = pub.push(model.state_dict().items(), version)
-            best = t if best is None or t["total_s"] < best["total_s"] else best
-        timings[label] = best
+        pushes = (pub.push(model.state_dict().items(), 3 * j + k) for k in (1, 2, 3))     # versions 1 to 6
+        best = timings[label] = min(pushes, key=lambda t: t["total_s"])
         print(f"weight update, {label}: {best['buckets']} files, {best['bytes'] / 1e6:.1f} MB, "
               f"write {best['write_s'] * 1000:.0f} ms + load {best['load_s'] * 1000:.0f} ms = "
               f"{best['total_s'] * 1000:.0f} ms (best of 3)")

@@ -40,20 +40,19 @@ WORDS = ("you are in the middle of a room looking around you see a cabinet 1 a c
          "a fridge 1 a garbagecan 1 a microwave 1 a shelf 2 a sinkbasin 1 a stoveburner 4 a toaster 1").split()
 
 
-def realistic_group(gid: str, rng: np.random.Generator, num_traj: int = 8, num_steps: int = 30,
-                    prompt_len: int = 600, response_len: int = 100, version: int = 0) -> list:
+def realistic_group(gid: str, rng: np.random.Generator) -> list:
     played = []
-    for i in range(num_traj):
+    for i in range(8):
         steps = []
-        for s in range(num_steps):
-            p = int(rng.integers(prompt_len - 50, prompt_len + 50))
-            r = int(rng.integers(response_len - 20, response_len + 20))
+        for s in range(30):
+            p = int(rng.integers(550, 650))
+            r = int(rng.integers(80, 120))
             steps.append(StepRow(
                 prompt_ids=rng.integers(0, 151_000, p, dtype=np.int32),
                 response_ids=rng.integers(0, 151_000, r, dtype=np.int32),
                 response_logprobs=-rng.exponential(1.0, r).astype(np.float32),
                 reward=0.0, anchor=" ".join(rng.choice(WORDS, 60)), valid=True, step=s,
-                policy_version=version, action="take apple 1 from countertop 2",
+                policy_version=0, action="take apple 1 from countertop 2",
             ))
         played.append((Trajectory(traj_id=f"{gid}/{i}", termination=Termination.MAX_STEPS), steps))
     return played
@@ -88,24 +87,18 @@ def bench_codec(groups: list[EpisodeGroup], repeats: int) -> tuple[float, float,
     return t_enc * per_group, t_dec * per_group, size
 
 
-class Clock:
-    """Wall time, and CPU time of this process plus the redis-server (CPU time barely moves when other
-    jobs share the machine, so its ratio is the steadier figure on a busy box)."""
-
-    def __init__(self, client):
-        self.client = client
-
-    def _server_cpu(self) -> float:
-        info = self.client.info("cpu")
+@contextlib.contextmanager
+def clock(client):
+    """{"wall": wall time, "cpu": CPU time of this process plus the redis-server} of the block (CPU time
+    barely moves when other jobs share the machine, so its ratio is the steadier figure on a busy box)."""
+    def server_cpu() -> float:
+        info = client.info("cpu")
         return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
-    def __enter__(self):
-        self.wall0, self.cpu0, self.srv0 = time.perf_counter(), time.process_time(), self._server_cpu()
-        return self
-
-    def __exit__(self, *exc):
-        self.wall = time.perf_counter() - self.wall0
-        self.cpu = time.process_time() - self.cpu0 + self._server_cpu() - self.srv0
+    took = {}
+    wall0, cpu0, srv0 = time.perf_counter(), time.process_time(), server_cpu()
+    yield took
+    took.update(wall=time.perf_counter() - wall0, cpu=time.process_time() - cpu0 + server_cpu() - srv0)
 
 
 @contextlib.contextmanager
@@ -156,7 +149,7 @@ def run_sequential(url: str, key: str, batch: int, items: list, raw: bool) -> tu
     batching, no codec. groups/s (wall, CPU)."""
     r = connect(url)
     publish, stream = _ends(url, StreamConfig(stream=key, max_stream_groups=4 * batch), raw, "bench")
-    with Clock(r) as clock:
+    with clock(r) as took:
         done = 0
         for start in range(0, len(items), batch):
             chunk = items[start:start + batch]
@@ -168,7 +161,7 @@ def run_sequential(url: str, key: str, batch: int, items: list, raw: bool) -> tu
         stream.close()
     r.delete(key)
     r.close()
-    return done / clock.wall, done / clock.cpu
+    return done / took["wall"], done / took["cpu"]
 
 
 def run_pipelined(url: str, key: str, batch: int, items: list, raw: bool) -> tuple[float, float]:
@@ -191,7 +184,7 @@ def run_pipelined(url: str, key: str, batch: int, items: list, raw: bool) -> tup
     child.start()
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     try:
-        with Clock(r) as clock:
+        with clock(r) as took:
             go.set()
             done = _consume(r, consumer, key, len(items), batch)
             child.join(60)
@@ -200,11 +193,11 @@ def run_pipelined(url: str, key: str, batch: int, items: list, raw: bool) -> tup
             child.kill()
             child.join()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = clock.cpu + (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    cpu = took["cpu"] + (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert done == len(items)
     r.delete(key)
     r.close()
-    return done / clock.wall, done / cpu
+    return done / took["wall"], done / cpu
 
 
 def _report(title: str, raw_rates: list, stream_rates: list, size: int) -> float:

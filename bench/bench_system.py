@@ -12,7 +12,6 @@ time blocked by a full stream say which side bounds the async mode.
 """
 import argparse
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -40,7 +39,6 @@ def measure(sync: bool, updates: int, overrides: list[str], out_dir: str) -> dic
         after = system.rollouts.stats()
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("env_steps", "publish_wait_s", "weight_wait_s")}
     slots = cfg.rollout.num_actors * cfg.rollout.groups_per_actor
-    lags = [m.get("lag/policy_versions_mean", 0.0) for m in history]
     mean = lambda key: sum(m.get(key, 0.0) for m in history) / max(len(history), 1)  # noqa: E731
     return {"steps_per_s": delta["env_steps"] / wall,
             # the share of rollout slot time spent waiting for room in the stream (learner-bound when high)
@@ -52,7 +50,7 @@ def measure(sync: bool, updates: int, overrides: list[str], out_dir: str) -> dic
             "dropped_stale": history[-1].get("stream/dropped_stale", 0.0) if history else 0.0,
             "wait_s": mean("time/wait_data_s"), "train_s": mean("time/train_s"),
             "recompute_s": mean("time/recompute_s"), "push_s": mean("time/push_weights_s"),
-            "lag_mean": sum(lags) / max(len(lags), 1),
+            "lag_mean": mean("lag/policy_versions_mean"),
             "lag_max": max((m.get("lag/policy_versions_max", 0.0) for m in history), default=0.0)}
 
 
@@ -71,11 +69,8 @@ def main() -> None:
     for placement in args.placements.split(","):
         results = {}
         for mode in args.modes.split(","):
-            out = tempfile.mkdtemp(prefix=f"gigpo-bench-{mode}-")
-            try:
+            with tempfile.TemporaryDirectory(prefix=f"gigpo-bench-{mode}-", ignore_cleanup_errors=True) as out:
                 results[mode] = measure(mode == "sync", args.updates, placements[placement] + args.overrides, out)
-            finally:
-                shutil.rmtree(out, ignore_errors=True)
             r = results[mode]
             print(f"{placement:6s} {mode:5s}: {r['steps_per_s']:5.1f} env steps/s played, "
                   f"{r['trained_steps_per_s']:5.1f} trained, over {r['updates']} updates ({r['wall_s']:.0f} s); "

@@ -76,15 +76,6 @@ class Pusher:
             transfer.close(remove_files=True)
 
 
-def _row(label: str, infos: list[dict], base: float | None) -> tuple[str, float]:
-    best = min(i["total_s"] for i in infos)
-    median = statistics.median(i["total_s"] for i in infos)
-    nbytes = infos[0]["bytes"]
-    ratio = f"{best / base:5.2f}x" if base else "  1.00x"
-    return (f"  {label:28s} {best * 1000:9.1f} {median * 1000:9.1f} {nbytes / best / 1e9:8.3f}   {ratio}",
-            best)
-
-
 def bench_model(name: str, path: str, args, cfg) -> list[str]:
     import ray
 
@@ -122,9 +113,12 @@ def bench_model(name: str, path: str, args, cfg) -> list[str]:
         lines.append(f"  {'way':28s} {'best ms':>9s} {'median ms':>9s} {'GB/s':>8s}   vs shm")
         base = None
         for label, infos in rows:
-            text, best = _row(label, infos, base)
+            best = min(i["total_s"] for i in infos)
+            median = statistics.median(i["total_s"] for i in infos)
+            ratio = f"{best / base:5.2f}x" if base else "  1.00x"
             base = base or best
-            lines.append(text)
+            lines.append(f"  {label:28s} {best * 1000:9.1f} {median * 1000:9.1f} "
+                         f"{infos[0]['bytes'] / best / 1e9:8.3f}   {ratio}")
     finally:
         for p in pushers:
             try:
@@ -196,9 +190,7 @@ def main() -> None:
         shutil.rmtree(weights_dir, ignore_errors=True)
         if staged:
             shutil.rmtree(staged, ignore_errors=True)
-    print()
-    for line in lines:
-        print(line)
+    print("", *lines, sep="\n")
     print(f"total bench time {time.perf_counter() - t_start:.0f} s")
 
 

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 import sys
 import tempfile
 import time
@@ -50,7 +49,7 @@ def load_checkpoint_weights(model_dir: str, checkpoint: str, out_dir: str) -> st
     return out_dir
 
 
-def play_batch(llm, tokenizer, cfg, task_ids: list[str], rng: random.Random) -> list[dict]:
+def play_batch(llm, tokenizer, cfg, task_ids: list[str]) -> list[dict]:
     """One batch: a group of cfg.rollout.group_size rollouts per task id, all stepped together."""
     from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
@@ -143,8 +142,7 @@ def main() -> None:
     from env_servers.webshop.env import WebShopEnv
 
     cfg = load_config(args.config)
-    scratch = tempfile.mkdtemp(prefix="webshop-anchors-")
-    try:
+    with tempfile.TemporaryDirectory(prefix="webshop-anchors-", ignore_cleanup_errors=True) as scratch:
         model = load_checkpoint_weights(args.model, args.checkpoint, scratch) if args.checkpoint else args.model
         tokenizer = AutoTokenizer.from_pretrained(model)
         llm = LLM(model=model, dtype="float32", enforce_eager=True, seed=args.seed, gpu_memory_utilization=0.05,
@@ -156,14 +154,12 @@ def main() -> None:
         per_batch = []
         t0 = time.perf_counter()
         for b in range(args.batches):
-            batch = play_batch(llm, tokenizer, cfg, rng.sample(train_ids, cfg.learner.groups_per_batch), rng)
+            batch = play_batch(llm, tokenizer, cfg, rng.sample(train_ids, cfg.learner.groups_per_batch))
             per_batch.append(summaries(batch, cfg))
             # Group ids are per batch: keep them apart when pooling.
             rows += [dict(r, group=f"b{b}-{r['group']}") for r in batch]
             print(f"batch {b + 1}/{args.batches}: {len(batch)} rows, "
                   f"{sum(r['won'] for r in batch)} wins, {time.perf_counter() - t0:.0f}s", flush=True)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
 
     pooled = summaries(rows, cfg)
     pages = Counter(r["page"] for r in rows)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -166,7 +167,6 @@ class InferenceEngine:
         self._files: list[str] = []          # the bucket files the current weights came from (shm)
         self._group = ""                     # token of the weight-transfer group this engine is in
         self._update: dict | None = None     # the collective update in progress (start .. finish)
-        self._update_ids = itertools.count()
         # The update gate: `_open` is set while requests may start (weights loaded, no update waiting or
         # running); `_idle` while nothing is in flight. (asyncio primitives bind to a loop at first use.)
         self._open = asyncio.Event()
@@ -174,7 +174,7 @@ class InferenceEngine:
         self._idle.set()
         self._inflight = 0
         self._held = 0                       # requests waiting at the gate
-        self._exiting = False                # a load failed half-way: the actor exits (_exit_for_restart)
+        self._exiting = False                # a load failed half-way: the actor exits (_exit_on_failure)
         self._update_lock = asyncio.Lock()
         self.stats_ = {"requests": 0, "generated_tokens": 0, "prompt_tokens": 0, "updates": 0,
                        "update_wait_s": 0.0, "update_load_s": 0.0}
@@ -234,6 +234,7 @@ class InferenceEngine:
 
     async def generate(self, prompt_ids: list[int], sampling: dict | None = None) -> dict:
         from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError
 
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
@@ -258,13 +259,10 @@ class InferenceEngine:
             async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
                                                   request_id=uuid.uuid4().hex):
                 final = out
-        except Exception as e:
-            from vllm.v1.engine.exceptions import EngineDeadError
-            if isinstance(e, EngineDeadError):
-                # The engine process is gone: exit so that Ray restarts this actor (callers retry).
-                log.error("vLLM engine died (%s); exiting for a restart", e)
-                os._exit(1)
-            raise
+        except EngineDeadError as e:
+            # The engine process is gone: exit so that Ray restarts this actor (callers retry).
+            log.error("vLLM engine died (%s); exiting for a restart", e)
+            os._exit(1)
         finally:
             self._inflight -= 1
             if self._inflight == 0:
@@ -284,17 +282,21 @@ class InferenceEngine:
 
     # -- weights ----------------------------------------------------------------------------------------
 
-    def _exit_for_restart(self, what: str, exc: BaseException) -> None:
-        """A load failed after it touched the model: exit, so that Ray restarts this actor with a whole
-        model (its callers' requests are retried there). The exit follows a moment later, so that the
-        learner gets this error, not just a dead actor; until then the gate stays closed."""
-        message = (f"{what} failed half-way ({type(exc).__name__}: {str(exc)[:500]}): the model may be partly "
-                   f"loaded; inference actor pid {os.getpid()} on {node_name()} exits for a restart")
-        log.error(message)
-        self._exiting = True
-        self._open.clear()
-        asyncio.get_running_loop().call_later(EXIT_DELAY_S, os._exit, 1)
-        raise RuntimeError(message) from exc
+    @contextlib.contextmanager
+    def _exit_on_failure(self, what: str):
+        """A load that fails inside this block has touched the model: exit, so that Ray restarts this actor
+        with a whole model (its callers' requests are retried there). The exit follows a moment later, so
+        that the learner gets this error, not just a dead actor; until then the gate stays closed."""
+        try:
+            yield
+        except BaseException as exc:  # noqa: BLE001 - whatever it was, the model may be half-loaded
+            message = (f"{what} failed half-way ({type(exc).__name__}: {str(exc)[:500]}): the model may be "
+                       f"partly loaded; inference actor pid {os.getpid()} on {node_name()} exits for a restart")
+            log.error(message)
+            self._exiting = True
+            self._open.clear()
+            asyncio.get_running_loop().call_later(EXIT_DELAY_S, os._exit, 1)
+            raise RuntimeError(message) from exc
 
     def _refuse_if_exiting(self) -> None:
         if self._exiting:
@@ -353,11 +355,9 @@ class InferenceEngine:
                     "transfer needs learner rank 0 on this node, or inference.weights_dir on a shared filesystem")
             wait = await self._closed_gate()
             t0 = time.perf_counter()
-            try:
+            with self._exit_on_failure(f"loading weight version {version} from {len(files)} file(s)"):
                 await self.engine.collective_rpc(weight_transfer.load_buckets_into_worker, args=(list(files),))
                 await self.engine.reset_prefix_cache()   # cached KV was computed by the old weights
-            except BaseException as exc:  # noqa: BLE001 - whatever it was, the model may be half-loaded
-                self._exit_for_restart(f"loading weight version {version} from {len(files)} file(s)", exc)
             self._files = list(files)
             return self._serving(version, wait, time.perf_counter() - t0)
 
@@ -403,24 +403,19 @@ class InferenceEngine:
         except BaseException:
             self._update_lock.release()
             raise
-        update_id = next(self._update_ids)
-        self._update = {"id": update_id, "version": int(version), "wait_s": wait, "t0": time.perf_counter(),
-                        "received": False}
-        self._update["watchdog"] = asyncio.get_running_loop().create_task(self._expire(update_id))
-        try:
+        self._update = {"version": int(version), "wait_s": wait, "t0": time.perf_counter(), "received": False}
+        self._update["watchdog"] = asyncio.get_running_loop().create_task(self._expire(self._update))
+        # (A failure here: the reload may have begun moving layers.)
+        with self._exit_on_failure(f"starting the update to version {version}"):
             await self.engine.start_weight_update()
-        except BaseException as exc:  # noqa: BLE001 - the reload may have begun moving layers
-            self._exit_for_restart(f"starting the update to version {version}", exc)
 
-    async def _expire(self, update_id: int) -> None:
+    async def _expire(self, update: dict) -> None:
         """An update still open transfer_timeout_s (+ a margin) after its start: the learner is gone."""
         await asyncio.sleep(self.transfer_timeout_s + 60)
-        if self._update is not None and self._update["id"] == update_id and not self._exiting:
-            try:
-                self._exit_for_restart(f"the update to version {self._update['version']}", TimeoutError(
-                    f"not finished {self.transfer_timeout_s + 60:.0f} s after its start"))
-            except RuntimeError:
-                pass           # logged; nobody waits for this task
+        if self._update is update and not self._exiting:
+            # (The RuntimeError is logged; nobody waits for this task.)
+            with contextlib.suppress(RuntimeError), self._exit_on_failure(f"the update to version {update['version']}"):
+                raise TimeoutError(f"not finished {self.transfer_timeout_s + 60:.0f} s after its start")
 
     async def update_weights(self, update_info) -> None:
         """Receive the weights (vLLM's backend receives them from the learner's broadcast and loads them)."""
@@ -429,10 +424,8 @@ class InferenceEngine:
         self._refuse_if_exiting()
         if self._update is None:
             raise RuntimeError("update_weights without start_weight_update")
-        try:
+        with self._exit_on_failure(f"receiving weight version {self._update['version']}"):   # part may be loaded
             await self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
-        except BaseException as exc:  # noqa: BLE001 - part of the weights may be loaded
-            self._exit_for_restart(f"receiving weight version {self._update['version']}", exc)
         # gloo and nccl send a push in one call; ipc in one call per chunk, so one call says nothing there.
         self._update["received"] = self.transfer_backend != "ipc"
 
@@ -442,11 +435,9 @@ class InferenceEngine:
         update = self._update
         if update is None:
             raise RuntimeError("finish_weight_update without start_weight_update")
-        try:
+        with self._exit_on_failure(f"finishing the update to version {version}"):
             await self.engine.finish_weight_update()
             await self.engine.reset_prefix_cache()      # cached KV was computed by the old weights
-        except BaseException as exc:  # noqa: BLE001
-            self._exit_for_restart(f"finishing the update to version {version}", exc)
         self._update = None
         update["watchdog"].cancel()
         self._files = []
@@ -464,8 +455,8 @@ class InferenceEngine:
         if update is None:
             return "idle"
         if not update["received"]:
-            self._exit_for_restart(f"the update to version {update['version']}",
-                                   RuntimeError("abandoned by the learner before all weights arrived"))
+            with self._exit_on_failure(f"the update to version {update['version']}"):
+                raise RuntimeError("abandoned by the learner before all weights arrived")
         await self.finish_weight_update(update["version"])
         return "finished"
 

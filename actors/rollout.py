@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import logging
 import random
 import re
@@ -73,14 +74,10 @@ def parse_action(response: str) -> ParsedAction:
     An invalid response still drives the env with its last RAW_TAIL_CHARS characters (which the env normally
     answers with "Nothing happens."); the learner applies the penalty from `StepRow.valid`."""
     text = response.lower()
-    start = text.find("<action>")
-    end = text.find("</action>", start + len("<action>")) if start != -1 else -1
-    if start == -1 or end == -1:
-        return ParsedAction(action=text[-RAW_TAIL_CHARS:].strip(), valid=False)
-    action = text[start + len("<action>"):end].strip()
-    think_ok = "<think>" in text and "</think>" in text
-    valid = think_ok and not _CJK.search(response) and bool(action)
-    return ParsedAction(action=action if action else text[-RAW_TAIL_CHARS:].strip(), valid=valid)
+    found = re.search(r"<action>(.*?)</action>", text, re.DOTALL)
+    action = found.group(1).strip() if found else ""
+    valid = bool(action) and "<think>" in text and "</think>" in text and not _CJK.search(response)
+    return ParsedAction(action=action or text[-RAW_TAIL_CHARS:].strip(), valid=valid)
 
 
 def format_admissible(actions: list[str]) -> str:
@@ -192,9 +189,7 @@ class Rollout:
         place_this_process(cpus, nice)    # run.rollout_cpus / rollout_nice, before env workers are forked
         self.cfg = cfg
         self.actor_id = actor_id
-        self.inference_actors = list(inference_actors)
-        if not self.inference_actors:
-            raise ValueError("a rollout actor needs at least one inference actor")
+        self.set_inference_actors(inference_actors)
         from transformers import AutoTokenizer
         if model is None:
             if self.cfg.model.path == "tiny":
@@ -240,10 +235,11 @@ class Rollout:
         """Send the requests of later steps to these inference actors (`gigpo scale --inference`: the driver
         calls it on every rollout actor). A request already sent finishes on its actor (or, should that
         actor die, is retried on these). Returns how many there are now."""
-        if not inference_actors:
+        actors = list(inference_actors)
+        if not actors:
             raise ValueError("a rollout actor needs at least one inference actor")
-        self.inference_actors = list(inference_actors)
-        return len(self.inference_actors)
+        self.inference_actors = actors
+        return len(actors)
 
     # -- control ----------------------------------------------------------------------------------------
 
@@ -357,10 +353,9 @@ class Rollout:
                     return
                 try:
                     # Short waits so that stop(drain=False) is honoured while the stream is full. A draining
-                    # actor (being removed) publishes its last groups over the bound: scaling down never
-                    # waits on the learner, and nothing is lost.
-                    draining = self._stopping and self._drain
-                    await asyncio.to_thread(self.stream.publish, group, 1.0, draining)
+                    # actor (stopping here means draining: being removed) publishes its last groups over the
+                    # bound: scaling down never waits on the learner, and nothing is lost.
+                    await asyncio.to_thread(self.stream.publish, group, 1.0, self._stopping)
                     break
                 except TimeoutError:
                     self.counters["publish_backpressure_waits"] += 1
@@ -429,16 +424,13 @@ class Rollout:
                 log.warning("step of %s on instance %d failed: %s", traj.traj_id, instance, res.error)
                 return self._end(traj, steps, Termination.ENV_ERROR)
             nxt = res.report
-            reward = step_reward(cfg.rollout, nxt)
             steps.append(StepRow(
                 prompt_ids=prompt_ids, response_ids=out["response_ids"], response_logprobs=out["logprobs"],
-                reward=reward, anchor=report.anchor, valid=parsed.valid, step=step,
+                reward=step_reward(cfg.rollout, nxt), anchor=report.anchor, valid=parsed.valid, step=step,
                 policy_version=int(out["policy_version"]), action=parsed.action,
                 grammar=sampling.get("regex", "")))
-            self.counters["env_steps"] += 1
-            self.counters["generated_tokens"] += len(out["response_ids"])
-            self.counters["invalid_actions"] += int(not parsed.valid)
-            self.counters[f"finish_{out['finish_reason']}"] += 1
+            self.counters.update({"env_steps": 1, "generated_tokens": len(out["response_ids"]),
+                                  "invalid_actions": int(not parsed.valid), f"finish_{out['finish_reason']}": 1})
             self.metrics.inc("env_steps")
             self.metrics.inc("generated_tokens", len(out["response_ids"]))
             history.append((report.observation, parsed.action))
@@ -467,9 +459,9 @@ class Rollout:
         t0 = time.perf_counter()
         timeout_s = self.cfg.inference.generate_timeout_s
         deadline = time.monotonic() + timeout_s
-        delay, attempt, timeouts = 0.5, 0, 0
+        delay, timeouts = 0.5, 0
         try:
-            while True:
+            for attempt in itertools.count():
                 # The list as it is now: `set_inference_actors` may have replaced it since the last attempt.
                 actors = self.inference_actors
                 n = len(actors)
@@ -498,7 +490,6 @@ class Rollout:
                     if weight_wait:
                         self.metrics.inc("rollout_weight_wait_seconds", weight_wait)
                     return out
-                attempt += 1
                 self.counters["inference_retries"] += 1
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)

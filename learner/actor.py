@@ -181,7 +181,6 @@ def create_learner_workers(cfg: ExperimentConfig, model, stream_url: str | None,
                 f"learner rank(s) {late} did not join torch.distributed at {master_addr}:{master_port} (rank 0's "
                 f"node) within {rendezvous_timeout_s:.0f} s; {workers.where()}: can every learner node reach "
                 f"{master_addr} on TCP (a firewall between nodes)? Their logs: learner-<rank>.log")
-        ray.get(joins)
         ray.get([w.build.remote(model, stream_url, inference_actors, read_only) for w in workers])
     except BaseException:
         for worker in workers:

@@ -110,21 +110,34 @@ def build_batch(groups: list[EpisodeGroup], cfg: LearnerConfig, *, invalid_actio
     the agent took) but are not trained. Forced tokens (behaviour log-prob exactly 0) get mask False in
     `token_masks` (batch/forced_tokens).
 
-    diag/*, over the trained rows: cosine between the advantages and GRPO's (same normalization and
-    penalties), and the share of rows whose np.sign differs (a zero is a sign of its own, so a row only
-    GiGPO's step advantage trains counts); "grpo" gets 1 and 0. Over the groups before dynamic sampling:
-    the share whose rollouts all succeeded (no GRPO signal there, a GiGPO step signal can be), and the mean
-    length of the successful trajectories (NaN: none; shorter is what GiGPO's step signal rewards).
+    diag/* (docs/metrics.md) compare with GRPO (same normalization and penalties) over the trained rows,
+    and over the groups before dynamic sampling: the all-success share and the mean length of the
+    successful trajectories (NaN: none; shorter is what GiGPO's step signal rewards).
     """
-    estimate = _estimator(groups, cfg)
-    usable, env_error_groups = _without_env_errors(groups)
-    kept, skipped = [], []
-    for g, r, trajs in usable:
+    estimate = ADVANTAGE_ESTIMATORS.get(cfg.algorithm)
+    if estimate is None:
+        raise ValueError(f"learner.algorithm must be one of {tuple(ADVANTAGE_ESTIMATORS)}, got {cfg.algorithm!r}")
+    seen: set[str] = set()
+    for g in groups:
+        if g.group_id in seen:
+            raise ValueError(f"group {g.group_id} appears twice in one batch")
+        seen.add(g.group_id)
+        check_group(g)
+    # usable: (group, `usable_rows`, its trajectories with a known outcome) of the groups not dropped for
+    # env errors; kept: those of them not skipped by dynamic sampling.
+    usable, kept, skipped, env_error_groups = [], [], [], []
+    for g in groups:
+        good = known_outcomes(g)
+        if not good.all() and good.sum() < MIN_TRAJECTORIES:
+            env_error_groups.append(g.group_id)
+            continue
+        trajs = [t for t, ok in zip(g.trajectories, good) if ok]
+        usable.append((g, usable_rows(g), trajs))
         returns = np.array([t.episode_return for t in trajs], dtype=np.float64)
         if cfg.dynamic_sampling and len(returns) and np.all(returns == returns[0]):
             skipped.append(g.group_id)
         else:
-            kept.append((g, r, trajs))
+            kept.append(usable[-1])
     rows = advantage_rows([(g, r) for g, r, _ in kept], invalid_action_penalty)
     advantages, metrics = estimate(rows, cfg)
     # The baseline of the diagnostics: GRPO's advantages of the same rows (already computed when it trains).
@@ -136,21 +149,6 @@ def build_batch(groups: list[EpisodeGroup], cfg: LearnerConfig, *, invalid_actio
     return batch
 
 
-def _estimator(groups: list[EpisodeGroup], cfg: LearnerConfig):
-    """The advantage estimator of cfg.algorithm, once the groups are checked: distinct ids, rows that can
-    be trained on (`check_group`)."""
-    estimate = ADVANTAGE_ESTIMATORS.get(cfg.algorithm)
-    if estimate is None:
-        raise ValueError(f"learner.algorithm must be one of {tuple(ADVANTAGE_ESTIMATORS)}, got {cfg.algorithm!r}")
-    seen: set[str] = set()
-    for g in groups:
-        if g.group_id in seen:
-            raise ValueError(f"group {g.group_id} appears twice in one batch")
-        seen.add(g.group_id)
-        check_group(g)
-    return estimate
-
-
 def known_outcomes(group: EpisodeGroup) -> np.ndarray:
     """bool per trajectory: not ended by an environment error (whose outcome is unknown)."""
     return np.array([t.termination != Termination.ENV_ERROR for t in group.trajectories], dtype=bool)
@@ -159,19 +157,6 @@ def known_outcomes(group: EpisodeGroup) -> np.ndarray:
 def usable_rows(group: EpisodeGroup) -> np.ndarray:
     """The rows of the group's trajectories with a known outcome: those build_batch computes advantages over."""
     return np.flatnonzero(known_outcomes(group)[group.row_trajectory()])
-
-
-def _without_env_errors(groups: list[EpisodeGroup]) -> tuple[list[tuple[EpisodeGroup, np.ndarray, list]], list[str]]:
-    """(group, `usable_rows`, its trajectories with a known outcome) of every group but those left with
-    fewer than MIN_TRAJECTORIES such trajectories, whose ids come second."""
-    usable, dropped = [], []
-    for g in groups:
-        good = known_outcomes(g)
-        if not good.all() and good.sum() < MIN_TRAJECTORIES:
-            dropped.append(g.group_id)
-        else:
-            usable.append((g, usable_rows(g), [t for t, ok in zip(g.trajectories, good) if ok]))
-    return usable, dropped
 
 
 def advantage_rows(chosen: list[tuple[EpisodeGroup, np.ndarray]], invalid_action_penalty: float
@@ -198,23 +183,20 @@ def _concat(parts: list[np.ndarray], dtype) -> np.ndarray:
 def _train_batch(groups: list[EpisodeGroup], kept: list, rows: AdvantageRows, advantages: np.ndarray,
                  skipped: list[str], env_error_groups: list[str]) -> tuple[TrainBatch, np.ndarray]:
     """The TrainBatch of the kept rows that have a response, and which of `rows` those are."""
-    tokens = {"prompt_ids": [], "response_ids": [], "response_logprobs": []}
-    grammars: list[str] = []
+    columns = {"prompt_ids": [], "response_ids": [], "response_logprobs": [], "grammar": []}
     for g, r, _ in kept:
-        for name, out in tokens.items():
-            values = g.rows.per_row(name)
+        for name, out in columns.items():
+            values = g.rows.text(name) if name == "grammar" else g.rows.per_row(name)
             out += [values[i] for i in r.tolist()]
-        texts = g.rows.text("grammar")
-        grammars += [texts[i] for i in r.tolist()]
-    prompts, responses, logps = tokens.values()
-    trained = np.flatnonzero([len(r) > 0 for r in responses])
+    trained = np.flatnonzero([len(r) > 0 for r in columns["response_ids"]])
+    prompts, responses, logps, grammars = ([column[i] for i in trained] for column in columns.values())
     return TrainBatch(
-        prompt_ids=[prompts[i] for i in trained], response_ids=[responses[i] for i in trained],
-        old_logprobs=[logps[i] for i in trained], advantages=np.asarray(advantages, dtype=np.float64)[trained],
+        prompt_ids=prompts, response_ids=responses, old_logprobs=logps,
+        advantages=np.asarray(advantages, dtype=np.float64)[trained],
         row_group=[rows.group_ids[i] for i in trained], group_ids=[g.group_id for g in groups],
         skipped_group_ids=skipped, env_error_group_ids=env_error_groups,
-        token_masks=[~forced_token_mask(logps[i]) for i in trained],
-        grammars=[grammars[i] for i in trained] if any(grammars) else None), trained
+        token_masks=[~forced_token_mask(lp) for lp in logps],
+        grammars=grammars if any(columns["grammar"]) else None), trained
 
 
 def _batch_metrics(groups: list[EpisodeGroup], usable: list, kept: list, rows: AdvantageRows,

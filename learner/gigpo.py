@@ -253,6 +253,7 @@ class _Rows:
     steps: np.ndarray
     rewards: np.ndarray
     penalties: np.ndarray
+    scores: np.ndarray       # episode score: the trajectory's return R(tau) minus the row's own penalty
 
 
 def _check_rows(group_ids, traj_ids, steps, rewards, penalties, extra=(), eps: float = 0.0) -> _Rows:
@@ -278,30 +279,23 @@ def _check_rows(group_ids, traj_ids, steps, rewards, penalties, extra=(), eps: f
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
     group = factorize(group_ids)
     traj = scoped_codes(group, factorize(traj_ids))
-    return _Rows(group, traj, steps.astype(np.int64), rewards, pen)
+    return _Rows(group, traj, steps.astype(np.int64), rewards, pen, np.bincount(traj, weights=rewards)[traj] - pen)
 
 
 # ----------------------------------------------------------------------------------------------------------
 # Estimators
 
-def _episode_scores(rows: _Rows) -> np.ndarray:
-    """Each row's episode score: its trajectory's return R(tau) minus the row's own penalty."""
-    traj_return = np.bincount(rows.traj, weights=rows.rewards)
-    return traj_return[rows.traj] - rows.penalties
-
-
-def _trajectory_scores(rows: _Rows, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _trajectory_scores(rows: _Rows) -> tuple[np.ndarray, np.ndarray]:
     """(episode group, mean score of its rows) of each trajectory."""
     traj_group = np.zeros(int(rows.traj.max()) + 1, dtype=np.int64)
     traj_group[rows.traj] = rows.group
-    return traj_group, np.bincount(rows.traj, weights=scores) / np.bincount(rows.traj)
+    return traj_group, np.bincount(rows.traj, weights=rows.scores) / np.bincount(rows.traj)
 
 
 def _episode_advantages(rows: _Rows, *, normalize_std: bool, episode_stats: str, eps: float) -> np.ndarray:
     """A^E (Eq. 3), statistics over the rows or the trajectories of each episode group."""
-    scores = _episode_scores(rows)
-    members = None if episode_stats == "rows" else _trajectory_scores(rows, scores)
-    return normalize_in_groups(rows.group, scores, normalize_std=normalize_std, eps=eps, singleton="mean0_std1",
+    members = None if episode_stats == "rows" else _trajectory_scores(rows)
+    return normalize_in_groups(rows.group, rows.scores, normalize_std=normalize_std, eps=eps, singleton="mean0_std1",
                                members=members)
 
 
@@ -367,17 +361,12 @@ def rloo_advantages(group_ids, traj_ids, steps, rewards, *, episode_stats: str =
     rows = _check_rows(group_ids, traj_ids, steps, rewards, penalties)
     if len(rows.rewards) == 0:
         return np.zeros(0)
-    scores = _episode_scores(rows)
-    num_groups = int(rows.group.max()) + 1
-    if episode_stats == "rows":
-        member_group, member_score = rows.group, scores
-    else:
-        member_group, member_score = _trajectory_scores(rows, scores)
-    mean, _, size, all_equal = group_stats(member_group, member_score, num_groups)
+    scores = rows.scores
+    members = (rows.group, scores) if episode_stats == "rows" else _trajectory_scores(rows)
+    mean, _, size, all_equal = group_stats(*members, int(rows.group.max()) + 1)
+    own = scores if episode_stats == "rows" else members[1][rows.traj]
     n = size[rows.group].astype(np.float64)
-    total = (mean * size)[rows.group]
-    own = scores if episode_stats == "rows" else member_score[rows.traj]
-    baseline = np.where(n > 1, (total - own) / np.maximum(n - 1, 1), 0.0)
+    baseline = np.where(n > 1, (mean[rows.group] * n - own) / np.maximum(n - 1, 1), 0.0)
     out = scores - baseline
     out[(all_equal & (size > 1))[rows.group]] = 0.0
     return out
@@ -468,25 +457,6 @@ def low_var_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     [-10, 10] as the reference does, so that one far-off token cannot blow up the loss."""
     log_ratio = ref_logp - logp
     return torch.clamp(torch.exp(log_ratio) - log_ratio - 1.0, min=-10.0, max=10.0)
-
-
-def ppo_token_losses(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
-                     clip_ratio: float, dual_clip: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token PPO policy loss with dual clip, and bool masks of where the ratio clip and the dual clip were
-    the active terms (for the clip-fraction metrics)."""
-    ratio = torch.exp(logp - old_logp)
-    unclipped = -advantages * ratio
-    clipped_term = -advantages * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + clip_ratio)
-    loss = torch.maximum(unclipped, clipped_term)
-    clipped = clipped_term > unclipped
-    if dual_clip:
-        # For A < 0 the ordinary clipped loss is unbounded as the ratio grows; dual clip caps it at -c*A.
-        cap = -advantages * dual_clip
-        dual = (advantages < 0) & (loss > cap)
-        loss = torch.where(advantages < 0, torch.minimum(loss, cap), loss)
-    else:
-        dual = torch.zeros_like(clipped)
-    return loss, clipped, dual
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -587,16 +557,26 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     norm = tokens if token_normalizer is None else token_normalizer
     norm = torch.clamp(torch.as_tensor(norm, dtype=logp.dtype, device=logp.device), min=1.0)
 
-    pg, clipped, dual = ppo_token_losses(logp, old_logp, advantages, settings.clip_ratio, settings.dual_clip)
+    # Per token: PPO's clipped loss; `clipped` and `dual` mark where the ratio clip and the dual clip bind.
+    ratio = torch.exp(logp - old_logp)
+    unclipped = -advantages * ratio
+    clipped_term = -advantages * torch.clamp(ratio, 1.0 - settings.clip_ratio, 1.0 + settings.clip_ratio)
+    pg = torch.maximum(unclipped, clipped_term)
+    clipped = clipped_term > unclipped
+    dual = torch.zeros_like(clipped)
+    if settings.dual_clip:
+        # For A < 0 the ordinary clipped loss is unbounded as the ratio grows; dual clip caps it at -c*A.
+        cap = -advantages * settings.dual_clip
+        dual = (advantages < 0) & (pg > cap)
+        pg = torch.where(advantages < 0, torch.minimum(pg, cap), pg)
     if weights is not None:
         pg = pg * weights.to(logp.dtype)
-    pg_sum = (pg * mask).sum()
-    loss_sum = pg_sum
+    loss_sum = (pg * mask).sum()
     with torch.no_grad():
         log_ratio = (logp - old_logp).detach()
         metrics = {
             "tokens": tokens.detach(),
-            "pg_loss_sum": pg_sum.detach(),
+            "pg_loss_sum": loss_sum.detach(),
             "clip_frac_sum": (clipped.to(mask.dtype) * mask).sum(),
             "dual_clip_frac_sum": (dual.to(mask.dtype) * mask).sum(),
             # k3 estimate of KL(old || new): mean of exp(r) - 1 - r, r = logp - old_logp

@@ -45,13 +45,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _read_int(path: Path) -> int | None:
-    try:
-        return int(path.read_text().strip())
-    except (FileNotFoundError, ValueError):
-        return None
-
-
 class Learner:
     """One learner process: owns the trainer, and on rank 0 the stream reader and weight publisher."""
 
@@ -73,9 +66,7 @@ class Learner:
         self.cfg = cfg
         self.read_only = read_only
         resume = cfg.run.resume if resume is None else resume
-        if checkpoint_dir is None:
-            checkpoint_dir = str(checkpoint_dir_of(cfg))
-        self.checkpoint_dir = checkpoint_dir or None
+        self.checkpoint_dir = (str(checkpoint_dir_of(cfg)) if checkpoint_dir is None else checkpoint_dir) or None
         if self.checkpoint_dir and not read_only:     # before the (slow) engine start: a clear error at once
             prepare_checkpoint_dir(self.checkpoint_dir, resume=resume, overwrite=cfg.run.overwrite,
                                    rank=setup_distributed()[0])
@@ -84,12 +75,10 @@ class Learner:
                                      temperature=cfg.rollout.temperature)
         self.rank, self.world_size = self.trainer.rank, self.trainer.world_size
         self.read_block_ms = read_block_ms
-        self.stream: TrajectorySource | None = None
         if self.rank == 0 and isinstance(trajectories, str) and trajectories:
             from common.stream import TrajectoryStream
-            self.stream = TrajectoryStream(trajectories, cfg.stream, consumer_name=consumer_name)
-        elif self.rank == 0 and trajectories:
-            self.stream = trajectories
+            trajectories = TrajectoryStream(trajectories, cfg.stream, consumer_name=consumer_name)
+        self.stream: TrajectorySource | None = trajectories if self.rank == 0 and trajectories else None
         if publisher is None and inference_actors and self.rank == 0:
             from common.weight_transfer import create_weight_transfer
             publisher = create_weight_transfer(cfg, inference_actors)
@@ -142,8 +131,11 @@ class Learner:
         if self.read_only:
             log.info("loaded update %d, policy version %d (read-only)", self.updates, self.policy_version)
             return
-        pushed = self._broadcast(_read_int(Path(self.checkpoint_dir) / PUSHED_VERSION)
-                                 if self.rank == 0 else None)
+        pushed = None
+        if self.rank == 0:
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                pushed = int((Path(self.checkpoint_dir) / PUSHED_VERSION).read_text().strip())
+        pushed = self._broadcast(pushed)
         if state is None and pushed is None:
             log.info("no checkpoint under %s: starting fresh", self.checkpoint_dir)
             return
@@ -220,18 +212,21 @@ class Learner:
                 self.metrics.record_no_batch(time.perf_counter() - t_start)
             return None
         times = {"time/wait_data_s": time.perf_counter() - t_start}
-        with _timed(times, "time/build_batch_s"):
-            batch, groups, received = self._build_batch(groups, received)     # advantages (bad groups out)
+        t0 = time.perf_counter()
+        batch, groups, received = self._build_batch(groups, received)         # advantages (bad groups out)
+        times["time/build_batch_s"] = time.perf_counter() - t0
         lags = [self.policy_lag(g.policy_versions[0]) for g in groups if g.policy_versions[0] >= 0]
         train = self._train(batch, groups)
         if self.recorder is not None:
             self.recorder.record(groups, batch, self.updates,
                                  recomputed=self.trainer.recomputes_old_logprobs and batch.num_rows > 0)
-        with _timed(times, "time/push_weights_s"):
-            # Nothing trained (every group skipped): the actors' weights stand.
-            push_info = self.publish_weights() if batch.num_rows else {}
-        with _timed(times, "time/checkpoint_s"):
-            checkpointed = self._commit(received)                        # checkpoint, then ack
+        t0 = time.perf_counter()
+        # Nothing trained (every group skipped): the actors' weights stand.
+        push_info = self.publish_weights() if batch.num_rows else {}
+        times["time/push_weights_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        checkpointed = self._commit(received)                            # checkpoint, then ack
+        times["time/checkpoint_s"] = time.perf_counter() - t0
         times["time/step_s"] = time.perf_counter() - t_start
         metrics = self._step_metrics(batch, train, push_info, groups, lags, times, checkpointed)
         if self.metrics is not None:
@@ -298,9 +293,9 @@ class Learner:
             room = self.cfg.stream.max_stream_groups - self.cfg.learner.groups_per_batch
             crowded = self.cfg.learner.ack_on_checkpoint and self._broadcast(
                 len(self._unacked) + len(self._pending) > room if self.rank == 0 else None)
-            if due or crowded:
+            checkpointed = due or crowded
+            if checkpointed:
                 self.save_checkpoint()
-                checkpointed = True
         if not self.checkpoint_dir or not self.cfg.learner.ack_on_checkpoint:
             self._ack()
         return checkpointed
@@ -311,17 +306,16 @@ class Learner:
         stream's and the learner's counters."""
         now = time.time()
         ages = [now - g.created_at for g in groups if g.created_at > 0]
-        metrics: dict[str, float] = dict(batch.metrics)
-        metrics.update(train)
-        metrics.update({f"push/{k}": float(v) for k, v in push_info.items() if isinstance(v, (int, float))})
-        metrics.update({
+        metrics: dict[str, float] = {
+            **batch.metrics, **train,
+            **{f"push/{k}": float(v) for k, v in push_info.items() if isinstance(v, (int, float))},
             "update": float(self.updates),
             "policy_version": float(self.policy_version),
             "lag/group_age_s_mean": float(np.mean(ages)) if ages else 0.0,
             **times,
             "time/groups_per_s": len(groups) / max(times["time/step_s"], 1e-9),
             "checkpointed": float(checkpointed),
-        })
+        }
         if lags:     # (groups of a warm start or a test carry no version)
             metrics.update({"lag/policy_versions_min": float(min(lags)), "lag/policy_versions_max": float(max(lags)),
                             "lag/policy_versions_mean": float(np.mean(lags))})
@@ -412,13 +406,3 @@ class Learner:
         if checkpoint and self.checkpoint_dir and self.trained_group_ids != self.committed_group_ids:
             self.save_checkpoint()
         self.trainer.close()
-
-
-@contextlib.contextmanager
-def _timed(times: dict[str, float], key: str):
-    """times[key] = the seconds the with-block took."""
-    t0 = time.perf_counter()
-    try:
-        yield
-    finally:
-        times[key] = time.perf_counter() - t0

@@ -219,7 +219,6 @@ class PolicyTrainer:
         self.updates = 0   # optimizer-update calls (train_step) done by this trainer, restored on load
         self.model_path = model_path
         self._grammar_masks: GrammarMasks | None = None     # built for the first row with a grammar
-        self.masked_rows = 0    # rows whose grammar masks this process built
 
     def _logprobs(self, model, mb: MicroBatch, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         return response_logprobs(model, mb, self.temperature, self.device, with_entropy)
@@ -255,7 +254,6 @@ class PolicyTrainer:
         built = self._grammar_masks.rows([batch.grammars[r] for r in todo], [batch.response_ids[r] for r in todo])
         for r, bits in zip(todo, built):
             batch.allowed_bits[r] = bits
-        self.masked_rows += len(todo)
         return time.perf_counter() - t
 
     @torch.no_grad()

@@ -80,7 +80,7 @@ def train_once(model_path: str, stage: int, term_sums: bool = False) -> dict:
     trainer.close()
     return {"metrics": metrics, "before": batch.old_logprobs, "weights": weights, "row_sums": row_sums,
             "token_sums": token_sums, "rows": batch.num_rows, "tokens": int(batch.row_lengths().sum()),
-            "masked_rows": trainer.masked_rows}
+            "masked_rows": sum(bits is not None for bits in batch.allowed_bits)}
 
 
 def _track_gradient_terms(module: torch.nn.Module, row_sums: dict, token_sums: dict) -> list:

@@ -174,7 +174,7 @@ class InferenceEngine:
         self._idle.set()
         self._inflight = 0
         self._held = 0                       # requests waiting at the gate
-        self._exiting = False                # a load failed half-way: the actor exits (_exit_on_failure)
+        self._exiting = False                # a load failed half-way: the actor exits (_give_up)
         self._update_lock = asyncio.Lock()
         self.stats_ = {"requests": 0, "generated_tokens": 0, "prompt_tokens": 0, "updates": 0,
                        "update_wait_s": 0.0, "update_load_s": 0.0}
@@ -282,21 +282,25 @@ class InferenceEngine:
 
     # -- weights ----------------------------------------------------------------------------------------
 
+    def _give_up(self, what: str, exc: BaseException) -> RuntimeError:
+        """A load failed after it touched the model: exit, so that Ray restarts this actor with a whole
+        model (its callers' requests are retried there). The exit follows a moment later, so that the
+        learner gets the returned error, not just a dead actor; until then the gate stays closed."""
+        message = (f"{what} failed half-way ({type(exc).__name__}: {str(exc)[:500]}): the model may be partly "
+                   f"loaded; inference actor pid {os.getpid()} on {node_name()} exits for a restart")
+        log.error(message)
+        self._exiting = True
+        self._open.clear()
+        asyncio.get_running_loop().call_later(EXIT_DELAY_S, os._exit, 1)
+        return RuntimeError(message)
+
     @contextlib.contextmanager
     def _exit_on_failure(self, what: str):
-        """A load that fails inside this block has touched the model: exit, so that Ray restarts this actor
-        with a whole model (its callers' requests are retried there). The exit follows a moment later, so
-        that the learner gets this error, not just a dead actor; until then the gate stays closed."""
+        """`_give_up` on whatever a load inside this block raises (it has touched the model)."""
         try:
             yield
         except BaseException as exc:  # noqa: BLE001 - whatever it was, the model may be half-loaded
-            message = (f"{what} failed half-way ({type(exc).__name__}: {str(exc)[:500]}): the model may be "
-                       f"partly loaded; inference actor pid {os.getpid()} on {node_name()} exits for a restart")
-            log.error(message)
-            self._exiting = True
-            self._open.clear()
-            asyncio.get_running_loop().call_later(EXIT_DELAY_S, os._exit, 1)
-            raise RuntimeError(message) from exc
+            raise self._give_up(what, exc) from exc
 
     def _refuse_if_exiting(self) -> None:
         if self._exiting:
@@ -412,10 +416,9 @@ class InferenceEngine:
     async def _expire(self, update: dict) -> None:
         """An update still open transfer_timeout_s (+ a margin) after its start: the learner is gone."""
         await asyncio.sleep(self.transfer_timeout_s + 60)
-        if self._update is update and not self._exiting:
-            # (The RuntimeError is logged; nobody waits for this task.)
-            with contextlib.suppress(RuntimeError), self._exit_on_failure(f"the update to version {update['version']}"):
-                raise TimeoutError(f"not finished {self.transfer_timeout_s + 60:.0f} s after its start")
+        if self._update is update and not self._exiting:      # (logged; nobody waits for this task)
+            self._give_up(f"the update to version {update['version']}",
+                          TimeoutError(f"not finished {self.transfer_timeout_s + 60:.0f} s after its start"))
 
     async def update_weights(self, update_info) -> None:
         """Receive the weights (vLLM's backend receives them from the learner's broadcast and loads them)."""

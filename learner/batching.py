@@ -114,30 +114,15 @@ def build_batch(groups: list[EpisodeGroup], cfg: LearnerConfig, *, invalid_actio
     and over the groups before dynamic sampling: the all-success share and the mean length of the
     successful trajectories (NaN: none; shorter is what GiGPO's step signal rewards).
     """
-    estimate = ADVANTAGE_ESTIMATORS.get(cfg.algorithm)
-    if estimate is None:
-        raise ValueError(f"learner.algorithm must be one of {tuple(ADVANTAGE_ESTIMATORS)}, got {cfg.algorithm!r}")
-    seen: set[str] = set()
-    for g in groups:
-        if g.group_id in seen:
-            raise ValueError(f"group {g.group_id} appears twice in one batch")
-        seen.add(g.group_id)
-        check_group(g)
-    # usable: (group, `usable_rows`, its trajectories with a known outcome) of the groups not dropped for
-    # env errors; kept: those of them not skipped by dynamic sampling.
-    usable, kept, skipped, env_error_groups = [], [], [], []
-    for g in groups:
-        good = known_outcomes(g)
-        if not good.all() and good.sum() < MIN_TRAJECTORIES:
-            env_error_groups.append(g.group_id)
-            continue
-        trajs = [t for t, ok in zip(g.trajectories, good) if ok]
-        usable.append((g, usable_rows(g), trajs))
+    estimate = _estimator(groups, cfg)
+    usable, env_error_groups = _without_env_errors(groups)
+    kept, skipped = [], []
+    for g, r, trajs in usable:
         returns = np.array([t.episode_return for t in trajs], dtype=np.float64)
         if cfg.dynamic_sampling and len(returns) and np.all(returns == returns[0]):
             skipped.append(g.group_id)
         else:
-            kept.append(usable[-1])
+            kept.append((g, r, trajs))
     rows = advantage_rows([(g, r) for g, r, _ in kept], invalid_action_penalty)
     advantages, metrics = estimate(rows, cfg)
     # The baseline of the diagnostics: GRPO's advantages of the same rows (already computed when it trains).
@@ -149,6 +134,21 @@ def build_batch(groups: list[EpisodeGroup], cfg: LearnerConfig, *, invalid_actio
     return batch
 
 
+def _estimator(groups: list[EpisodeGroup], cfg: LearnerConfig):
+    """The advantage estimator of cfg.algorithm, once the groups are checked: distinct ids, rows that can
+    be trained on (`check_group`)."""
+    estimate = ADVANTAGE_ESTIMATORS.get(cfg.algorithm)
+    if estimate is None:
+        raise ValueError(f"learner.algorithm must be one of {tuple(ADVANTAGE_ESTIMATORS)}, got {cfg.algorithm!r}")
+    seen: set[str] = set()
+    for g in groups:
+        if g.group_id in seen:
+            raise ValueError(f"group {g.group_id} appears twice in one batch")
+        seen.add(g.group_id)
+        check_group(g)
+    return estimate
+
+
 def known_outcomes(group: EpisodeGroup) -> np.ndarray:
     """bool per trajectory: not ended by an environment error (whose outcome is unknown)."""
     return np.array([t.termination != Termination.ENV_ERROR for t in group.trajectories], dtype=bool)
@@ -157,6 +157,19 @@ def known_outcomes(group: EpisodeGroup) -> np.ndarray:
 def usable_rows(group: EpisodeGroup) -> np.ndarray:
     """The rows of the group's trajectories with a known outcome: those build_batch computes advantages over."""
     return np.flatnonzero(known_outcomes(group)[group.row_trajectory()])
+
+
+def _without_env_errors(groups: list[EpisodeGroup]) -> tuple[list[tuple[EpisodeGroup, np.ndarray, list]], list[str]]:
+    """(group, `usable_rows`, its trajectories with a known outcome) of every group but those left with
+    fewer than MIN_TRAJECTORIES such trajectories, whose ids come second."""
+    usable, dropped = [], []
+    for g in groups:
+        good = known_outcomes(g)
+        if not good.all() and good.sum() < MIN_TRAJECTORIES:
+            dropped.append(g.group_id)
+        else:
+            usable.append((g, usable_rows(g), [t for t, ok in zip(g.trajectories, good) if ok]))
+    return usable, dropped
 
 
 def advantage_rows(chosen: list[tuple[EpisodeGroup, np.ndarray]], invalid_action_penalty: float

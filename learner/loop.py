@@ -212,21 +212,18 @@ class Learner:
                 self.metrics.record_no_batch(time.perf_counter() - t_start)
             return None
         times = {"time/wait_data_s": time.perf_counter() - t_start}
-        t0 = time.perf_counter()
-        batch, groups, received = self._build_batch(groups, received)         # advantages (bad groups out)
-        times["time/build_batch_s"] = time.perf_counter() - t0
+        with _timed(times, "time/build_batch_s"):
+            batch, groups, received = self._build_batch(groups, received)     # advantages (bad groups out)
         lags = [self.policy_lag(g.policy_versions[0]) for g in groups if g.policy_versions[0] >= 0]
         train = self._train(batch, groups)
         if self.recorder is not None:
             self.recorder.record(groups, batch, self.updates,
                                  recomputed=self.trainer.recomputes_old_logprobs and batch.num_rows > 0)
-        t0 = time.perf_counter()
-        # Nothing trained (every group skipped): the actors' weights stand.
-        push_info = self.publish_weights() if batch.num_rows else {}
-        times["time/push_weights_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        checkpointed = self._commit(received)                            # checkpoint, then ack
-        times["time/checkpoint_s"] = time.perf_counter() - t0
+        with _timed(times, "time/push_weights_s"):
+            # Nothing trained (every group skipped): the actors' weights stand.
+            push_info = self.publish_weights() if batch.num_rows else {}
+        with _timed(times, "time/checkpoint_s"):
+            checkpointed = self._commit(received)                        # checkpoint, then ack
         times["time/step_s"] = time.perf_counter() - t_start
         metrics = self._step_metrics(batch, train, push_info, groups, lags, times, checkpointed)
         if self.metrics is not None:
@@ -406,3 +403,13 @@ class Learner:
         if checkpoint and self.checkpoint_dir and self.trained_group_ids != self.committed_group_ids:
             self.save_checkpoint()
         self.trainer.close()
+
+
+@contextlib.contextmanager
+def _timed(times: dict[str, float], key: str):
+    """times[key] = the seconds the with-block took."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        times[key] = time.perf_counter() - t0

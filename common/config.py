@@ -63,7 +63,9 @@ class ModelConfig:
 class EnvConfig:
     name: Literal["alfworld", "webshop"] = F("alfworld", '"alfworld" or "webshop"')
     source: Literal["generated", "data"] = F(
-        "generated", 'ALFWorld games: "generated" (small ones built locally) or "data" (the set in $ALFWORLD_DATA)')
+        "generated", '"data": ALFWorld\'s game set in $ALFWORLD_DATA, WebShop\'s catalog in $WEBSHOP_DATA (each by '
+                     'default under ./data, where `make data` puts it; a run refuses to start without it); '
+                     '"generated": small ALFWorld games built locally, WebShop\'s 50-product sample catalog')
     train_split: str = F("train", "split the training tasks come from", NAMED)
     eval_split: str = F("eval", 'split for evaluation ("valid_unseen" is the paper\'s ALFWorld table)', NAMED)
     max_steps: int = F(50, "steps per episode before it ends as max_steps (paper: ALFWorld 50, WebShop 15)", AT_LEAST_1)

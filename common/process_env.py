@@ -18,8 +18,9 @@ env) gave wins (setdefault).
 
 The CPU-node values are computed on each node: `driver_runtime_env` forwards only what the user set (a
 learner on a GPU node must not get the CPU head's DS_ACCELERATOR=cpu). One machine's choices (HF_HUB_OFFLINE,
-TORCH_EXTENSIONS_DIR, ALFWORLD_DATA / WEBSHOP_DATA, PYTHONPATH, DS_BUILD_OPS) are not here: the Makefile and
-env.sh set those.
+TORCH_EXTENSIONS_DIR, PYTHONPATH, DS_BUILD_OPS) are not here: the Makefile and env.sh set those. The data
+directories (ALFWORLD_DATA / WEBSHOP_DATA) the driver sets itself, absolute, before it forwards them
+(deploy.run_control.start_ray).
 """
 from __future__ import annotations
 

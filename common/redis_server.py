@@ -161,6 +161,83 @@ def find_redis_server() -> str:
                             "or a redis-server on PATH, or set stream.redis_url to a running Redis")
 
 
+def server_config(binds: str, port: int, password: str, data_dir: str, aof: bool, appendfsync: str = "everysec",
+                  maxmemory_mb: int = 0, daemonize: bool = False) -> list[str]:
+    """redis.conf lines of a server the project runs (the embedded one, and `gigpo redis` on a cluster)."""
+    return [
+        f"bind {binds}",
+        f"port {port}",
+        f"requirepass {password}",
+        f"dir {data_dir}",
+        f"daemonize {'yes' if daemonize else 'no'}",
+        *(["pidfile redis.pid"] if daemonize else []),
+        "protected-mode yes",
+        'save ""',                              # no RDB snapshots: AOF (if on) is the durability
+        f"appendonly {'yes' if aof else 'no'}",
+        f"appendfsync {appendfsync}",
+        "appendfilename appendonly.aof",
+        f"maxmemory {int(maxmemory_mb)}mb",       # full: writes fail with OOM (producers wait, then say so)
+        "maxmemory-policy noeviction",          # never silently drop untrained groups
+        "logfile redis.log",
+        "loglevel warning",
+    ]
+
+
+def _write_owner_only(path: Path, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o600)          # (an existing file keeps its mode through O_CREAT)
+
+
+def serve_detached(port: int, data_dir: str, password_file: str, bind: str = "0.0.0.0", maxmemory_mb: int = 0,
+                   timeout_s: float = 30.0) -> str:
+    """A durable Redis for a cluster's trajectory stream, run on this node by `gigpo redis`: AOF on (a restart
+    keeps every unacknowledged group), no eviction, the password read from `password_file` (made, owner-only,
+    with a random one when missing) and never on a command line. The server is a daemon: it outlives this
+    process and `ray stop`. Returns "running" when a server already answers on 127.0.0.1:`port` with that
+    password (nothing is started), else "started" once it answers. RuntimeError when the port is taken by
+    another server, or the server did not start (its log's tail in the message)."""
+    pw_path = Path(password_file).expanduser()
+    if not pw_path.is_file():
+        pw_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        _write_owner_only(pw_path, secrets.token_hex(24) + "\n")
+    password = read_password_file(str(pw_path), "--password-file")
+    client = redis.Redis(host="127.0.0.1", port=port, password=password, socket_connect_timeout=2,
+                         socket_timeout=5, retry=Retry(NoBackoff(), 0))
+    try:
+        try:
+            if client.ping():
+                return "running"
+        except (AuthenticationError, AuthorizationError):
+            raise RuntimeError(f"port {port} is taken by a Redis that refuses the password in {pw_path}; stop it "
+                               "or choose another --port") from None
+        except (ConnectionError, TimeoutError):
+            pass                                    # nothing there yet: start one
+        data = Path(data_dir).expanduser().resolve()
+        data.mkdir(parents=True, exist_ok=True, mode=0o700)
+        conf = data / "redis.conf"
+        lines = server_config(bind, port, password, str(data), aof=True, maxmemory_mb=maxmemory_mb, daemonize=True)
+        _write_owner_only(conf, "\n".join(lines) + "\n")
+        done = subprocess.run([find_redis_server(), str(conf)], cwd=data, stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, timeout=timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if client.ping():
+                    return "started"
+            except (BusyLoadingError, ConnectionError, TimeoutError):    # BusyLoading: replaying the AOF
+                time.sleep(0.1)
+        try:
+            log = (data / "redis.log").read_text(errors="replace")[-1500:]
+        except OSError:
+            log = ""
+        said = " ".join(f"{done.stdout} {done.stderr} {log}".replace(password, REDACTED).split())
+        raise RuntimeError(f"redis-server did not start on {bind}:{port} within {timeout_s:.0f} s: {said}")
+    finally:
+        client.close()
+
+
 def _die_with_parent() -> None:
     # Linux: the server gets SIGTERM when the process that started it dies (even by SIGKILL), so a crashed
     # test or driver never leaves a redis-server behind. Best effort (no-op where prctl is missing).
@@ -233,22 +310,9 @@ class EmbeddedRedis:
 
     def _write_conf(self) -> Path:
         Path(self.data_dir).mkdir(parents=True, exist_ok=True)
-        lines = [
-            "bind 127.0.0.1" + ("" if _is_loopback(self.host) else f" {self.host}"),
-            f"port {self.port}",
-            f"requirepass {self.password}",
-            f"dir {self.data_dir}",
-            "daemonize no",
-            "protected-mode yes",
-            'save ""',                              # no RDB snapshots: AOF (if on) is the durability
-            f"appendonly {'yes' if self.aof else 'no'}",
-            f"appendfsync {self.appendfsync}",
-            "appendfilename appendonly.aof",
-            f"maxmemory {int(self.maxmemory_mb)}mb",  # full: writes fail with OOM (producers wait, then say so)
-            "maxmemory-policy noeviction",          # never silently drop untrained groups
-            "logfile redis.log",
-            "loglevel warning",
-        ]
+        binds = "127.0.0.1" + ("" if _is_loopback(self.host) else f" {self.host}")
+        lines = server_config(binds, self.port, self.password, self.data_dir, self.aof, self.appendfsync,
+                              self.maxmemory_mb)
         # The password is in these files: owner-only (it is never on a command line either).
         self._write_secret("password", self.password + "\n")
         return self._write_secret("redis.conf", "\n".join(lines) + "\n")

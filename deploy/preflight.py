@@ -110,11 +110,12 @@ def check_alfworld_games(cfg: ExperimentConfig) -> None:
     from env_servers.alfworld_env import (DATA_SPLITS, GAME_SET, MAKE_DATA_HINT, SPLIT_ALIASES, default_data_dir,
                                           list_data_tasks)
     check_split_names(cfg, (*DATA_SPLITS, *SPLIT_ALIASES))       # (eval and test: valid_unseen)
-    game_root = os.path.join(default_data_dir(), GAME_SET)
+    data_dir = default_data_dir()
+    game_root = os.path.join(data_dir, GAME_SET)
     for field in ("train_split", "eval_split"):
         split = getattr(cfg.env, field)
         if not list_data_tasks(game_root, SPLIT_ALIASES.get(split, split)):
-            source = ("$ALFWORLD_DATA" if os.environ.get("ALFWORLD_DATA") else
+            source = ("$ALFWORLD_DATA" if os.path.abspath(os.environ.get("ALFWORLD_DATA") or ".") == data_dir else
                       "$ALFWORLD_DATA is unset, so ./data/alfworld")
             raise PreflightError(f"env.source=data, but there are no ALFWorld games of split {split!r} under "
                                  f"{game_root} ({source}); {MAKE_DATA_HINT}, or set env.source=generated")
@@ -141,20 +142,23 @@ def check_generator(cfg: ExperimentConfig) -> None:
 
 
 def check_webshop_catalog(cfg: ExperimentConfig) -> None:
-    """WebShop plays the catalog in $WEBSHOP_DATA, or the shipped sample when it is unset or empty; a
-    WEBSHOP_DATA without a catalog is refused (it would silently fall back to the sample)."""
+    """WebShop plays the catalog env.source names: "data", the one in $WEBSHOP_DATA (default ./data/webshop),
+    never the shipped sample in its place; "generated", the shipped sample."""
     from env_servers.webshop.catalog import ATTRIBUTE_FILES, PRODUCT_FILES, has_catalog
-    from env_servers.webshop.data import SAMPLE_DIR, resolve_data_dir
+    from env_servers.webshop.data import SAMPLE_DIR, catalog_dir
     from env_servers.webshop.env import SPLITS
     check_split_names(cfg, SPLITS)
-    wanted = os.environ.get("WEBSHOP_DATA")
-    if wanted and not has_catalog(wanted):
-        raise PreflightError(f"env.name=webshop, but $WEBSHOP_DATA ({wanted}) holds no WebShop catalog (one of "
-                             f"{', '.join(PRODUCT_FILES)} and one of {', '.join(ATTRIBUTE_FILES)}); run `make "
-                             "data`, or set WEBSHOP_DATA= (empty) to play the small sample catalog")
-    if not has_catalog(resolve_data_dir(None)):
-        raise PreflightError(f"env.name=webshop, but the sample catalog in {SAMPLE_DIR} is missing; reinstall "
-                             "the package or set WEBSHOP_DATA to a catalog")
+    folder = catalog_dir(cfg.env.source)
+    if has_catalog(folder):
+        return
+    if cfg.env.source == "data":
+        source = "$WEBSHOP_DATA" if os.environ.get("WEBSHOP_DATA") else "$WEBSHOP_DATA is unset, so ./data/webshop"
+        raise PreflightError(f"env.name=webshop with env.source=data, but {folder} ({source}) holds no WebShop "
+                             f"catalog (one of {', '.join(PRODUCT_FILES)} and one of {', '.join(ATTRIBUTE_FILES)}); "
+                             "run `make data ONLY=webshop` (the 1,000-product catalog), or set "
+                             "env.source=generated to play the 50-product sample catalog")
+    raise PreflightError(f"env.name=webshop, but the sample catalog in {SAMPLE_DIR} is missing; reinstall the "
+                         "package, or set env.source=data for the catalog in $WEBSHOP_DATA")
 
 
 def check_env_data(cfg: ExperimentConfig) -> None:
@@ -240,6 +244,42 @@ def check_resume_tag(cfg: ExperimentConfig) -> None:
         fix = f"use one of {', '.join(have)}" if have else "there is none there: drop run.resume_tag"
         raise PreflightError(f"run.resume_tag {cfg.run.resume_tag!r} is not a complete checkpoint under {root}; "
                              f"{fix}")
+
+
+def check_rollout_nodes(cfg: ExperimentConfig, timeout_s: float = 300.0) -> None:
+    """After Ray is up, for env.source=data: every alive node that can host a rollout actor holds the data its
+    env workers will read there (check_env_data, run by a task on each such node, with the paths the driver
+    gives every actor). Raises PreflightError naming the first node that lacks it. A node that joins later
+    is not checked: its rollout actors fail saying what is missing."""
+    if cfg.env.source != "data":
+        return
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from common.placement import job_needs, node_label, nodes_offering
+    need = job_needs(cfg)["rollout actor"][0]
+    probe = ray.remote(num_cpus=0, max_retries=0)(_env_data_problem)
+    asked = {n["node_id"]: probe.options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(n["node_id"], soft=False)).remote(cfg)
+        for n in nodes_offering(need)}
+    for node_id, ref in asked.items():
+        try:
+            node, problem = ray.get(ref, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise PreflightError(f"node {node_id[:12]} did not answer within {timeout_s:.0f} s whether it holds "
+                                 "the env's data; check that its Ray is healthy (`ray status`)") from None
+        if problem:
+            raise PreflightError(f"node {node_label(node)}, where rollout actors may run: {problem}")
+
+
+def _env_data_problem(cfg: ExperimentConfig) -> tuple[dict, str]:
+    """(this node, what check_env_data finds missing here or "")."""
+    from common.placement import this_node
+    try:
+        check_env_data(cfg)
+        return this_node(), ""
+    except PreflightError as exc:
+        return this_node(), str(exc)
 
 
 CHECKS = (check_output_dir, check_model, check_env_data, check_resume_tag, check_gpus, check_redis)

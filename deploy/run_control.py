@@ -19,6 +19,7 @@ from common.metrics import ray_init_metrics_options
 from common.placement import alive_nodes, node_label
 from common.process_env import apply_project_env, driver_runtime_env
 from common.redis_server import connect, redact
+from env_servers.registry import data_env
 from learner.trainer import checkpoint_tags, is_complete_checkpoint, tag_update
 
 log = logging.getLogger("gigpo")
@@ -37,6 +38,9 @@ def start_ray(cfg: ExperimentConfig) -> str:
     if ray.is_initialized():
         return ray.get_runtime_context().gcs_address
     apply_project_env()
+    # The data the env workers read, as absolute paths resolved here (where preflight checked them): an
+    # actor runs in whatever directory Ray starts it in, on whichever node (./data would be found nowhere).
+    os.environ.update(data_env(cfg.env))
     address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS", "")
     env = driver_runtime_env(os.environ)
     if address:

@@ -39,7 +39,7 @@ from common.placement import PLACEMENT_TIMEOUT_S, job_needs, node_label, wait_pl
 from common.redis_server import connect, redis_for
 from deploy.control import ControlChannel, write_job_file
 from deploy.inference_pool import INFERENCE_STOP_S, InferencePool
-from deploy.preflight import PreflightError
+from deploy.preflight import PreflightError, check_rollout_nodes
 from deploy.reports import (PlacementWatch, append_eval_record, eval_line, format_eval, format_summary,
                             status_record, waiting_state)
 from deploy.rollout_pool import RolloutPool
@@ -47,6 +47,7 @@ from deploy.run_control import RunLost, SignalTrap, close_learners, link_ray_log
 from deploy.run_model import eval_model, initial_model, ship_model
 from deploy.tracking import Tracker
 from learner.actor import create_learner_workers, set_learner_inference, step_learner
+from learner.group_record import GroupRecorder
 from learner.trainer import LEARNER_STATE, is_complete_checkpoint, prepare_output_dir
 
 log = logging.getLogger("gigpo")
@@ -78,6 +79,7 @@ class System:
         self.redis_url: str | None = None
         self.channel: ControlChannel | None = None
         self.tracker: Tracker | None = None
+        self.groups_file: GroupRecorder | None = None     # groups.jsonl (`gigpo view`), written by this process
         self.update = 0                     # learner updates done (more than 0 after a resume)
         self.last_eval: dict | None = None
         self._last_metrics: dict = {}
@@ -100,6 +102,7 @@ class System:
         address = start_ray(cfg)
         self.signals.trap()           # again: ray.init replaced the SIGTERM handler
         link_ray_logs(self.log_dir)
+        check_rollout_nodes(cfg)      # the env's data on every node that may host rollout actors, not only here
         progress = self.terminal.err if self.terminal else None
         self.model_path = eval_model(cfg, scratch_dir) if eval_only else initial_model(cfg, progress)
         if eval_only:
@@ -111,6 +114,7 @@ class System:
             self.channel = ControlChannel(connect(self.redis_url), cfg.stream.run_id or cfg.run.name)
             write_job_file(cfg.run.output_dir, cfg.run.name, self.redis_url, address, run_id=cfg.stream.run_id)
             self.tracker = Tracker(cfg.run.output_dir, cfg.run.name, to_dict(cfg), resume=cfg.run.resume)
+            self.groups_file = GroupRecorder(cfg, resume=cfg.run.resume)
 
         # One weights directory for the run's inference actors, those `gigpo scale --inference` adds included.
         self._actor_cfg = with_weights_dir(cfg)
@@ -263,13 +267,15 @@ class System:
             self._between_updates()
             if cfg.run.sync:
                 self.rollouts.play_one_batch(cfg.learner.groups_per_batch)
-            metrics = None
-            while metrics is None:
+            done = None
+            while done is None:
                 self.rollouts.check_alive(self.inference.serving)
-                metrics = step_learner(self.learners, timeout_s=WAIT_FOR_DATA_S, on_wait=self._while_updating)
-                if metrics is None:        # no full batch yet: stay responsive (scale commands, status)
+                done = step_learner(self.learners, timeout_s=WAIT_FOR_DATA_S, on_wait=self._while_updating)
+                if done is None:           # no full batch yet: stay responsive (scale commands, status)
                     self._between_updates()
                     self._publish_waiting_status()
+            metrics, groups_record = done
+            self.groups_file.write(groups_record)      # here, not on learner rank 0's node: `gigpo view`
             now = time.perf_counter()
             stats = self.rollouts.stats()
             dt = max(now - prev_t, 1e-9)

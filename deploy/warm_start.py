@@ -180,14 +180,14 @@ def _settings(cfg: ExperimentConfig, model_path: str) -> dict:
                 "max_prompt_tokens": m.max_prompt_tokens,
                 "initial_model": hashlib.sha256(fingerprint.encode()).hexdigest()[:16]}
     if cfg.env.name == "webshop":     # (only then: ALFWorld's cached warm models stay valid)
-        settings.update(webshop_catalog=_webshop_catalog(), free_text_repeat=FREE_TEXT_REPEAT)
+        settings.update(webshop_catalog=_webshop_catalog(cfg.env.source), free_text_repeat=FREE_TEXT_REPEAT)
     return settings
 
 
-def _webshop_catalog() -> str:
+def _webshop_catalog(source: str) -> str:
     """A fingerprint of the catalog WebShop loads (another catalog gives other goals, so another warm model)."""
-    from env_servers.webshop.data import resolve_data_dir
-    folder = Path(resolve_data_dir(None))
+    from env_servers.webshop.data import catalog_dir
+    folder = Path(catalog_dir(source))
     files = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.glob("*.json"))
     return hashlib.sha256(json.dumps(files).encode()).hexdigest()[:16]
 

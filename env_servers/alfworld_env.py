@@ -20,6 +20,7 @@ import json
 import os
 from pathlib import Path
 
+import env_servers
 from common.config import EnvConfig, choices
 from env_servers.alfworld_engine import make_engine
 from env_servers.alfworld_gen import GeneratorOptions, game_seed, generate_game
@@ -37,9 +38,17 @@ HIDDEN_ACTIONS = ("help",)   # admissible to the engine, but only ever prints th
 MAKE_DATA_HINT = "run `make data` (unpacks the ALFWorld game set into $ALFWORLD_DATA)"
 
 
+ALFWORLD_OWN_DEFAULT = os.path.expanduser("~/.cache/alfworld")     # what `import alfworld` sets when unset
+
+
 def default_data_dir() -> str:
-    """$ALFWORLD_DATA, else ./data/alfworld (what `make data` fills)."""
-    return os.environ.get("ALFWORLD_DATA") or os.path.join(os.getcwd(), "data", "alfworld")
+    """$ALFWORLD_DATA, else ./data/alfworld (what `make data` fills), as an absolute path: the driver hands
+    it to every actor (deploy.run_control.start_ray), whose working directory is Ray's, not the driver's.
+    The value ALFWorld's own import puts there when it was unset (~/.cache/alfworld) counts as unset."""
+    value = os.environ.get("ALFWORLD_DATA")
+    if value == ALFWORLD_OWN_DEFAULT and env_servers.ALFWORLD_DATA_AT_START != value:
+        value = None
+    return os.path.abspath(value or os.path.join("data", "alfworld"))
 
 
 def task_type_of(game_dir_name: str) -> str:

@@ -157,7 +157,7 @@ def prepare_alfworld(dest: str | None = None, source: str | None = None, log=pri
 def prepare_webshop(dest: str | None = None, source: str | None = None, log=print) -> str:
     """Make $WEBSHOP_DATA hold the catalog: a copy of `source` / $WEBSHOP_SOURCE, else the one already
     there, else the original files downloaded (from $WEBSHOP_BASE_URL when set). Returns the directory."""
-    dest = dest or os.environ.get("WEBSHOP_DATA") or os.path.join(os.getcwd(), "data", "webshop")
+    dest = dest or webshop_data.default_data_dir()
     source = source or webshop_data.default_source()
     start = time.time()
     done = webshop_data.prepare(dest, source=source, log=log)

@@ -19,8 +19,21 @@ def make_env(env_cfg: EnvConfig, seed: int = 0) -> TextEnv:
             from env_servers.webshop.env import WebShopEnv
         except ImportError as exc:
             raise ImportError(f"env.name=webshop needs env_servers.webshop ({exc})") from exc
-        return WebShopEnv(seed=seed)
+        from env_servers.webshop.data import catalog_dir
+        return WebShopEnv(data_dir=catalog_dir(env_cfg.source), seed=seed)
     raise ValueError(f"unknown env.name {env_cfg.name!r}; choose one of {ENV_NAMES}")
+
+
+def data_env(env_cfg: EnvConfig) -> dict[str, str]:
+    """The environment variables naming the data an env of `env_cfg` reads ({} for none), as absolute paths
+    resolved here: the driver gives them to every actor, whose working directory is wherever Ray starts it."""
+    if env_cfg.source != "data":
+        return {}
+    if env_cfg.name == "webshop":
+        from env_servers.webshop.data import default_data_dir
+        return {"WEBSHOP_DATA": default_data_dir()}
+    from env_servers.alfworld_env import default_data_dir
+    return {"ALFWORLD_DATA": default_data_dir()}
 
 
 def preload_modules(env_cfg: EnvConfig) -> list[str]:

@@ -1,7 +1,8 @@
 """The learner as Ray actors: one actor per learner process, rank 0 reads the stream and pushes weights.
 
     workers = create_learner_workers(cfg, model, stream_url, inference_actors)   # model: a ModelSource
-    metrics = step_learner(workers, timeout_s=600)       # one update on every rank; rank 0's metrics
+    metrics, record = step_learner(workers, timeout_s=600)   # one update on every rank; rank 0's metrics and
+                                                             # groups.jsonl line (the driver writes it)
     set_learner_inference(workers, inference_actors, timeout_s=1200)   # `gigpo scale --inference`
     workers.nodes[r]                                     # the node rank r runs on
 
@@ -78,8 +79,10 @@ class LearnerWorker:
         self.learner = Learner(self.cfg, model.local_path(), stream_url if rank0 else None,
                                inference_actors=inference_actors if rank0 else None, read_only=read_only)
 
-    def step(self, timeout_s: float | None = None) -> dict | None:
-        return self.learner.step(timeout_s=timeout_s)
+    def step(self, timeout_s: float | None = None) -> tuple[dict, dict | None] | None:
+        """One update: (its metrics, its groups.jsonl line or None), or None when no batch came in time."""
+        metrics = self.learner.step(timeout_s=timeout_s)
+        return None if metrics is None else (metrics, self.learner.last_groups_record)
 
     def sync_weights(self) -> dict:
         """Push the current weights as a new version (after a resume, so that the inference actors serve
@@ -200,8 +203,9 @@ def _rank0_answer(workers: list, refs: list, timeout_s: float, on_wait, late_mea
 
 
 def step_learner(workers: list, timeout_s: float | None = None, deadline_s: float = STEP_TIMEOUT_S,
-                 on_wait=None) -> dict | None:
-    """One update on every rank (they run collectives together); rank 0's metrics. Raises TimeoutError when
+                 on_wait=None) -> tuple[dict, dict | None] | None:
+    """One update on every rank (they run collectives together); rank 0's (metrics, groups.jsonl line), None
+    when no batch came within timeout_s. Raises TimeoutError when
     they have not finished within timeout_s (the wait for data) + deadline_s. on_wait: called every
     ON_WAIT_EVERY_S while the update runs."""
     limit = (timeout_s or 0.0) + deadline_s

@@ -1,8 +1,13 @@
 """A bounded record of each update's training groups, step by step with the credit every step got, for
 `gigpo view` (deploy/viewer.py): one JSON line per update in <run.output_dir>/groups.jsonl.
 
-    recorder = GroupRecorder(cfg, resume=resume)                  # learner rank 0
-    recorder.record(groups, batch, update, recomputed=...)        # after the update's training step
+    recorder = GroupRecorder(cfg, resume=resume)
+    line = recorder.build(groups, batch, update, recomputed=...)  # learner rank 0, after the training step
+    recorder.write(line)                                          # the driver, where the run's files are
+    recorder.record(groups, batch, update, recomputed=...)        # both in one process (tests, a script)
+
+Learner rank 0 builds the line and hands it to the driver with the update's metrics (learner.actor), which
+writes it on its own node: without a filesystem the nodes share, `gigpo view` on the head finds every update.
 
 `group_record` builds the line from what the update holds (no forward pass): the first run.record_groups
 groups it trained on and every step row of their trajectories, with GiGPO's episode and step advantages and
@@ -158,22 +163,39 @@ class GroupRecorder:
         self.path = Path(cfg.run.output_dir) / GROUPS_FILE
         self._mode = "a" if resume else "w"
 
-    def record(self, groups: list[EpisodeGroup], batch: TrainBatch, update: int, *, recomputed: bool
-               ) -> dict | None:
-        """Append the update's line (None: run.record_groups is 0, or nothing could be recorded).
-        recomputed: the training step replaced the batch's old log-probs by the learner's own."""
+    def build(self, groups: list[EpisodeGroup], batch: TrainBatch, update: int, *, recomputed: bool
+              ) -> dict | None:
+        """The update's line (None: run.record_groups is 0, or it could not be built). recomputed: the
+        training step replaced the batch's old log-probs by the learner's own."""
         if not self.cfg.run.record_groups:
             return None
         try:
             line = group_record(groups, batch, self.cfg.learner, keep=self.cfg.run.record_groups, update=update,
                                 invalid_action_penalty=self.cfg.rollout.invalid_action_penalty,
                                 learner_logprobs=batch.old_logprobs if recomputed else None)
+            json.dumps(line, allow_nan=False)      # what write() needs: fail here, where the cause is
+            return line
+        except Exception as exc:  # noqa: BLE001 - a diagnostic record is never worth stopping a training run
+            log.warning("update %d: no record for %s: %s: %s", update, self.path, type(exc).__name__, exc)
+            return None
+
+    def write(self, line: dict | None) -> bool:
+        """Append `line` to groups.jsonl (nothing for None); False (logged) when it cannot be written."""
+        if line is None:
+            return False
+        try:
             text = json.dumps(line, allow_nan=False, ensure_ascii=False) + "\n"
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with open(self.path, self._mode, encoding="utf-8") as f:
                 f.write(text)           # one write: a reader sees whole lines, or a partial last one
         except Exception as exc:  # noqa: BLE001 - a diagnostic record is never worth stopping a training run
-            log.warning("update %d: no record in %s: %s: %s", update, self.path, type(exc).__name__, exc)
-            return None
+            log.warning("update %s: no record in %s: %s: %s", line.get("update"), self.path, type(exc).__name__, exc)
+            return False
         self._mode = "a"
-        return line
+        return True
+
+    def record(self, groups: list[EpisodeGroup], batch: TrainBatch, update: int, *, recomputed: bool
+               ) -> dict | None:
+        """build, then write; the line written (None: nothing was)."""
+        line = self.build(groups, batch, update, recomputed=recomputed)
+        return line if self.write(line) else None

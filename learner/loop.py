@@ -103,8 +103,9 @@ class Learner:
         self.repush_if_needed()     # inference actors that started without the model's weights wait for them
         if self.metrics is not None:
             self.metrics.set("policy_version", self.policy_version)
-        # groups.jsonl, for `gigpo view`: started anew by a new run, appended to by a resumed one
+        # groups.jsonl's line of each update, for `gigpo view` (the driver writes it: learner.actor)
         self.recorder = GroupRecorder(cfg, resume=resume) if self.rank == 0 and not read_only else None
+        self.last_groups_record: dict | None = None
 
     def _resume(self) -> None:
         """Continue the run in checkpoint_dir from its latest checkpoint (or run.resume_tag): weights,
@@ -217,8 +218,8 @@ class Learner:
         lags = [self.policy_lag(g.policy_versions[0]) for g in groups if g.policy_versions[0] >= 0]
         train = self._train(batch, groups)
         if self.recorder is not None:
-            self.recorder.record(groups, batch, self.updates,
-                                 recomputed=self.trainer.recomputes_old_logprobs and batch.num_rows > 0)
+            self.last_groups_record = self.recorder.build(
+                groups, batch, self.updates, recomputed=self.trainer.recomputes_old_logprobs and batch.num_rows > 0)
         with _timed(times, "time/push_weights_s"):
             # Nothing trained (every group skipped): the actors' weights stand.
             push_info = self.publish_weights() if batch.num_rows else {}

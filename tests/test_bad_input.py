@@ -209,9 +209,9 @@ def test_unknown_split(args, expected, out):
 
 def test_webshop_data_without_a_catalog(tmp_path, out):
     (tmp_path / "webshop").mkdir()
-    one_line_error(gigpo("train", EMBEDDED, f"run.output_dir={out}", "env.name=webshop",
+    one_line_error(gigpo("train", EMBEDDED, f"run.output_dir={out}", "env.name=webshop", "env.source=data",
                          env={"WEBSHOP_DATA": str(tmp_path / "webshop")}),
-                   "env.name=webshop", "holds no WebShop catalog")
+                   "env.name=webshop with env.source=data", "holds no WebShop catalog", "make data ONLY=webshop")
 
 
 @pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="this machine has GPUs: the run would start")

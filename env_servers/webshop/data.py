@@ -1,6 +1,8 @@
-"""Where WebShop data comes from. `prepare(dest)` (what `make data` calls) puts the catalog into `dest`;
-`resolve_data_dir` picks the catalog an env uses: an explicit directory, else $WEBSHOP_DATA when it holds a
-catalog, else the small generated sample shipped in this package (sample/, made by sample_catalog.py).
+"""Where WebShop data comes from. `prepare(dest)` (what `make data` calls) puts the catalog into `dest`.
+A run plays the catalog its env.source names (`catalog_dir`): "data", the one in $WEBSHOP_DATA (default
+./data/webshop, what `make data` fills; refused when missing); "generated", the small generated sample shipped
+in this package (sample/, made by sample_catalog.py). `resolve_data_dir` is for a WebShopEnv made by hand: an
+explicit directory, else $WEBSHOP_DATA when it holds a catalog, else the sample.
 """
 from __future__ import annotations
 
@@ -161,6 +163,17 @@ def _where(url: str) -> str:
 
 def _one_line(reason) -> str:
     return " ".join(str(reason).split()) or type(reason).__name__
+
+
+def default_data_dir() -> str:
+    """$WEBSHOP_DATA, else ./data/webshop, as an absolute path (the driver hands it to every actor)."""
+    return os.path.abspath(os.environ.get("WEBSHOP_DATA") or os.path.join("data", "webshop"))
+
+
+def catalog_dir(source: str) -> str:
+    """The catalog a run of env.source `source` plays: "data" -> default_data_dir(), "generated" -> the
+    shipped sample."""
+    return default_data_dir() if source == "data" else SAMPLE_DIR
 
 
 def resolve_data_dir(data_dir: str | None) -> str:

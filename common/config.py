@@ -1,6 +1,6 @@
 """Typed experiment configuration: dataclasses, one YAML file per experiment, dotted command-line overrides.
 
-    cfg = load_config("configs/alfworld_gigpo_1.5b.yaml", ["learner.lr=2e-6", "rollout.group_size=4"])
+    cfg = load_config("configs/alfworld_gigpo_qwen2.5-1.5b.yaml", ["learner.lr=2e-6", "rollout.group_size=4"])
 
 Every field has a default and a one-line doc (`describe()`). Unknown keys, wrong types, values out of range
 and contradicting fields are ConfigErrors at load time naming the field and where it was set

@@ -104,7 +104,7 @@ def cmd_eval(args) -> int:
     for split in splits:       # each split is checked like env.eval_split (its games are there), before any start
         cfg.env.eval_split = split
         try:
-            run_checks(cfg, stream=False)
+            run_checks(cfg, training=False)
         except PreflightError as exc:
             raise PreflightError(f"--splits {split}: {exc}" if args.splits else str(exc)) from None
     from deploy.system import evaluate_only
@@ -124,8 +124,14 @@ def _channel(output_dir: str):
 
 
 def cmd_status(args) -> int:
-    from deploy.control import format_status
+    from deploy.control import format_dead_letters, format_status, read_job_file
     channel = _channel(args.output_dir)
+    if args.dead_letters:
+        stream = read_job_file(args.output_dir).get("stream")
+        if not stream:
+            raise UsageError(f"{args.output_dir}/job.json names no stream (a job started before it did)")
+        print(format_dead_letters(channel.client, stream, args.dead_letters))
+        return 0
     while True:
         text = format_status(channel.read_status())
         if not args.watch:
@@ -251,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("status", cmd_status, "what a running job is doing: versions, lags, throughput")
     p.add_argument("--output-dir", default="runs/embedded", help="the job's run.output_dir")
     p.add_argument("--watch", action="store_true", help="refresh until interrupted")
+    p.add_argument("--dead-letters", type=int, nargs="?", const=20, default=0, metavar="N",
+                   help="instead: the newest N (default 20) groups the learner set aside, with the reasons")
     p.add_argument("--interval", type=float, default=2.0)
     p = command("scale", cmd_scale, "add or remove rollout or inference actors of a running job")
     p.add_argument("--output-dir", default="runs/embedded", help="the job's run.output_dir")

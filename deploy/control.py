@@ -18,14 +18,16 @@ from common.redis_server import (PASSWORD_ENV, is_redacted, password_file_for, r
 JOB_FILE = "job.json"
 
 
-def write_job_file(output_dir: str, run_name: str, redis_url: str, ray_address: str, run_id: str = "") -> Path:
+def write_job_file(output_dir: str, run_name: str, redis_url: str, ray_address: str, run_id: str = "",
+                   stream: str = "") -> Path:
     """<output_dir>/job.json: the run, its Redis URL without the password, the file holding the password
-    ("" when there is none: `gigpo status` then needs GIGPO_REDIS_PASSWORD) and the Ray address."""
+    ("" when there is none: `gigpo status` then needs GIGPO_REDIS_PASSWORD), the Ray address and the
+    trajectory stream's key (its dead-letter stream is `<key>:dead`)."""
     path = Path(output_dir) / JOB_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"run": run_name, "run_id": run_id or run_name, "redis_url": redact(redis_url),
                                 "redis_password_file": password_file_for(redis_url), "ray_address": ray_address,
-                                "started_at": time.time()}, indent=2))
+                                "stream": stream, "started_at": time.time()}, indent=2))
     path.chmod(0o600)      # only its owner's commands need it
     return path
 
@@ -150,3 +152,24 @@ def _figure(value: float) -> str:
     if float(value).is_integer() or abs(value) >= 1000:
         return f"{value:.0f}"
     return f"{value:.3g}"
+
+
+def format_dead_letters(client: redis.Redis, stream: str, count: int = 20) -> str:
+    """The newest `count` groups of the run's dead-letter stream (`<stream>:dead`), one line each, newest first:
+    when, the reason, the stream entry it was, the consumer that moved it; then how many it holds."""
+    key = f"{stream}:dead"
+    total = client.xlen(key)
+    if not total:
+        return f"dead-letter stream {key}: empty"
+    lines = [f"dead-letter stream {key}: {total} group(s), newest first"]
+    for _, fields in client.xrevrange(key, count=count):
+        def text(name: bytes) -> str:
+            return fields.get(name, b"?").decode(errors="replace")
+        try:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(float(text(b"time"))))
+        except ValueError:
+            when = "?"
+        lines.append(f"  {when} UTC  entry {text(b'entry_id')}  by {text(b'consumer')}: {text(b'reason')}")
+    if total > count:
+        lines.append(f"  ... {total - count} older")
+    return "\n".join(lines)

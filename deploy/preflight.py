@@ -233,6 +233,17 @@ def check_gpus(cfg: ExperimentConfig) -> None:
                              + " ".join(f"{name}=0" for name in asked))
 
 
+def check_no_other_run(cfg: ExperimentConfig) -> None:
+    """A new training run (neither run.resume nor run.overwrite) refuses an output directory that holds another
+    run's checkpoints (it would mix them with its own)."""
+    if cfg.run.resume or cfg.run.overwrite:
+        return
+    from learner.trainer import checkpoint_dir_of, other_runs_checkpoints   # (torch: `gigpo train` needs it next)
+    problem = other_runs_checkpoints(checkpoint_dir_of(cfg))
+    if problem:
+        raise PreflightError(problem)
+
+
 def check_resume_tag(cfg: ExperimentConfig) -> None:
     """run.resume_tag names a complete checkpoint of run.output_dir."""
     if not (cfg.run.resume and cfg.run.resume_tag):
@@ -257,10 +268,13 @@ def check_rollout_nodes(cfg: ExperimentConfig, timeout_s: float = 300.0) -> None
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from common.placement import job_needs, node_label, nodes_offering
+    from env_servers.registry import data_env
     need = job_needs(cfg)["rollout actor"][0]
     probe = ray.remote(num_cpus=0, max_retries=0)(_env_data_problem)
+    # With the paths every actor gets (deploy.run_control.start_ray forwards the same), resolved here.
+    paths = {"env_vars": data_env(cfg.env)}
     asked = {n["node_id"]: probe.options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(n["node_id"], soft=False)).remote(cfg)
+        scheduling_strategy=NodeAffinitySchedulingStrategy(n["node_id"], soft=False), runtime_env=paths).remote(cfg)
         for n in nodes_offering(need)}
     for node_id, ref in asked.items():
         try:
@@ -282,11 +296,14 @@ def _env_data_problem(cfg: ExperimentConfig) -> tuple[dict, str]:
         return this_node(), str(exc)
 
 
-CHECKS = (check_output_dir, check_model, check_env_data, check_resume_tag, check_gpus, check_redis)
+CHECKS = (check_output_dir, check_no_other_run, check_model, check_env_data, check_resume_tag, check_gpus,
+          check_redis)
+TRAINING_ONLY = (check_no_other_run, check_redis)     # `gigpo eval` reads a run (maybe still training)
 
 
-def run_checks(cfg: ExperimentConfig, stream: bool = True) -> None:
-    """Every check, in order (stream=False: not Redis); raises PreflightError at the first failure."""
+def run_checks(cfg: ExperimentConfig, training: bool = True) -> None:
+    """Every check, in order (training=False, for `gigpo eval`: not TRAINING_ONLY's); raises PreflightError at
+    the first failure."""
     for check in CHECKS:
-        if stream or check is not check_redis:
+        if training or check not in TRAINING_ONLY:
             check(cfg)

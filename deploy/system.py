@@ -37,6 +37,7 @@ from common.log_files import Terminal, run_log_dir, run_output
 from common.metrics import ActorMetrics
 from common.placement import PLACEMENT_TIMEOUT_S, job_needs, node_label, wait_placeable
 from common.redis_server import connect, redis_for
+from common.stream import stream_key
 from deploy.control import ControlChannel, write_job_file
 from deploy.inference_pool import INFERENCE_STOP_S, InferencePool
 from deploy.preflight import PreflightError, check_rollout_nodes
@@ -112,7 +113,8 @@ class System:
         if not eval_only:
             self.redis_url, self.redis = redis_for(cfg.stream)
             self.channel = ControlChannel(connect(self.redis_url), cfg.stream.run_id or cfg.run.name)
-            write_job_file(cfg.run.output_dir, cfg.run.name, self.redis_url, address, run_id=cfg.stream.run_id)
+            write_job_file(cfg.run.output_dir, cfg.run.name, self.redis_url, address, run_id=cfg.stream.run_id,
+                           stream=stream_key(cfg.stream))
             self.tracker = Tracker(cfg.run.output_dir, cfg.run.name, to_dict(cfg), resume=cfg.run.resume)
             self.groups_file = GroupRecorder(cfg, resume=cfg.run.resume)
 

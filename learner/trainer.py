@@ -97,14 +97,23 @@ def prepare_checkpoint_dir(checkpoint_dir: str | os.PathLike, *, resume: bool, o
     if not tags and not (root / LATEST).exists():
         return
     if not overwrite:
-        newest = f" (newest: {tags[-1].name})" if tags else ""
-        raise ValueError(f"{root} holds another run's checkpoints{newest}: continue that run with "
-                         f"run.resume=true, delete them with run.overwrite=true, or set another run.output_dir")
+        raise ValueError(other_runs_checkpoints(root))
     if rank == 0:
         for path in tags:
             shutil.rmtree(path)
         for name in (LATEST, PUSHED_VERSION, PUSHED_VERSION + ".tmp"):
             (root / name).unlink(missing_ok=True)
+
+
+def other_runs_checkpoints(checkpoint_dir: str | os.PathLike) -> str:
+    """What a fresh run says of a checkpoint directory that holds another run's checkpoints ("" for none)."""
+    root = Path(checkpoint_dir)
+    tags = checkpoint_tags(root) if root.is_dir() else []
+    if not tags and not (root / LATEST).exists():
+        return ""
+    newest = f" (newest: {tags[-1].name})" if tags else ""
+    return (f"{root} holds another run's checkpoints{newest}: continue that run with run.resume=true, delete "
+            "them with run.overwrite=true, or set another run.output_dir")
 
 
 def prepare_output_dir(cfg) -> str:

@@ -250,17 +250,23 @@ WHY_REPLACED = {"make install EXTRA=cuda": "the machines have no GPU: the cpu bu
 
 
 def launch(cluster_yaml: Path, head: Machine, workers: dict[str, list[Machine]], subs: Substitutions,
-           client_home: Path, monkeypatch, replace: dict[str, str] | None = None) -> Launched:
+           client_home: Path, monkeypatch, replace: dict[str, str] | None = None,
+           placeholders: dict[str, str] | None = None) -> Launched:
     """`ray up cluster_yaml` run from the repository root onto `head`, then each of `workers` ({node type:
     machines}) set up and started as Ray's autoscaler does once the cloud has given it an instance. Returns
     what ran; a command that failed leaves its node's status at update-failed (checked by the caller).
-    replace: {text: replacement} in the file's commands (each recorded, with WHY_REPLACED's reason)."""
+    replace: {text: replacement} in the file's commands (each recorded, with WHY_REPLACED's reason).
+    placeholders: {placeholder: value} in the file's text, as its user edits them before `ray up`."""
     import yaml
     from ray.autoscaler._private.commands import _set_up_config_for_head_node
     from ray.autoscaler._private.updater import NodeUpdater
     from ray.autoscaler._private.util import hash_runtime_conf, prepare_config, validate_config, with_envs
 
-    raw = yaml.safe_load(cluster_yaml.read_text())
+    text = cluster_yaml.read_text()
+    for placeholder, value in (placeholders or {}).items():
+        assert placeholder in text, f"{cluster_yaml.name} has no placeholder {placeholder}"
+        text = text.replace(placeholder, value)
+    raw = yaml.safe_load(text)
     config = prepare_config(raw)
     validate_config(config)
     for old, new in (replace or {}).items():
@@ -277,9 +283,11 @@ def launch(cluster_yaml: Path, head: Machine, workers: dict[str, list[Machine]],
     transcript: list = []
     everyone = {head.name: head, **{m.name: m for ms in workers.values() for m in ms}}
     provider = MachineProvider(everyone, transcript)
-    subs.add(f"provider {config['provider'].get('type')}",
-             "the test's machines are the instances (no cloud is reachable); Ray's own updater sets each one up "
-             "through nsenter where `ray up` uses SSH")
+    provider_type = config["provider"].get("type")
+    subs.add(f"provider {provider_type}",
+             ("the machines are the user's; " if provider_type == "local" else
+              "the test's machines are the instances (no cloud is reachable); ")
+             + "Ray's own updater sets each one up through nsenter where `ray up` uses SSH (no SSH server here)")
     config, bootstrap_file = _set_up_config_for_head_node(config, provider, no_restart=False)
     runtime_hash, mounts_hash = hash_runtime_conf(config["file_mounts"], None, config)
     head_type = config["head_node_type"]

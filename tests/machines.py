@@ -32,6 +32,7 @@ machines' files.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import os
 import shlex
@@ -368,7 +369,7 @@ def machines(specs: list[MachineSpec], shared: dict[str, Path] | None = None, ke
                  "--kill-child", "--uts", "sh", "-c",
                  _setup_script(layer, machine.hostname, binds + shared_dirs, fresh)],
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                start_new_session=True, env={"PATH": STANDARD_PATH})
+                start_new_session=True, env={"PATH": STANDARD_PATH}, preexec_fn=_end_with_this_process)
             result[spec.name] = machine
         for machine in result.values():
             _wait_ready(machine)
@@ -414,6 +415,12 @@ class _Pid1:
 
     def wait(self, timeout: float | None = None):
         return self.unshare.wait(timeout=timeout)
+
+
+def _end_with_this_process() -> None:
+    """In the child before `ip netns exec unshare ...`: SIGKILL when the process that made the machines dies,
+    however (a killed test run); unshare's --kill-child then ends the machine's PID 1, and the kernel the rest."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)      # PR_SET_PDEATHSIG
 
 
 def _wait_ready(machine: Machine) -> None:

@@ -187,6 +187,23 @@ def test_hub_model_in_the_cache_passes(tmp_path, monkeypatch):
         preflight.check_model(load_config(EMBEDDED_PATH, ["model.path=org/other"]), hub_cache=str(tmp_path))
 
 
+def test_a_second_run_into_a_used_output_directory_is_refused_in_one_line_writing_nothing(tmp_path):
+    """README: a new run refuses an output directory holding another run's checkpoints, in one line, before
+    anything starts or is written (the learner's own refusal would come after Ray, Redis and the logs)."""
+    out = tmp_path / "run"
+    (out / "checkpoints" / "update_0000008").mkdir(parents=True)
+    before = snapshot(out)
+    one_line_error(gigpo("train", EMBEDDED, f"run.output_dir={out}"),
+                   "holds another run's checkpoints (newest: update_0000008)", "run.resume=true",
+                   "run.overwrite=true")
+    assert snapshot(out) == before
+
+
+def test_a_misspelled_option_is_one_line_naming_the_command(out):
+    one_line_error(gigpo("train", EMBEDDED, "--adress", "x", f"run.output_dir={out}"),
+                   "unrecognized arguments: --adress x", "see `gigpo train --help`")
+
+
 def test_empty_alfworld_data(tmp_path, out):
     (tmp_path / "alfworld").mkdir()
     one_line_error(gigpo("train", EMBEDDED, f"run.output_dir={out}", "env.source=data",

@@ -166,3 +166,26 @@ def test_a_lost_part_is_said_in_a_few_lines_with_the_newest_checkpoint_and_the_r
     from common.config import load_config
     cfg = load_config(command[2], [a for a in command[3:] if "=" in a and not a.startswith("--")])
     assert cfg.run.resume and not cfg.run.overwrite and not cfg.run.resume_tag
+
+
+def test_status_lists_the_groups_the_learner_set_aside(tmp_path, redis_url, capsys):
+    """`gigpo status --dead-letters N`: the newest N entries of the run's dead-letter stream (job.json names
+    the stream), newest first, each with its reason; the rest counted."""
+    from common.config import StreamConfig
+    from common.stream import TrajectoryStream, stream_key
+
+    cfg = StreamConfig(run_id="dl-demo")
+    write_job_file(str(tmp_path), "demo", redis_url, "", run_id=cfg.run_id, stream=stream_key(cfg))
+    assert cli.main(["status", "--output-dir", str(tmp_path), "--dead-letters"]) == 0
+    assert capsys.readouterr().out.strip() == "dead-letter stream gigpo:dl-demo:groups:dead: empty"
+    reader = TrajectoryStream(redis_url, cfg)
+    client = connect(redis_url)
+    for n in range(3):      # entries no producer of this project writes: dead-lettered on read, with the reason
+        client.xadd(stream_key(cfg), {"hello": f"world {n}"})
+    assert reader.read(max_groups=3, block_ms=100) == []
+    assert cli.main(["status", "--output-dir", str(tmp_path), "--dead-letters", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "dead-letter stream gigpo:dl-demo:groups:dead: 3 group(s), newest first"
+    assert len(lines) == 4 and lines[3] == "  ... 1 older"
+    assert all(" UTC  entry " in line and "by learner-0: " in line for line in lines[1:3]), lines
+    assert "by learner-0: " in lines[1] and lines[1].split(": ", 1)[1] == reader.dead_letters()[-1][b"reason"].decode()

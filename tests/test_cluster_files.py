@@ -61,6 +61,11 @@ def machines_here():
     reason = machines_unavailable()
     if reason:
         pytest.skip(f"machines made of namespaces: {reason}")
+    # The machines' `make install` must find this venv up to date (it cannot reach PyPI): as `make test`
+    # leaves it. After an edit of the Makefile, setup.cfg or a lock file, `make install` first.
+    stale = subprocess.run(["make", "-q", "install"], cwd=REPO, capture_output=True)
+    if stale.returncode != 0:
+        pytest.fail("the venv is older than the Makefile, setup.cfg or a lock file: run `make install` first")
 
 
 # -- cheap: every cluster file --------------------------------------------------------------------------------
@@ -251,7 +256,7 @@ def test_kuberay_manifests_as_written_train(machines_here, tmp_path):
             "rollout-cpu": f"{name}-rollout-cpu-worker-b3n8v", "submitter": f"{ray_job['metadata']['name']}-m2c6w"}
     service = head_service(name)
     hosts = {service: "head", service.split(".")[0]: "head", "gigpo-redis": "redis",
-             f"gigpo-redis.default.svc.cluster.local": "redis"}
+             "gigpo-redis.default.svc.cluster.local": "redis"}
     specs = [MachineSpec(key, hostname=pod, hosts=hosts) for key, pod in pods.items()]
     efs = tmp_path / "efs"          # the ReadWriteMany volume (PVC gigpo-shared)
     efs.mkdir()
@@ -353,3 +358,116 @@ def _alive_nodes(head, env: dict, cwd: str) -> int:
     script = "import ray; ray.init(address='auto', log_to_driver=False); print(sum(n['Alive'] for n in ray.nodes()))"
     done = head.run(["python", "-c", script], env=env, cwd=cwd, timeout_s=120)
     return int(done.stdout.split()[-1]) if done.returncode == 0 and done.stdout.split() else 0
+
+
+# -- `ray up deploy/ray-cluster-onprem.yaml`: your own machines, no shared filesystem -------------------------
+
+ONPREM = REPO / "deploy" / "ray-cluster-onprem.yaml"
+ONPREM_USER = "ops"
+
+# A GPU host here: nvidia-smi lists one GPU (what the worker's start command asks), while the project's own
+# CPU settings stand, since there is none (the project picks them by the same tool otherwise).
+GPU_HOST_NVIDIA_SMI = "#!/bin/sh\n[ \"$1\" = -L ] && echo 'GPU 0: emulated GPU (UUID: GPU-test)' && exit 0\nexit 9\n"
+
+
+def test_the_doc_brings_up_the_onprem_file():
+    commands = doc_block("onprem")
+    assert commands[0] == ["ray", "get-auth-token", "--generate"]
+    assert commands[1] == ["export", "RAY_AUTH_MODE=token"]
+    assert commands[2] == ["ray", "up", "deploy/ray-cluster-onprem.yaml"]
+    assert commands[3][:3] == ["ray", "dashboard", "deploy/ray-cluster-onprem.yaml"]
+    assert commands[4][:7] == ["ray", "job", "submit", "--address", "http://localhost:8265", "--", "bash"]
+
+
+@pytest.mark.slow
+@pytest.mark.multinode
+@pytest.mark.timeout(1200)
+@pytest.mark.fault
+def test_onprem_file_as_written_trains_without_a_shared_filesystem(machines_here, tmp_path, monkeypatch):
+    """Three machines of the user's: the head (no GPU), a GPU host and a CPU host, no filesystem in common.
+    The file's commands as written (placeholders filled in), the job submitted as docs/deploy.md shows: each
+    worker declared its kind itself, every role ran on its kind, and the head holds the whole record of the
+    run (metrics, groups.jsonl for `gigpo view`) although learner rank 0 runs on the GPU host. Then the GPU
+    host is lost: the job ends in docs/deploy.md's three lines, the second saying that the checkpoints are
+    on the lost machine, not on the head."""
+    subs = Substitutions()
+    commands = doc_block("onprem")
+    client = tmp_path / "client"
+    (client / ".ssh").mkdir(parents=True)
+    (client / ".ssh" / "id_ed25519").write_text("not a key: the test reaches its machines without SSH\n")
+    token = subprocess.run([str(VENV_BIN / "ray"), "get-auth-token", "--generate"], env={
+        "HOME": str(client), "PATH": f"{VENV_BIN}:/usr/bin:/bin"}, capture_output=True, text=True, timeout=60)
+    assert token.returncode == 0, token.stderr
+    data = tmp_path / "data"
+    data.mkdir()
+    archive = alfworld_archive(data)
+    specs = [MachineSpec(name, user=ONPREM_USER) for name in ("head-host", "gpu-host", "cpu-host")]
+    t0 = time.monotonic()
+    with machines(specs, shared={"/srv/archive": data}, keep_logs=tmp_path / "logs") as ms:
+        head, gpu, cpu = ms["head-host"], ms["gpu-host"], ms["cpu-host"]
+        for m in ms.values():
+            m.run(["bash", "-c", f"mkdir -p ~/gigpo && ln -s {shlex.quote(str(REPO / '.venv'))} ~/gigpo/.venv"],
+                  check=True)
+            m.write_text(f"{m.home}/.bashrc", m.read_text(f"{m.home}/.bashrc")
+                         + f"export ALFWORLD_SOURCE=/srv/archive/{archive.name}\n")
+        gpu.write_text("/usr/local/bin/nvidia-smi", GPU_HOST_NVIDIA_SMI, mode=0o755)
+        gpu.write_text(f"{gpu.home}/.bashrc", gpu.read_text(f"{gpu.home}/.bashrc")
+                       + "export DS_ACCELERATOR=cpu VLLM_CPU_KVCACHE_SPACE=1\n")
+        subs.add("~/gigpo/.venv", "a link to the venv this machine installed: `make install` finds it up to "
+                                  "date (the file mount leaves .venv out, and PyPI is unreachable here)")
+        subs.add("make data's download", "ALFWORLD_SOURCE in each machine's ~/.bashrc names a local archive of "
+                                         "the repository's test games (no internet here)")
+        subs.add("gpu-host's GPU", "nvidia-smi is a stand-in that lists one GPU, and its ~/.bashrc sets what the "
+                                   "project sets on a CPU node (DS_ACCELERATOR=cpu, VLLM_CPU_KVCACHE_SPACE=1)")
+        subs.add("ssh_private_key", "a placeholder file: the test reaches its machines without SSH")
+        launched = launch(ONPREM, head, {"local.cluster.node": [gpu, cpu]}, subs, client, monkeypatch,
+                          placeholders={"HEAD_HOST": head.ip, "[GPU_HOST_1, CPU_HOST_1]": f"[{gpu.ip}, {cpu.ip}]",
+                                        "YOUR_USER": ONPREM_USER, "~/.ssh/id_ed25519": "~/.ssh/id_ed25519"})
+        print(subs.report())
+        assert not launched.failed(), launched.failed()
+        subs.add("ray dashboard", "the submission runs on the head, where localhost:8265 is the dashboard")
+        client_env = dict(arg.split("=", 1) for arg in commands[1][1:])
+        submit = [arg.replace("YOUR_USER", ONPREM_USER) for arg in commands[4]] + CPU_OVERRIDES
+        job = head.popen(session_argv(shlex.join(submit)), env=head.login_env(**client_env),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        run_dir = f"/home/{ONPREM_USER}/gigpo/runs/alfworld"
+        checkpoint = f"{run_dir}/checkpoints/update_0000002"
+
+        def lines_of(path: str) -> list[dict]:
+            return [json.loads(x) for x in head.read_text(path).splitlines()] if head.exists(path) else []
+
+        deadline = time.monotonic() + 600
+        while len(lines_of(f"{run_dir}/metrics.jsonl")) < 2 or not gpu.exists(checkpoint):
+            assert job.poll() is None, job.stdout.read()[-8000:]
+            assert time.monotonic() < deadline, "two updates and their checkpoint not done within 600 s"
+            time.sleep(1)
+        groups = lines_of(f"{run_dir}/groups.jsonl")
+        placement = head.read_text(f"{run_dir}/logs/driver.log")
+        head_checkpoints = head.exists(checkpoint)
+        gpu.lose()
+        try:
+            out, _ = job.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            job.kill()
+            out, _ = job.communicate()
+            raise AssertionError(f"the job did not end within 300 s of its node's loss:\n{out[-8000:]}")
+    print(f"all {time.monotonic() - t0:.0f} s")
+    # groups.jsonl is on the head, written by the driver from learner rank 0's records: a line per update.
+    assert [g["update"] for g in groups][:2] == [1, 2] and all(g["groups"] for g in groups)
+    assert re.search(rf"learner-0 on {re.escape(gpu.ip)} ", placement), placement[-3000:]
+    assert re.search(rf"inference-0 on {re.escape(gpu.ip)} ", placement), placement[-3000:]
+    assert re.search(rf"rollout-0 on {re.escape(cpu.ip)} ", placement), placement[-3000:]
+    assert not head_checkpoints
+    assert "Traceback" not in out, out[-8000:]
+    lines = out.splitlines()
+    first = [i for i, line in enumerate(lines) if line.startswith("gigpo: the run lost")]
+    assert first, out[-8000:]
+    message = lines[first[0]:first[0] + 3]
+    node = f"{gpu.ip} ({gpu.hostname})"
+    assert message[0] == (f"gigpo: the run lost learner rank 0 on node {node}: the node is gone (it left the "
+                          "Ray cluster)"), message
+    assert message[1] == (f"no complete checkpoint in {run_dir}/checkpoints on this node (learner rank 0 wrote "
+                          f"its checkpoints on its own node, {node}: there, unless a filesystem both nodes mount "
+                          "holds run.output_dir): a resumed run starts from update 0"), message
+    assert shlex.split(message[2].removeprefix("resume with: ")) == [*submit[submit.index("--") + 1:],
+                                                                     "run.resume=true"], message

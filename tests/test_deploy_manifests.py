@@ -72,20 +72,26 @@ def test_ray_cluster_config_passes_rays_own_validation():
         _ray_validate(bad)
 
 
-def test_ray_cluster_installs_with_the_makefile_and_uses_token_auth():
-    config = yaml.safe_load((DEPLOY / "ray-cluster.yaml").read_text())
-    assert "cd ~/gigpo && make install" in config["setup_commands"]
-    assert not any("pip install" in c for c in config["setup_commands"] + config["head_setup_commands"])
+@pytest.mark.parametrize("name, install", [("ray-cluster.yaml", "cd ~/gigpo && make install EXTRA=cuda"),
+                                           ("ray-cluster-onprem.yaml", "cd ~/gigpo && make install")])
+def test_the_launcher_files_install_with_the_makefile_and_use_token_auth(name, install):
+    """What tests/test_cluster_files.py runs, read: the Makefile installs (no pip of its own, no package's
+    Redis service on the head), every `ray start` and login shell with the token, the stream's Redis from
+    the project's venv (`gigpo redis`: its password in a file, on no command line)."""
+    config = yaml.safe_load((DEPLOY / name).read_text())
+    commands = [c for key in ("setup_commands", "head_setup_commands", "worker_setup_commands",
+                              "head_start_ray_commands", "worker_start_ray_commands") for c in config[key]]
+    assert install in config["setup_commands"]
+    assert "cd ~/gigpo && make data ONLY=alfworld" in config["setup_commands"]
+    assert not any("pip install" in c or "redis-server" in c or "redis-tools" in c for c in commands)
+    assert any("RAY_AUTH_MODE=token" in c and "~/.bashrc" in c for c in config["setup_commands"])
     for cmd in config["head_start_ray_commands"] + config["worker_start_ray_commands"]:
         if "ray start" in cmd:
             assert "RAY_AUTH_MODE=token" in cmd and "--metrics-export-port=8080" in cmd
     assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
     assert config["file_mounts"]["~/gigpo"] == "."
-    redis_cmd = next(c for c in config["head_start_ray_commands"] if "redis-server" in c)
-    assert "--appendonly yes" in redis_cmd and "--port 6380" in redis_cmd
-    # The password reaches redis-server on stdin (`redis-server -`) and redis-cli in REDISCLI_AUTH: in no argv.
-    assert "printf 'requirepass %s\\n'" in redis_cmd and "| redis-server - " in redis_cmd
-    assert "--requirepass" not in redis_cmd and " -a " not in redis_cmd and "REDISCLI_AUTH=" in redis_cmd
+    (redis_cmd,) = [c for c in config["head_start_ray_commands"] if c.startswith("gigpo redis")]
+    assert "--port 6380" in redis_cmd and "--password-file ~/.gigpo/redis_password" in redis_cmd
 
 
 # ---------------------------------------------------------------------------------------------------------

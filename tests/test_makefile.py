@@ -20,12 +20,13 @@ MAKE = shutil.which("make")
 pytestmark = pytest.mark.skipif(MAKE is None, reason="no make")
 
 
-def dry_run(venv: Path, *args: str) -> list[str]:
+def dry_run(venv: Path, *args: str, path_first: Path | None = None) -> list[str]:
     """The commands `make -n <args> VENV=venv` would run, as a user types it (not as a sub-make of
-    `make test`), on a machine without nvidia-smi."""
+    `make test`), on a machine without nvidia-smi (path_first: a directory put first on PATH)."""
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "EXTRA")}
-    env["PATH"] = os.pathsep.join(d for d in env.get("PATH", "").split(os.pathsep)
-                                  if d and not os.path.exists(os.path.join(d, "nvidia-smi")))
+    env["PATH"] = os.pathsep.join([*([str(path_first)] if path_first else []),
+                                   *(d for d in env.get("PATH", "").split(os.pathsep)
+                                     if d and not os.path.exists(os.path.join(d, "nvidia-smi")))])
     done = subprocess.run([MAKE, "--no-print-directory", "-n", *args, f"VENV={venv}"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
@@ -62,3 +63,18 @@ def test_a_fresh_venv_without_nvidia_smi_gets_the_cpu_build(tmp_path):
     # The same with EXTRA=cuda given: the cuda build, whatever the machine.
     forced = dry_run(venv, "install", "EXTRA=cuda")
     assert any('".[cuda,redis,test]"' in line and "lock-cuda.txt" in line for line in pip_installs(forced)), forced
+
+
+@pytest.mark.parametrize("listing, rc, build", [
+    ("GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)\n", 0, "cuda"),
+    # A GPU image booted on a CPU instance: the driver's nvidia-smi is there, but finds no GPU.
+    ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\n", 9, "cpu"),
+], ids=["lists-a-gpu", "driver-without-gpu"])
+def test_a_fresh_venv_gets_cuda_only_where_nvidia_smi_lists_a_gpu(tmp_path, listing, rc, build):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stub = bin_dir / "nvidia-smi"           # stands in for the driver's tool: what it prints for `-L`
+    stub.write_text(f"#!/bin/sh\nprintf '%s' '{listing}'\nexit {rc}\n")
+    stub.chmod(0o755)
+    installs = pip_installs(dry_run(tmp_path / "venv", "install", path_first=bin_dir))
+    assert any(f'".[{build},redis,test]"' in line and f"lock-{build}.txt" in line for line in installs), installs

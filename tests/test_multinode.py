@@ -4,10 +4,11 @@ worker with its own /dev/shm and /tmp), and training runs placed across them.
 - the harness itself: an actor on each node by resource, on different nodes, reaching each other over the
   veth, the worker seeing neither the head's /dev/shm nor its output directory;
 - the learner on the head, inference and rollout actors on the worker, weights pushed by the `collective`
-  transfer (gloo), the embedded Redis: `gigpo train` run on the head;
-- docs/deploy.md's layout: a head with no CPUs runs only the driver, every role on the worker, submitted
-  with the `ray job submit` command exactly as docs/deploy.md writes it; then the worker, the learner's
-  node, is lost and the job ends as docs/deploy.md says.
+  transfer (gloo, which `inference.weight_transfer=auto` picks across nodes), the embedded Redis: `gigpo
+  train` run on the head; the worker lost and back.
+
+The shipped cluster files' layout (a head with no CPUs, every role on workers, `ray job submit`), a lost
+learner node's three lines included: tests/test_cluster_files.py.
 
 `pytest -m multinode` runs these alone. They need root (namespaces); elsewhere they skip, saying why.
 """
@@ -25,7 +26,6 @@ from pathlib import Path
 
 import pytest
 
-from deploy.run_control import EXIT_LOST
 from tests.accounting import assert_no_group_lost
 from tests.multinode import (REPO, VENV_BIN, head_start_argv, namespaces_unavailable, two_node_cluster,
                              worker_binds, worker_private_argv, worker_sees_head_path, worker_shared_paths,
@@ -178,13 +178,10 @@ def in_run_dir(command: list[str], run_dir: Path) -> list[str]:
 
 def test_doc_commands_are_the_ones_the_tests_run():
     """Cheap, runs everywhere (root or not): docs/deploy.md's node commands match the harness's (the slow
-    tests below run the rest of each block as written)."""
-    submit = doc_layout("all-on-worker", head_cpus=0, worker_cpus=4)
-    assert submit[:5] == ["ray", "job", "submit", "--address", f"http://{HEAD_IP}:8265"]
-    assert submit[5:8] == ["--", ".venv/bin/gigpo", "train"]
+    test below runs the rest of the block as written)."""
     driver = doc_layout("learner-on-head", head_cpus=1, worker_cpus=2)
     assert driver[:3] == [".venv/bin/gigpo", "train", "configs/embedded.yaml"]
-    assert "inference.weight_transfer=collective" in driver
+    assert not any(arg.startswith("inference.weight_transfer=") for arg in driver)     # auto
 
 
 def _run_metrics(run_dir: Path) -> list[dict]:
@@ -316,70 +313,7 @@ def test_learner_on_head_rollout_and_inference_on_worker_which_is_lost_and_comes
     status = record["gigpo_status"]
     assert re.search(rf"^\s*{re.escape(WORKER_IP)} .*rollout-0", status, re.M), status
     assert re.search(rf"^\s*{re.escape(HEAD_IP)} .*learner-0", status, re.M), status
-    # The weights went by the collective transfer: the new worker's engine joined a gloo group with the
-    # learner (an shm push never makes one).
+    # The weights went by the collective transfer, which `auto` chose: the new worker's engine joined a gloo
+    # group with the learner (an shm push never makes one).
     transfer = inference["transfer_state"]
     assert transfer["backend"] == "gloo" and transfer["group"], transfer
-
-
-# -- docs/deploy.md's layout: the driver alone on the head, every role on the worker, `ray job submit` --------
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-@pytest.mark.fault
-def test_documented_layout_submitted_with_ray_job_submit_ends_in_three_lines_when_its_node_is_lost(
-        namespaces, tmp_path):
-    """The head offers no CPUs and runs only the job's driver; learner, inference and rollout all run on the
-    worker, where the learner finds its rendezvous on its own node. Submitted with docs/deploy.md's
-    `ray job submit` command as written (from the checkout, the doc's run.output_dir replaced by this
-    test's, run.iterations raised so that the run is still going when its node goes): the job's environment
-    is what the head's Ray gives it, nothing from env.sh or make.
-
-    After the second update the worker, and with it learner rank 0, is lost (every process SIGKILLed, its
-    /tmp gone: a reclaimed spot node). The job ends as docs/deploy.md ("When the learner's node is lost")
-    says: `gigpo train`'s exit status 3 and three lines, no traceback: the rank and the node it was on, that
-    no checkpoint is on the driver's node (the learner wrote its own on the lost node: the doc's layout has
-    no shared filesystem), and the command that resumes."""
-    submit = doc_layout("all-on-worker", head_cpus=0, worker_cpus=4)
-    assert "run.iterations=2" in submit
-    submit = ["run.iterations=1000" if arg == "run.iterations=2" else arg for arg in submit]
-    run_dir, worker_logs = tmp_path / "run", tmp_path / "worker-run-logs"
-    metrics_path = run_dir / "metrics.jsonl"
-    t0 = time.monotonic()
-    with two_node_cluster(head_cpus=0, worker_cpus=4, keep_logs=tmp_path / "logs") as cluster:
-        t_up = time.monotonic() - t0
-        job = cluster.popen_on_head(in_run_dir(submit, run_dir), stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True)
-        _wait_for_updates(job, metrics_path, 2, timeout_s=480)
-        # What the worker's actors wrote, before the node (and its /tmp) goes.
-        worker_saw_run_dir = cluster.worker_can_see(run_dir / "logs")
-        cluster.copy_worker_dir(str(run_dir / "logs"), worker_logs)
-        cluster.lose_worker()
-        t_lost = time.monotonic()
-        out = _output_when_ended(job, 300, "the job")
-        t_end = time.monotonic() - t_lost
-    print(f"two nodes up in {t_up:.0f} s, the job ended {t_end:.0f} s after its node was lost, "
-          f"all {time.monotonic() - t0:.0f} s")
-    assert job.returncode != 0 and "failed" in out, out[-6000:]
-    assert worker_saw_run_dir
-    # Every actor writes its log file on the node it runs on: all three roles ran on the worker, none on
-    # the head, whose copy of the run holds the driver's log only.
-    assert {"learner-0.log", "inference-0.log", "rollout-0.log"} <= {p.name for p in worker_logs.glob("*.log")}
-    assert {p.name for p in (run_dir / "logs").glob("*.log")} == {"driver.log"}
-    assert [m["step"] for m in _run_metrics(run_dir)][:2] == [1, 2]
-    # The lost node, in three lines, no traceback and no warning of the parts that needed it (`ray job
-    # submit` shows the job's output, says it failed with gigpo's exit status, then repeats its last lines).
-    assert "Traceback" not in out and "WARNING" not in out, out[-6000:]
-    assert f"failed with exit code {EXIT_LOST}" in out, out[-3000:]
-    lines = out.splitlines()
-    first = [i for i, line in enumerate(lines) if line.startswith("gigpo: the run lost")]
-    assert first, out[-6000:]
-    message = lines[first[0]:first[0] + 3]
-    assert re.fullmatch(rf"gigpo: the run lost learner rank 0 on node {re.escape(WORKER_IP)} \(.+\): "
-                        r"the node is gone \(it left the Ray cluster\)", message[0]), message
-    node = message[0].split(" on node ", 1)[1].split(": ", 1)[0]       # "10.250.0.2 (hostname)"
-    assert message[1] == (f"no complete checkpoint in {run_dir / 'checkpoints'} on this node (learner rank 0 "
-                          f"wrote its checkpoints on its own node, {node}: there, unless a filesystem both nodes "
-                          "mount holds run.output_dir): a resumed run starts from update 0"), message
-    gigpo_train = in_run_dir(submit, run_dir)[submit.index("--") + 1:]
-    assert shlex.split(message[2].removeprefix("resume with: ")) == [*gigpo_train, "run.resume=true"], message

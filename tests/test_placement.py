@@ -188,3 +188,26 @@ def test_status_groups_the_actors_by_node(redis_server):
     assert lines[nodes + 3].split() == ["not", "started", "yet", "rollout-6"]
     # A record without placement (a job started by an older version) shows no node section.
     assert "nodes:" not in format_status({"run": "x", "state": "training"})
+
+
+def test_a_rollout_node_without_the_games_is_refused_in_one_line_naming_it(kinds_ray, tmp_path, monkeypatch):
+    """env.source=data: a task on every node that can host a rollout actor looks for the games there, at the
+    path every actor gets; a node without them refuses the run in one line naming the node (here the one
+    node of this Ray: the driver's check alone would not see a worker node's disk)."""
+    from deploy.preflight import PreflightError, check_rollout_nodes
+    from env_servers.data import build_metadata
+    from tests.alfworld_games import REAL_GAMES, SEEN_GAMES, extract_games
+
+    cfg = ExperimentConfig(env=EnvConfig(source="data", train_split="valid_seen", eval_split="valid_unseen"),
+                           rollout=RolloutConfig(resources={"rollout_node": 1}))
+    monkeypatch.setenv("ALFWORLD_DATA", str(tmp_path / "empty"))
+    with pytest.raises(PreflightError) as refused:
+        check_rollout_nodes(cfg, timeout_s=120)
+    node = this_node()
+    assert str(refused.value).startswith(f"node {node['ip']} ({node['hostname']}), where rollout actors may run: "
+                                         "env.source=data, but there are no ALFWorld games of split 'valid_seen' "
+                                         f"under {tmp_path / 'empty' / 'json_2.1.1'}"), refused.value
+    games = tmp_path / "alfworld"
+    build_metadata(Path(extract_games(games, (*SEEN_GAMES, *REAL_GAMES))[0]).parents[2])
+    monkeypatch.setenv("ALFWORLD_DATA", str(games))
+    check_rollout_nodes(cfg, timeout_s=120)           # every such node has them: nothing to say

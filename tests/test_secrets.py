@@ -5,9 +5,11 @@ files and Ray's session logs are searched afterwards; fast tests cover URLs a us
 stream.redis_password_file, in $GIGPO_REDIS_PASSWORD) and what `gigpo status` finds."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -162,6 +164,40 @@ def test_entrypoint_hands_over_the_password_source_not_the_password(users_redis,
                           text=True, timeout=120)
     assert proc.returncode == 2 and "refused the credentials" in proc.stderr, proc.stderr
     assert f"redis://localhost:{users_redis.port}" in proc.stderr
+
+
+def test_gigpo_redis_starts_the_clusters_stream_redis_once_its_password_on_no_command_line(tmp_path, free_port):
+    """`gigpo redis` (deploy/ray-cluster*.yaml's head start command): a daemon with an append-only file and no
+    eviction, its password made once in an owner-only file and never on a command line; run again, it finds
+    it running and leaves it; a port held by a Redis that refuses the password is one line, exit status 2."""
+    port, data, password_file = free_port(), tmp_path / "redis", tmp_path / "secret" / "redis_password"
+    command = [str(REPO / ".venv" / "bin" / "gigpo"), "redis", "--port", str(port), "--dir", str(data),
+               "--password-file", str(password_file), "--maxmemory-mb", "64"]
+    try:
+        first = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        assert first.returncode == 0 and first.stdout.startswith("gigpo redis: started on 0.0.0.0:"), first
+        password = password_file.read_text().strip()
+        assert len(password) >= 32 and password_file.stat().st_mode & 0o077 == 0
+        pid = int((data / "redis.pid").read_text())
+        server = psutil.Process(pid)
+        assert all(password not in " ".join(p.cmdline()) for p in psutil.process_iter() if p.is_running())
+        client = redis.Redis(host="127.0.0.1", port=port, password=password)
+        assert client.config_get("appendonly") == {"appendonly": "yes"}
+        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+        assert client.config_get("maxmemory") == {"maxmemory": str(64 * 2**20)}
+        again = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        assert again.returncode == 0 and again.stdout.startswith("gigpo redis: running on"), again
+        assert int((data / "redis.pid").read_text()) == pid and server.is_running()
+        other = tmp_path / "other_password"
+        other.write_text("not-the-password\n")
+        refused = subprocess.run([*command[:-4], "--password-file", str(other)], capture_output=True, text=True,
+                                 timeout=60)
+        assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused
+        assert f"port {port} is taken by a Redis that refuses the password" in refused.stderr
+    finally:
+        with contextlib.suppress(FileNotFoundError, ValueError, ProcessLookupError):
+            os.kill(int((data / "redis.pid").read_text()), signal.SIGTERM)
+    psutil.wait_procs([server], timeout=30)
 
 
 def test_embedded_redis_on_this_nodes_address(tmp_path):

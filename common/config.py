@@ -84,7 +84,9 @@ class EnvConfig:
 class RolloutConfig:
     num_actors: int = F(1, "rollout actors at start (scale with `gigpo scale` while running)", AT_LEAST_0)
     groups_per_actor: int = F(2, "episode groups each rollout actor runs concurrently", AT_LEAST_1)
-    group_size: int = F(8, "N: trajectories per episode group, all reset to the same task and seed", AT_LEAST_1)
+    group_size: int = F(8, "N: trajectories per episode group, all reset to the same task and seed",
+                        ((lambda v: v >= 2), "must be >= 2: the advantages normalize each trajectory against the "
+                                             "others of its group (one alone would get 0 everywhere)"))
     history_length: int = F(2, "K: past (observation, action) pairs shown in each prompt", AT_LEAST_0)
     temperature: float = F(1.0, "sampling temperature for training rollouts", POSITIVE)
     eval_temperature: float = F(0.4, "sampling temperature for evaluation", POSITIVE)
@@ -139,7 +141,8 @@ class StreamConfig:
     reclaim_idle_s: float = F(60.0, "pending groups of a consumer idle this long are reclaimed by another "
                                     "(must exceed the longest read-to-ack time of a live learner)", POSITIVE)
     publish_timeout_s: float = F(600.0, "a producer blocked by backpressure this long raises TimeoutError", POSITIVE)
-    embedded_dir: str = F("", 'data dir of the embedded redis-server; "" makes a temporary one')
+    embedded_dir: str = F("", 'data dir of the embedded redis-server; "": <run.output_dir>/redis, removed when the '
+                              "run finishes (a run that ends early keeps it: its resume continues the stream)")
     embedded_aof: bool = F(True, "embedded redis-server keeps an append-only file (survives a restart)")
     embedded_maxmemory_mb: int = F(4096, "memory bound of the embedded redis-server; when full, producers wait "
                                          "for the learner, then fail with a message; 0: no bound", AT_LEAST_0)
@@ -200,7 +203,9 @@ class RunConfig:
     name: str = F("gigpo", "experiment name (also the TensorBoard run name)", NAMED)
     output_dir: str = F("runs/default", "checkpoints, logs and TensorBoard files go here", NAMED)
     seed: int = F(0, "seed of every random draw", AT_LEAST_0)
-    iterations: int = F(150, "learner updates to run", AT_LEAST_0)
+    iterations: int = F(150, "learner updates to run",
+                        ((lambda v: v >= 1), "must be >= 1 (to evaluate a model or checkpoint without training: "
+                                             "gigpo eval)"))
     eval_every: int = F(5, "updates between evaluations; 0 disables them", AT_LEAST_0)
     eval_episodes: int = F(0, "episodes per evaluation; 0: the whole eval split", AT_LEAST_0)
     record_groups: int = F(2, "training groups per update written step by step, with GiGPO and GRPO advantages, "
@@ -325,6 +330,21 @@ def validate(cfg: ExperimentConfig) -> None:
     if cfg.run.resume and cfg.run.overwrite:
         raise ConfigError("run.resume=true continues the run in run.output_dir, run.overwrite=true deletes its "
                           "checkpoints; set only one", "run.overwrite", "run.resume")
+    shortest = cfg.model.max_response_tokens + 1         # a whole response and one prompt token
+    if cfg.learner.micro_batch_tokens < shortest:
+        raise ConfigError(
+            f"learner.micro_batch_tokens ({cfg.learner.micro_batch_tokens}) is smaller than one row with a whole "
+            f"response (model.max_response_tokens + 1 = {shortest}): every row would be a micro-batch of its own; set it to "
+            f"at least the longest row, model.max_prompt_tokens + model.max_response_tokens = "
+            f"{cfg.model.max_prompt_tokens + cfg.model.max_response_tokens} (a longer row goes alone)",
+            "learner.micro_batch_tokens", "model.max_response_tokens")
+    inf = cfg.inference
+    if inf.generate_timeout_s <= inf.transfer_timeout_s:
+        raise ConfigError(
+            f"inference.generate_timeout_s ({inf.generate_timeout_s:g}) must exceed inference.transfer_timeout_s "
+            f"({inf.transfer_timeout_s:g}): a request waits for a weight load, and would be given up on a healthy "
+            f"actor; raise inference.generate_timeout_s", "inference.generate_timeout_s",
+            "inference.transfer_timeout_s")
     if cfg.run.sync and cfg.rollout.num_actors < 1:
         raise ConfigError("run.sync=true needs rollout.num_actors >= 1 (sync mode plays each batch with the "
                           "actors it starts with)", "rollout.num_actors", "run.sync")

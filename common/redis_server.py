@@ -247,6 +247,31 @@ def _die_with_parent() -> None:
         pass
 
 
+OWNER_FILE = "owner.pid"      # in each temporary directory of an EmbeddedRedis: the process that made it
+
+
+def _temp_dir(prefix: str) -> str:
+    """A private temporary directory (0700) naming this process as its owner (see sweep_orphaned_dirs)."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    Path(path, OWNER_FILE).write_text(f"{os.getpid()}\n")
+    return path
+
+
+def sweep_orphaned_dirs() -> list[str]:
+    """Remove the temporary directories of EmbeddedRedis servers whose owner process is gone (a driver killed
+    with SIGKILL cannot remove its own: its redis-server died with it, PR_SET_PDEATHSIG). Returns them."""
+    removed = []
+    for path in Path(tempfile.gettempdir()).glob("gigpo-redis-*"):
+        try:
+            owner = int((path / OWNER_FILE).read_text())
+            os.kill(owner, 0)                   # raises when no such process exists
+        except (OSError, ValueError) as exc:
+            if isinstance(exc, ProcessLookupError) and path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(str(path))
+    return removed
+
+
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -276,7 +301,7 @@ class EmbeddedRedis:
         self.binary = binary or find_redis_server()
         self.die_with_parent = die_with_parent
         self._own_dir = data_dir is None
-        self.data_dir = data_dir or tempfile.mkdtemp(prefix="gigpo-redis-")
+        self.data_dir = data_dir or _temp_dir("gigpo-redis-")
         self._secret_dir = self.data_dir if self._own_dir else ""    # made by start() for a given data_dir
         self._proc: subprocess.Popen | None = None
 
@@ -293,7 +318,7 @@ class EmbeddedRedis:
 
     def _write_secret(self, name: str, text: str) -> Path:
         if not self._secret_dir:
-            self._secret_dir = tempfile.mkdtemp(prefix="gigpo-redis-secret-")     # mode 0700
+            self._secret_dir = _temp_dir("gigpo-redis-secret-")     # mode 0700
         path = Path(self._secret_dir) / name
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -497,17 +522,20 @@ def ray_cluster_host() -> str | None:
     return host
 
 
-def redis_for(cfg: StreamConfig, host: str | None = None) -> tuple[str, EmbeddedRedis | None]:
+def redis_for(cfg: StreamConfig, host: str | None = None, data_dir: str = "") -> tuple[str, EmbeddedRedis | None]:
     """The URL to use, and the server started for it (None when `cfg.redis_url` names an existing Redis).
     The caller owns the server: stop it when done. A user's URL gets its password from its sources
     (`resolve_password`); an embedded server listens on `host` too (default: `ray_cluster_host()`, this
-    node's Ray IP on a cluster), and its URL names that address."""
+    node's Ray IP on a cluster), and its URL names that address. Its data directory: `cfg.embedded_dir`, else
+    `data_dir` (a run's: kept by the caller), else a temporary one; an existing one's append-only file is
+    loaded. The temporary directories of killed earlier owners are removed first (`sweep_orphaned_dirs`)."""
     if cfg.redis_url:
         resolve_password(cfg)
         return cfg.redis_url, None
+    sweep_orphaned_dirs()
     host = host or ray_cluster_host() or "127.0.0.1"
-    server = EmbeddedRedis(data_dir=cfg.embedded_dir or None, aof=cfg.embedded_aof, appendfsync="everysec",
-                           host=host, maxmemory_mb=cfg.embedded_maxmemory_mb)
+    server = EmbeddedRedis(data_dir=cfg.embedded_dir or data_dir or None, aof=cfg.embedded_aof,
+                           appendfsync="everysec", host=host, maxmemory_mb=cfg.embedded_maxmemory_mb)
     try:
         server.start()
     except RuntimeError as exc:

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 from common.config import ExperimentConfig
 from common.redis_server import password_of
-from deploy.models import PINNED, ModelError, check_gguf
+from deploy.models import PINNED, ModelError, check_gguf, models_dir
 
 
 class PreflightError(Exception):
@@ -85,6 +85,10 @@ def check_model(cfg: ExperimentConfig, hub_cache: str | None = None) -> None:
         raise PreflightError(f"model.path {path!r} is a file; point it at a model directory, a .gguf file or a "
                              "hub id")
     if local.name in PINNED:
+        prepared = models_dir() / local.name
+        if (prepared / "config.json").is_file():       # `make model` put it under another $GIGPO_MODELS
+            raise PreflightError(f"model.path {path!r} does not exist, but the prepared {PINNED[local.name].title} "
+                                 f"is in $GIGPO_MODELS: set model.path={prepared}")
         raise PreflightError(f"model.path {path!r} is not prepared yet; run `make model` (puts "
                              f"{PINNED[local.name].title} into $GIGPO_MODELS/{local.name}, by default "
                              f"./data/models/{local.name})")

@@ -75,6 +75,20 @@ def append_eval_record(out_dir: Path, record: dict, fresh: bool) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def first_evaluation(out_dir: Path) -> dict | None:
+    """The run's "before training" evaluation from <out_dir>/evals.jsonl (a resumed run measures its summary
+    from it), or None."""
+    path = out_dir / EVALS_FILE
+    for line in (path.read_text().splitlines() if path.is_file() else []):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:       # a line the killed run did not finish
+            continue
+        if record.get("when") == "before training":
+            return record
+    return None
+
+
 def eval_line(when: str, result: dict) -> str:
     """One evaluation in one line: overall success, then per task type (full names), WebShop's score."""
     parts = [f"eval {when}: success {100 * result.get('success', 0.0):.1f}% over {result.get('episodes', 0)} "

@@ -41,8 +41,8 @@ from common.stream import stream_key
 from deploy.control import ControlChannel, write_job_file
 from deploy.inference_pool import INFERENCE_STOP_S, InferencePool
 from deploy.preflight import PreflightError, check_rollout_nodes
-from deploy.reports import (PlacementWatch, append_eval_record, eval_line, format_eval, format_summary,
-                            status_record, waiting_state)
+from deploy.reports import (PlacementWatch, append_eval_record, eval_line, first_evaluation, format_eval,
+                            format_summary, status_record, waiting_state)
 from deploy.rollout_pool import RolloutPool
 from deploy.run_control import RunLost, SignalTrap, close_learners, link_ray_logs, lost_parts, start_ray, stop_ray
 from deploy.run_model import eval_model, initial_model, ship_model
@@ -54,6 +54,7 @@ from learner.trainer import LEARNER_STATE, is_complete_checkpoint, prepare_outpu
 log = logging.getLogger("gigpo")
 
 ROLLOUT_STOP_S = 30      # rollout actors told to stop without draining (they discard what is in flight)
+REDIS_DIR = "redis"      # in run.output_dir: the embedded Redis's data (its append-only file) while the run lasts
 LOST_STOP_S = 10         # rollout or inference actors, after the run lost a part: their node may be gone with it
 RATE_WINDOW = 8          # updates the progress bar's env steps/s is measured over
 WAIT_FOR_DATA_S = 10.0   # the learner's wait for a batch, between which the driver handles commands and status
@@ -86,6 +87,7 @@ class System:
         self._last_metrics: dict = {}
         self._evals_started = False         # this run has written evals.jsonl (see evaluate)
         self._training = False              # start() of a training run (not `gigpo eval`) has begun
+        self.finished = False               # every update of the run done and checkpointed (`train`)
         self._lost: list[str] = []          # what the run lost (see run_control.lost_parts), once it has ended
         self._learner_lost = False          # ... a learner rank among it: the others are not closed
 
@@ -103,7 +105,8 @@ class System:
         address = start_ray(cfg)
         self.signals.trap()           # again: ray.init replaced the SIGTERM handler
         link_ray_logs(self.log_dir)
-        check_rollout_nodes(cfg)      # the env's data on every node that may host rollout actors, not only here
+        if not eval_only:             # the env's data on every node that may host rollout actors, not only here
+            check_rollout_nodes(cfg)
         progress = self.terminal.err if self.terminal else None
         self.model_path = eval_model(cfg, scratch_dir) if eval_only else initial_model(cfg, progress)
         if eval_only:
@@ -111,7 +114,12 @@ class System:
             self.cfg = cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=self.model_path))
         self.model = ship_model(cfg, self.model_path)
         if not eval_only:
-            self.redis_url, self.redis = redis_for(cfg.stream)
+            # The embedded Redis keeps its append-only file in the run's directory: a driver killed mid-run
+            # leaves the stream's unacknowledged groups there, and the resumed run starts Redis from them (its
+            # learner trains each exactly once). A new run starts it empty; a finished one removes it.
+            if not cfg.run.resume:
+                shutil.rmtree(self.out / REDIS_DIR, ignore_errors=True)
+            self.redis_url, self.redis = redis_for(cfg.stream, data_dir=str(self.out / REDIS_DIR))
             self.channel = ControlChannel(connect(self.redis_url), cfg.stream.run_id or cfg.run.name)
             write_job_file(cfg.run.output_dir, cfg.run.name, self.redis_url, address, run_id=cfg.stream.run_id,
                            stream=stream_key(cfg.stream))
@@ -182,7 +190,7 @@ class System:
                  ("engine shared memory", lambda: shm_cleanup.remove_noted_in(self.cfg.inference.weights_dir)),
                  ("weights directory", remove_made_weights_dirs),
                  ("tracker", lambda: self.tracker and self.tracker.close()),
-                 ("redis", lambda: self.redis and self.redis.stop(cleanup=True))]     # (and its temp directory)
+                 ("redis", self._close_redis)]
         try:
             for name, step in steps:
                 try:
@@ -193,6 +201,15 @@ class System:
         finally:
             self.learners, self.redis, self.tracker = [], None, None
             self.signals.restore()
+
+    def _close_redis(self) -> None:
+        """Stop the embedded Redis; its directory in the run goes once the run has finished (a run that ended
+        early keeps it: its resume continues the stream)."""
+        if self.redis is None:
+            return
+        self.redis.stop(cleanup=True)
+        if self.finished and self.redis.data_dir == str(self.out / REDIS_DIR):
+            shutil.rmtree(self.redis.data_dir, ignore_errors=True)
 
     def _say_closing(self, msg: str, *args) -> None:
         """A part that failed to stop: a warning, but only a log line after a lost part (expected then)."""
@@ -342,13 +359,19 @@ def train(cfg: ExperimentConfig) -> dict:
         system.terminal = terminal
         terminal.print(f"run {cfg.run.name}: starting (logs in {log_dir})")
         system.start()
-        before = system.evaluate(record="before training") if cfg.run.eval_every else None
-        if before:
-            terminal.print(eval_line("before training", before))
+        if system.update == 0:
+            before = system.evaluate(record="before training") if cfg.run.eval_every else None
+            if before:
+                terminal.print(eval_line("before training", before))
+        else:          # a resumed run: the summary is measured from the run's first evaluation
+            before = first_evaluation(system.out) if cfg.run.eval_every else None
+            terminal.print(f"resumed at update {system.update}"
+                           + (f"; {eval_line('before training', before)}" if before else ""))
         t0 = time.perf_counter()
         history = system.train()
         train_s = time.perf_counter() - t0
         ray.get([w.save_checkpoint.remote() for w in system.learners])
+        system.finished = True
         after = system.evaluate(record="after training") if cfg.run.eval_every else None
         if after:
             terminal.print(eval_line("after training", after))

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from common.config import EnvConfig
 from common.metrics import ActorMetrics
 from env_servers.base import EnvReport
+from env_servers.registry import data_env
 
 
 @dataclass
@@ -37,8 +38,11 @@ class InstanceResult:
     restarted: bool = False
 
 
-def _worker_main(conn, env_cfg: EnvConfig, seed: int) -> None:
-    """Serve requests for the instances of one worker until told to close or the pipe closes."""
+def _worker_main(conn, env_cfg: EnvConfig, seed: int, data: dict[str, str]) -> None:
+    """Serve requests for the instances of one worker until told to close or the pipe closes. data: the data
+    directories' variables as the pool's process resolved them (a fork server started earlier has the
+    environment of its own start, which its children would otherwise inherit)."""
+    os.environ.update(data)
     from env_servers.registry import make_env
     envs: dict[int, object] = {}
     lister = None
@@ -95,7 +99,8 @@ class _Worker:
 
     def _start_process(self) -> None:
         parent, child = self.ctx.Pipe()
-        self.process = self.ctx.Process(target=_worker_main, args=(child, self.env_cfg, self.seed),
+        self.process = self.ctx.Process(target=_worker_main, args=(child, self.env_cfg, self.seed,
+                                                                    data_env(self.env_cfg)),
                                         name=f"env-worker-{self.index}", daemon=True)
         self.process.start()
         child.close()

@@ -68,7 +68,14 @@ def out(tmp_path) -> Path:
     ("run.learner_cpus=0-x", ["run.learner_cpus", "CPU list '0-x'"]),
     ("run.resume_tag=update_0000008", ["run.resume_tag is set but run.resume is false", "run.resume=true"]),
     (f"stream.redis_url=http://:{SECRET}@127.0.0.1:1/0", ["stream.redis_url", "redis://, rediss:// or unix://"]),
-], ids=["choice", "deadlock", "negative-lag", "typo", "gamma", "cpu-list", "resume-tag", "redis-scheme"])
+    ("rollout.group_size=1", ["rollout.group_size = 1 is not allowed; it must be >= 2", "(one alone would get 0"]),
+    ("learner.micro_batch_tokens=10", ["learner.micro_batch_tokens (10) is smaller than one row",
+                                       "model.max_response_tokens + 1 = 49", "at least the longest row"]),
+    ("run.iterations=0", ["run.iterations = 0 is not allowed; it must be >= 1", "gigpo eval"]),
+    ("inference.transfer_timeout_s=1000", ["inference.generate_timeout_s (900) must exceed "
+                                           "inference.transfer_timeout_s (1000)"]),
+], ids=["choice", "deadlock", "negative-lag", "typo", "gamma", "cpu-list", "resume-tag", "redis-scheme",
+        "group-of-one", "micro-batch-under-a-row", "no-iterations", "generate-under-transfer-timeout"])
 def test_config_errors(override, expected, out):
     line = one_line_error(gigpo("train", EMBEDDED, f"run.output_dir={out}", override), *expected)
     assert SECRET not in line
@@ -150,9 +157,17 @@ def test_model_directory_with_missing_or_truncated_weights(tmp_path, tiny_model_
 
 
 def test_pinned_model_not_prepared_says_make_model(tmp_path, out):
+    models = {"GIGPO_MODELS": str(tmp_path / "models")}
     one_line_error(gigpo("train", EMBEDDED, f"run.output_dir={out}",
-                         f"model.path={tmp_path / 'data/models/smollm2-135m-instruct'}"),
+                         f"model.path={tmp_path / 'data/models/smollm2-135m-instruct'}", env=models),
                    "is not prepared yet", "`make model`")
+    # Prepared by `make model` into another $GIGPO_MODELS than the path the config names: say where it is.
+    prepared = tmp_path / "models" / "smollm2-135m-instruct"
+    prepared.mkdir(parents=True)
+    (prepared / "config.json").write_text("{}")
+    one_line_error(gigpo("train", EMBEDDED, f"run.output_dir={out}",
+                         f"model.path={tmp_path / 'data/models/smollm2-135m-instruct'}", env=models),
+                   "does not exist, but the prepared", f"set model.path={prepared}")
 
 
 def test_pinned_model_from_a_corrupt_wheel(tmp_path):

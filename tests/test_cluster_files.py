@@ -98,6 +98,16 @@ def test_the_doc_submits_the_shipped_files():
 
 # -- `ray up deploy/ray-cluster.yaml`, a job, a lost node -------------------------------------------------------
 
+def placed(status: str) -> dict[str, str]:
+    """{actor: node IP} from `gigpo status`'s node lines ("  10.0.0.2 (host)  learner-0, inference-0")."""
+    nodes = {}
+    for line in status.splitlines():
+        found = re.fullmatch(r"\s+(\d+\.\d+\.\d+\.\d+) \(.*?\)\s+(.+)", line)
+        if found:
+            nodes.update({actor: found.group(1) for actor in found.group(2).split(", ")})
+    return nodes
+
+
 def _metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
@@ -162,6 +172,10 @@ def test_ray_cluster_yaml_as_written_trains_then_loses_its_gpu_node(machines_her
         while not (run_dir / "checkpoints" / "update_0000002").is_dir():
             assert time.monotonic() < deadline, "no checkpoint of update 2"
             time.sleep(1)
+        # Every role where the file's node types put it, as `gigpo status` on the head shows it.
+        where = login_command(head, "gigpo status --output-dir /shared/runs/alfworld-gigpo-1.5b", timeout_s=120)
+        assert placed(where.stdout) == {"learner-0": ms["gpu"].ip, "inference-0": ms["gpu"].ip,
+                                        "rollout-0": ms["rollout"].ip}, where.stdout + where.stderr
         # The head's autoscaler loaded the AWS node provider from the project's venv (boto3 in it): it gets as
         # far as asking AWS, which no machine here can reach.
         monitor = head.read_text("/tmp/ray/session_latest/logs/monitor.log")
@@ -186,7 +200,6 @@ def test_ray_cluster_yaml_as_written_trains_then_loses_its_gpu_node(machines_her
     # The command that resumes it is the job's as submitted (to submit again), with run.resume=true.
     assert shlex.split(message[2].removeprefix("resume with: ")) == [*submit[submit.index("--") + 1:],
                                                                      "run.resume=true"], message
-    # Every role ran where the file's node types put it.
     metrics = _metrics(run_dir / "metrics.jsonl")
     assert [m["step"] for m in metrics][:2] == [1, 2]
 
@@ -328,7 +341,9 @@ def test_kuberay_manifests_as_written_train(machines_here, tmp_path):
                                      timeout_s=900)
         status = ms["submitter"].run(["ray", "job", "status", "--address", address, job_id], env=sub_env,
                                      cwd=workdir, timeout_s=120)
-        driver_log = (efs / "runs" / "alfworld-gigpo-1.5b" / "logs" / "driver.log")
+        # `gigpo status` on the head (the Redis password in its env, from the Secret): where each actor ran.
+        where = ms["head"].run(["gigpo", "status", "--output-dir", "/shared/runs/alfworld-gigpo-1.5b"],
+                               env=envs["head"], cwd=workdir, timeout_s=120)
         print(subs.report())
         print(f"all {time.monotonic() - t0:.0f} s")
         assert "succeeded" in status.stdout.lower(), (follow.stdout[-6000:], status.stdout, status.stderr)
@@ -336,12 +351,10 @@ def test_kuberay_manifests_as_written_train(machines_here, tmp_path):
     metrics = _metrics(efs / "runs" / "alfworld-gigpo-1.5b" / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2]
     # Each role on its group's pods: the learner and vLLM on the gpu group's, the rollout actor on
-    # rollout-cpu's; the stream in the Redis pod.
-    placement = driver_log.read_text()
-    gpu_ip, rollout_ip = ms["gpu"].ip, ms["rollout-cpu"].ip
-    assert re.search(rf"learner-0 on {re.escape(gpu_ip)} ", placement), placement[-3000:]
-    assert re.search(rf"inference-0 on {re.escape(gpu_ip)} ", placement), placement[-3000:]
-    assert re.search(rf"rollout-0 on {re.escape(rollout_ip)} ", placement), placement[-3000:]
+    # rollout-cpu's (the stream in the Redis pod: the job could not have trained otherwise).
+    assert where.returncode == 0, where.stderr
+    assert placed(where.stdout) == {"learner-0": ms["gpu"].ip, "inference-0": ms["gpu"].ip,
+                                    "rollout-0": ms["rollout-cpu"].ip}, where.stdout
 
 
 
@@ -442,7 +455,7 @@ def test_onprem_file_as_written_trains_without_a_shared_filesystem(machines_here
             assert time.monotonic() < deadline, "two updates and their checkpoint not done within 600 s"
             time.sleep(1)
         groups = lines_of(f"{run_dir}/groups.jsonl")
-        placement = head.read_text(f"{run_dir}/logs/driver.log")
+        where = login_command(head, f"gigpo status --output-dir {run_dir}", timeout_s=120)
         head_checkpoints = head.exists(checkpoint)
         gpu.lose()
         try:
@@ -454,9 +467,7 @@ def test_onprem_file_as_written_trains_without_a_shared_filesystem(machines_here
     print(f"all {time.monotonic() - t0:.0f} s")
     # groups.jsonl is on the head, written by the driver from learner rank 0's records: a line per update.
     assert [g["update"] for g in groups][:2] == [1, 2] and all(g["groups"] for g in groups)
-    assert re.search(rf"learner-0 on {re.escape(gpu.ip)} ", placement), placement[-3000:]
-    assert re.search(rf"inference-0 on {re.escape(gpu.ip)} ", placement), placement[-3000:]
-    assert re.search(rf"rollout-0 on {re.escape(cpu.ip)} ", placement), placement[-3000:]
+    assert placed(where.stdout) == {"learner-0": gpu.ip, "inference-0": gpu.ip, "rollout-0": cpu.ip}, where.stdout
     assert not head_checkpoints
     assert "Traceback" not in out, out[-8000:]
     lines = out.splitlines()

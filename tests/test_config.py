@@ -78,7 +78,7 @@ def test_choice_fields_list_the_allowed_values():
 
 @pytest.mark.parametrize("override, message", [
     ("stream.max_policy_lag=-1", "stream.max_policy_lag = -1 is not allowed; it must be >= 0"),
-    ("rollout.group_size=0", "rollout.group_size = 0 is not allowed; it must be >= 1"),
+    ("rollout.group_size=1", "rollout.group_size = 1 is not allowed; it must be >= 2"),
     ("learner.lr=0", "learner.lr = 0.0 is not allowed; it must be > 0"),
     ("learner.lr=.nan", "learner.lr = nan is not allowed"),
     ("learner.gamma=1.01", "must be in [0, 1]"),

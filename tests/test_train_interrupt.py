@@ -1,7 +1,8 @@
 """`gigpo train` stopped from outside: Ctrl-C (SIGINT to the terminal's whole process group) or SIGTERM (`kill`,
-a scheduler) while it runs. The run ends within a deadline, through System.close, and leaves nothing behind:
-no process, no embedded Redis directory, no weights directory, no shared memory. (A run that loses its
-learner: tests/test_secrets.py.)"""
+a scheduler) while it runs. The run ends within a deadline, through System.close, and leaves nothing behind
+outside its output directory: no process, no weights directory, no shared memory, nothing in /tmp; the
+embedded Redis's data stays in the run's directory, for its resume to continue the stream. (A run that loses
+its learner: tests/test_secrets.py.)"""
 from __future__ import annotations
 
 import glob
@@ -10,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -69,7 +71,7 @@ def test_stopped_run_ends_in_time_and_leaves_nothing(tmp_path, sig):
         redis = _wait_for(lambda: [p for p in psutil.Process(proc.pid).children(recursive=True)
                                    if "redis-server" in p.name()], 60, "redis-server", proc, log)[0]
         redis_dir = redis.cwd()
-        assert Path(redis_dir).name.startswith("gigpo-redis-")
+        assert Path(redis_dir) == out / "redis"
         # Training: the first update is logged (every part is up, and weights were pushed).
         metrics = out / "metrics.jsonl"
         _wait_for(lambda: metrics.exists() and metrics.stat().st_size > 0, START_S, "first update", proc, log)
@@ -104,6 +106,10 @@ def test_stopped_run_ends_in_time_and_leaves_nothing(tmp_path, sig):
         time.sleep(0.5)
     assert not left, [(p.pid, p.name()) for p in left]
     assert not redis.is_running(), "the embedded redis-server still runs"      # (a session of its own)
-    assert not os.path.exists(redis_dir), "the embedded Redis directory is still there"
+    # Its append-only file stays in the run, for a resume (a finished run removes it: test_faults_learner).
+    assert (out / "redis" / "appendonly.aof").is_file()
+    # ... and nothing of it in /tmp (the directory with its password file is the driver's: removed).
+    owners = glob.glob(os.path.join(tempfile.gettempdir(), "gigpo-redis-*", "owner.pid"))
+    assert not [f for f in owners if int(Path(f).read_text()) == proc.pid], owners
     assert not [d for d in weights_dirs if os.path.exists(d)], "the run's weights directory is still there"
     assert not [f for f in run_shm if os.path.exists(f)], "the run's shared memory is still there"

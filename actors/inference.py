@@ -572,7 +572,10 @@ def with_weights_dir(cfg: ExperimentConfig) -> ExperimentConfig:
     actor finds the newest shm push's manifest."""
     weights_dir = cfg.inference.weights_dir
     if not weights_dir:
+        # A killed driver could not remove its own: the next one does (owner file, swept at start).
+        shm_cleanup.sweep_orphaned(weight_transfer.default_weights_dir("*"))
         weights_dir = weight_transfer.default_weights_dir(f"{_run_tag()}-{uuid.uuid4().hex[:8]}")
+        shm_cleanup.claim(weights_dir)
         _MADE_WEIGHTS_DIRS.append(weights_dir)
     return dataclasses.replace(cfg, inference=dataclasses.replace(cfg.inference, weights_dir=weights_dir))
 

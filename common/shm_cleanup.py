@@ -142,3 +142,35 @@ def remove_noted_in(directory: str, wait_s: float = 0.0) -> list[str]:
     """`remove_noted` for every note in `directory`."""
     notes = sorted(Path(directory).glob(NOTE_GLOB)) if directory else []
     return [path for note in notes for path in remove_noted(str(note), wait_s)]
+
+
+OWNER_FILE = ".owner"     # in a weights directory a driver made: "<host> <pid>" of that driver
+
+
+def claim(directory: str) -> None:
+    """Make `directory` (a run's weights directory), naming this process on this host as its owner."""
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    (Path(directory) / OWNER_FILE).write_text(f"{socket.gethostname()} {os.getpid()}\n")
+
+
+def sweep_orphaned(pattern: str) -> list[str]:
+    """The directories matching `pattern` (a glob) that a process of this host owns (`claim`) and that is
+    gone: a driver killed with SIGKILL leaves its weights directory and what its engines noted there. Each is
+    removed with the shared memory its notes list; returns the directories removed."""
+    import glob
+    import shutil
+
+    removed = []
+    for directory in glob.glob(pattern):
+        try:
+            host, pid = (Path(directory) / OWNER_FILE).read_text().split()
+            if host != socket.gethostname():
+                continue
+            os.kill(int(pid), 0)                 # raises when no such process exists
+        except ProcessLookupError:
+            remove_noted_in(directory)
+            shutil.rmtree(directory, ignore_errors=True)
+            removed.append(directory)
+        except (OSError, ValueError):            # unowned, another user's, unreadable: not ours to judge
+            continue
+    return removed

@@ -2,12 +2,15 @@
 terminal's lines (one per evaluation, the paper's table, the final summary)."""
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
 import ray
 
 from common.metrics import update_figures
+from deploy.tracking import METRICS_FILE
+from deploy.viewer import GROUPS_FILE
 
 EVALS_FILE = "evals.jsonl"     # a training run's evaluations, one line each (System.evaluate)
 
@@ -75,18 +78,49 @@ def append_eval_record(out_dir: Path, record: dict, fresh: bool) -> None:
         f.write(json.dumps(record) + "\n")
 
 
-def first_evaluation(out_dir: Path) -> dict | None:
-    """The run's "before training" evaluation from <out_dir>/evals.jsonl (a resumed run measures its summary
-    from it), or None."""
-    path = out_dir / EVALS_FILE
+# The run's records of each update, and the key that names the update in their lines.
+UPDATE_RECORDS = {METRICS_FILE: "step", GROUPS_FILE: "update", EVALS_FILE: "update"}
+
+
+def trim_records_after(out_dir: Path, update: int, restore: dict | None = None) -> None:
+    """What a resume from the checkpoint of `update` does to the run's records (UPDATE_RECORDS) before it
+    trains the later updates again: their lines go (and a partly written last line). restore: the learner's
+    record of `update` kept in that checkpoint ({"metrics", "groups"}), whose lines are written when the
+    files lack them (the driver was killed between the checkpoint and its own write)."""
+    restored = {METRICS_FILE: (restore or {}).get("metrics"), GROUPS_FILE: (restore or {}).get("groups")}
+    for name, key in UPDATE_RECORDS.items():
+        path = Path(out_dir) / name
+        text = path.read_text() if path.is_file() else ""
+        kept, have = [], set()
+        for line in text.splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if int(record.get(key, 0)) <= update:
+                kept.append(line)
+                have.add(int(record.get(key, 0)))
+        if restored.get(name) and update not in have:
+            line = {"step": update, **restored[name]} if name == METRICS_FILE else restored[name]
+            kept.append(json.dumps(line, ensure_ascii=False))
+        new = "".join(line + "\n" for line in kept)
+        if new != text and (text or kept):
+            path.write_text(new)
+
+
+def eval_records(out_dir: Path) -> list[dict]:
+    """The run's evaluations, from <out_dir>/evals.jsonl (a line a killed run did not finish skipped)."""
+    path = Path(out_dir) / EVALS_FILE
+    records = []
     for line in (path.read_text().splitlines() if path.is_file() else []):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:       # a line the killed run did not finish
-            continue
-        if record.get("when") == "before training":
-            return record
-    return None
+        with contextlib.suppress(json.JSONDecodeError):
+            records.append(json.loads(line))
+    return records
+
+
+def first_evaluation(out_dir: Path) -> dict | None:
+    """The run's "before training" evaluation (a resumed run measures its summary from it), or None."""
+    return next((r for r in eval_records(out_dir) if r.get("when") == "before training"), None)
 
 
 def eval_line(when: str, result: dict) -> str:

@@ -2,6 +2,7 @@
 shared memory behind, and after a failure, which parts the run lost that it cannot go on without (`RunLost`)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shlex
@@ -43,16 +44,56 @@ def start_ray(cfg: ExperimentConfig) -> str:
     os.environ.update(data_env(cfg.env))
     address = cfg.run.ray_address or os.environ.get("RAY_ADDRESS", "")
     env = driver_runtime_env(os.environ)
-    if address:
-        # Actors on other nodes write their log files there; streaming their output to the driver (into
-        # its driver.log, see common.log_files) keeps one copy of everything where the run was started.
-        ray.init(address=address, runtime_env=env, namespace="gigpo", log_to_driver=True)
-    else:
-        # log_to_driver=False: every actor writes its own log file under the run's logs/ already.
-        ray.init(address="local", num_cpus=os.cpu_count() or 1, runtime_env=env, namespace="gigpo",
-                 object_store_memory=200 * 1024**2, include_dashboard=False, log_to_driver=False,
-                 **ray_init_metrics_options())
+    with stopped_at_once_by_signals():
+        if address:
+            # Actors on other nodes write their log files there; streaming their output to the driver (into
+            # its driver.log, see common.log_files) keeps one copy of everything where the run was started.
+            ray.init(address=address, runtime_env=env, namespace="gigpo", log_to_driver=True)
+        else:
+            # log_to_driver=False: every actor writes its own log file under the run's logs/ already.
+            ray.init(address="local", num_cpus=os.cpu_count() or 1, runtime_env=env, namespace="gigpo",
+                     object_store_memory=200 * 1024**2, include_dashboard=False, log_to_driver=False,
+                     **ray_init_metrics_options())
     return ray.get_runtime_context().gcs_address
+
+
+@contextlib.contextmanager
+def stopped_at_once_by_signals(stop_s: float = 5.0):
+    """While Ray starts, SIGINT or SIGTERM ends this process within seconds, and every process it started
+    (Ray's own: nothing else of the run exists yet). Python's handlers cannot do it: ray.init waits in C++,
+    which holds them back until it returns (a GCS killed by a SIGTERM to the whole process group makes that
+    30-60 s), and an exception raised into a half-started node crashes the interpreter. Python's C-level
+    handler writes the signal's number to a wakeup pipe at once, which a thread here reads."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+
+    def watch() -> None:
+        while data := os.read(read_end, 1):
+            if data[0] in (signal.SIGINT, signal.SIGTERM):
+                import psutil
+                started = psutil.Process().children(recursive=True)
+                for proc in started:
+                    with contextlib.suppress(psutil.Error):
+                        proc.terminate()
+                for proc in psutil.wait_procs(started, timeout=stop_s)[1]:
+                    with contextlib.suppress(psutil.Error):
+                        proc.kill()
+                log.warning("%s while Ray was starting: stopped", signal.Signals(data[0]).name)
+                os._exit(128 + data[0])
+
+    watcher = threading.Thread(target=watch, name="stop-while-starting", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(previous)
+        os.close(write_end)           # the watcher reads the end of the pipe and returns
+        watcher.join(timeout=5)
+        os.close(read_end)
 
 
 def link_ray_logs(log_dir: str) -> None:

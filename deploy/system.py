@@ -41,8 +41,8 @@ from common.stream import stream_key
 from deploy.control import ControlChannel, write_job_file
 from deploy.inference_pool import INFERENCE_STOP_S, InferencePool
 from deploy.preflight import PreflightError, check_rollout_nodes
-from deploy.reports import (PlacementWatch, append_eval_record, eval_line, first_evaluation, format_eval,
-                            format_summary, status_record, waiting_state)
+from deploy.reports import (PlacementWatch, append_eval_record, eval_line, eval_records, first_evaluation,
+                            format_eval, format_summary, status_record, trim_records_after, waiting_state)
 from deploy.rollout_pool import RolloutPool
 from deploy.run_control import RunLost, SignalTrap, close_learners, link_ray_logs, lost_parts, start_ray, stop_ray
 from deploy.run_model import eval_model, initial_model, ship_model
@@ -123,8 +123,6 @@ class System:
             self.channel = ControlChannel(connect(self.redis_url), cfg.stream.run_id or cfg.run.name)
             write_job_file(cfg.run.output_dir, cfg.run.name, self.redis_url, address, run_id=cfg.stream.run_id,
                            stream=stream_key(cfg.stream))
-            self.tracker = Tracker(cfg.run.output_dir, cfg.run.name, to_dict(cfg), resume=cfg.run.resume)
-            self.groups_file = GroupRecorder(cfg, resume=cfg.run.resume)
 
         # One weights directory for the run's inference actors, those `gigpo scale --inference` adds included.
         self._actor_cfg = with_weights_dir(cfg)
@@ -141,6 +139,13 @@ class System:
             # The inference actors must serve the checkpoint's weights (a training learner pushes its own).
             ray.get([w.sync_weights.remote() for w in self.learners])
         self.update = state["updates"]
+        if not eval_only:
+            # A resumed run retrains the updates after its checkpoint: their lines of the lost run go, so that
+            # every record continues from the checkpoint's update without a gap or a repeat.
+            if cfg.run.resume:
+                trim_records_after(self.out, self.update, restore=state.get("resumed_record"))
+            self.tracker = Tracker(cfg.run.output_dir, cfg.run.name, to_dict(cfg), resume=cfg.run.resume)
+            self.groups_file = GroupRecorder(cfg, resume=cfg.run.resume)
         self.rollouts.scale(0 if eval_only else cfg.rollout.num_actors)
         log.info("system up in %.0fs: %d inference, %d learner, %d rollout actors; outputs in %s",
                  time.perf_counter() - t0, len(self.inference.serving), len(self.learners),
@@ -367,6 +372,10 @@ def train(cfg: ExperimentConfig) -> dict:
             before = first_evaluation(system.out) if cfg.run.eval_every else None
             terminal.print(f"resumed at update {system.update}"
                            + (f"; {eval_line('before training', before)}" if before else ""))
+            update = system.update       # an evaluation due there that the stopped run did not finish
+            if (cfg.run.eval_every and update % cfg.run.eval_every == 0 and update < cfg.run.iterations
+                    and not any(r.get("update") == update for r in eval_records(system.out))):
+                terminal.print(eval_line(f"after update {update}", system.evaluate(record=f"after update {update}")))
         t0 = time.perf_counter()
         history = system.train()
         train_s = time.perf_counter() - t0

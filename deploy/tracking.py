@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 log = logging.getLogger("gigpo")
+METRICS_FILE = "metrics.jsonl"     # in run.output_dir: one line per update
 
 
 def redacted_config(config: dict) -> dict:
@@ -28,7 +29,7 @@ class Tracker:
         self.dir.mkdir(parents=True, exist_ok=True)
         from torch.utils.tensorboard import SummaryWriter
         self.tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"))
-        self.jsonl = open(self.dir / "metrics.jsonl", "a" if resume else "w")
+        self.jsonl = open(self.dir / METRICS_FILE, "a" if resume else "w")
         self.wandb = None
         if os.environ.get("WANDB_API_KEY"):
             try:

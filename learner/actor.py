@@ -95,7 +95,7 @@ class LearnerWorker:
         lr = self.learner
         return {"updates": lr.updates, "policy_version": lr.policy_version,
                 "trained_groups": len(lr.trained_group_ids), **lr.stats,
-                "stream": dict(getattr(lr.stream, "stats", {}))}
+                "stream": dict(getattr(lr.stream, "stats", {})), "resumed_record": lr.resumed_record}
 
     def set_inference_actors(self, inference_actors: list) -> dict:
         """The inference actors changed (`gigpo scale --inference`): see `Learner.set_inference_actors`.

@@ -95,6 +95,8 @@ class Learner:
         self._pending: list = []                   # stream entries read, waiting for a full batch
         self.updates = 0
         self.last_group_ids: list[str] = []         # groups of the latest update (for logs and tests)
+        self._update_record: dict = {}              # the latest update's record, for its checkpoint
+        self.resumed_record: dict | None = None     # ... of the checkpoint this learner resumed from
         self.stats = {"bad_groups": 0, "groups_trained": 0, "groups_skipped_equal_returns": 0}
         # Prometheus metrics (through Ray; no-ops outside it), rank 0's alone
         self.metrics = LearnerMetrics(self.rank, self.stream) if self.rank == 0 else None
@@ -129,6 +131,7 @@ class Learner:
             self.committed_group_ids = set(self.trained_group_ids)
             self.policy_version = int(state.get("policy_version", 0))
             self.updates = int(state.get("updates", 0))
+            self.resumed_record = state.get("update_record")
         if self.read_only:
             log.info("loaded update %d, policy version %d (read-only)", self.updates, self.policy_version)
             return
@@ -223,6 +226,11 @@ class Learner:
         with _timed(times, "time/push_weights_s"):
             # Nothing trained (every group skipped): the actors' weights stand.
             push_info = self.publish_weights() if batch.num_rows else {}
+        # What the driver writes of this update, kept in a checkpoint of it: a driver killed between the
+        # checkpoint and its own write leaves the resumed run the means to fill that line (System.start).
+        self._update_record = {"update": self.updates, "groups": self.last_groups_record,
+                               "metrics": {**batch.metrics, **train, "update": float(self.updates),
+                                           "policy_version": float(self.policy_version)}}
         with _timed(times, "time/checkpoint_s"):
             checkpointed = self._commit(received)                        # checkpoint, then ack
         times["time/step_s"] = time.perf_counter() - t_start
@@ -390,10 +398,12 @@ class Learner:
         """Checkpoint now (all processes), then ack every group it covers."""
         if not self.checkpoint_dir or self.read_only:
             return None
+        record = self._update_record if self._update_record.get("update") == self.updates else None
         path = self.trainer.save_checkpoint(self.checkpoint_dir, {
             "trained_group_ids": sorted(self.trained_group_ids),
             "policy_version": self.policy_version,
             "updates": self.updates,
+            "update_record": record if self.rank == 0 else None,
         }, keep=self.cfg.learner.keep_checkpoints)
         self.committed_group_ids = set(self.trained_group_ids)
         self._ack()

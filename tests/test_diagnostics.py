@@ -152,6 +152,7 @@ T = 0.6
 TOL = 1e-4
 
 
+@pytest.mark.slow
 def test_learner_logprobs_are_of_the_sampling_temperature(tiny_model_path):
     from transformers import AutoModelForCausalLM
 

@@ -16,7 +16,7 @@ from bench.synthetic import synthetic_groups
 from learner.trainer import LATEST, LEARNER_STATE, checkpoint_tags, prepare_output_dir, prune_checkpoints
 from tests import learner_worker
 
-pytestmark = [pytest.mark.fault, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.timeout(300)]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -40,6 +40,7 @@ def _dir_listing(root: Path) -> dict[str, int]:
     return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in root.rglob("*")}
 
 
+@pytest.mark.slow
 def test_a_second_run_into_a_used_output_dir_is_refused_or_starts_fresh(model_path, tmp_path):
     cfg = learner_worker.learner_experiment("unused")
     cfg.run.output_dir = str(tmp_path)
@@ -118,6 +119,8 @@ class VersionRecorder:
         return self.versions[-1] if self.versions else 0
 
 
+@pytest.mark.slow
+@pytest.mark.fault
 @pytest.mark.parametrize("checkpoint_every, crash_after, second_consumer", [
     (3, 5, "learner-0"),     # checkpoint at update 3, updates 4 and 5 lost; the same consumer name comes back
     (100, 3, "learner-1"),   # no checkpoint yet; another consumer name reclaims the dead one's groups
@@ -208,6 +211,7 @@ def test_run_id_is_new_for_a_fresh_run_and_kept_on_resume(tmp_path):
     assert prepare_output_dir(fresh) not in ("", run_id)
 
 
+@pytest.mark.slow
 @pytest.mark.fault
 def test_poison_groups_are_dead_lettered_and_the_rest_of_their_batch_trains(model_path, tmp_path, redis_url):
     """Groups the learner cannot train on, each published as a producer with a bug would (the stream's

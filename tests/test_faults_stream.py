@@ -15,7 +15,7 @@ from common.stream import TrajectoryStream, stream_key
 from learner.read_policy import admit
 from tests.stream_factory import make_group
 
-pytestmark = [pytest.mark.fault, pytest.mark.timeout(90)]
+pytestmark = [pytest.mark.timeout(90)]
 
 
 def _cfg(**kw) -> StreamConfig:
@@ -27,6 +27,7 @@ def _reasons(stream: TrajectoryStream) -> list[str]:
     return [d[b"reason"].decode() for d in stream.dead_letters()]
 
 
+@pytest.mark.fault
 def test_two_runs_on_one_redis_do_not_see_each_others_groups(redis_url):
     run_a, run_b = _cfg(), _cfg()
     assert stream_key(run_a) != stream_key(run_b) and run_a.run_id in stream_key(run_a)
@@ -51,6 +52,7 @@ def test_two_runs_on_one_redis_do_not_see_each_others_groups(redis_url):
     assert any(f"run {run_a.run_id!r}" in r for r in _reasons(learner_b))
 
 
+@pytest.mark.fault
 def test_poison_pill_is_dead_lettered_after_max_deliveries_and_good_groups_train(redis_url):
     """A learner that crashes on a group (it never acks it) gets it back after every restart (same consumer
     name: its pending entries). After max_deliveries it is dead-lettered with the reason, and the groups
@@ -74,6 +76,7 @@ def test_poison_pill_is_dead_lettered_after_max_deliveries_and_good_groups_train
     assert learner.depth() == 0
 
 
+@pytest.mark.fault
 def test_learner_dead_letters_a_group_it_cannot_train_and_unpublished_versions(redis_url):
     """The learner's read policy dead-letters a group claiming a version it has not published; the learner
     dead-letters one it cannot train on. Both keep the original group."""
@@ -94,6 +97,7 @@ def test_learner_dead_letters_a_group_it_cannot_train_and_unpublished_versions(r
     assert all(d[b"orig.data"] for d in dead)     # the original group is kept for a post-mortem
 
 
+@pytest.mark.fault
 def test_dead_letter_stream_is_bounded(redis_url):
     cfg = _cfg(dead_letter_max=5)
     r = connect(redis_url)
@@ -106,6 +110,7 @@ def test_dead_letter_stream_is_bounded(redis_url):
     assert learner.stats["dead_lettered"] == 12
 
 
+@pytest.mark.fault
 def test_producer_waits_out_a_full_redis_and_says_why(redis_server, redis_url):
     """maxmemory on the real server, noeviction: XADD answers OOM. The producer retries until its deadline,
     then raises an error that says what happened; once there is room again, the same group goes through."""

@@ -101,6 +101,7 @@ def test_constrained_logprobs_and_entropy_are_those_of_the_allowed_tokens_alone(
     assert torch.allclose(unmasked, torch.log_softmax(logits.detach(), -1)[:, 3], atol=1e-6, rtol=0)   # (float32)
 
 
+@pytest.mark.slow
 def test_the_trainer_scores_constrained_rows_under_their_grammar(tiny):
     """From records to the trainer's log-probs: a row sampled under a grammar is scored over the tokens it
     allowed, a row without one over the whole vocabulary (plain transformers as the reference; both float32,

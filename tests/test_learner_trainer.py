@@ -24,6 +24,9 @@ from bench.synthetic import synthetic_groups
 from learner.trainer import PolicyTrainer
 from tests import learner_worker
 
+# Every test here starts DeepSpeed (in this process or in learner processes of its own).
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 
 

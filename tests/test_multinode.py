@@ -121,6 +121,7 @@ def _probe_json(stdout: str, tag: str) -> dict:
     return json.loads(lines[-1][len(tag) + 1:])
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_nodes_are_separate_machines(namespaces, tmp_path):
     """An actor on each node (placed by the node's custom resource): different Ray nodes with their own IP

@@ -55,6 +55,7 @@ def _weights_digest(module) -> str:
     return digest.hexdigest()
 
 
+@pytest.mark.slow
 @pytest.mark.fault
 def test_a_need_no_node_has_is_one_clear_error_within_its_deadline(kinds_ray):
     wait_placeable({"a rollout actor": actor_need(1, 0, {"rollout_node": 1})}, timeout_s=0)   # offered: at once
@@ -71,6 +72,7 @@ def test_a_need_no_node_has_is_one_clear_error_within_its_deadline(kinds_ray):
         pinned_node(actor_need(0.25, 0, {"cpu_node": 1}))
 
 
+@pytest.mark.slow
 @pytest.mark.fault
 def test_learner_with_resources_no_node_has_fails_within_the_deadline(kinds_ray, tiny_model_path):
     from learner.actor import create_learner_workers
@@ -85,6 +87,7 @@ def test_learner_with_resources_no_node_has_fails_within_the_deadline(kinds_ray,
 
 
 @pytest.mark.slow
+@pytest.mark.fault
 @pytest.mark.timeout(600)
 def test_two_learner_ranks_meet_at_rank0s_node_with_the_shipped_model(kinds_ray, shipped_model, tiny_model_path,
                                                                      tmp_path, redis_url):
@@ -190,6 +193,8 @@ def test_status_groups_the_actors_by_node(redis_server):
     assert "nodes:" not in format_status({"run": "x", "state": "training"})
 
 
+@pytest.mark.slow
+@pytest.mark.fault
 def test_a_rollout_node_without_the_games_is_refused_in_one_line_naming_it(kinds_ray, tmp_path, monkeypatch):
     """env.source=data: a task on every node that can host a rollout actor looks for the games there, at the
     path every actor gets; a node without them refuses the run in one line naming the node (here the one

@@ -128,6 +128,7 @@ print("RESULT " + json.dumps(out))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_in_a_clean_environment_actors_and_a_job_driver_get_the_variables(tmp_path):
     keys = sorted(CPU_ONLY)

@@ -54,6 +54,7 @@ def _run_processes(session: int) -> list[psutil.Process]:
     return found
 
 
+@pytest.mark.fault
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_stopped_run_ends_in_time_and_leaves_nothing(tmp_path, sig):
     weights_glob = os.path.join(shm_cleanup.SHM_DIR, "gigpo-weights-*")
@@ -121,6 +122,7 @@ def _owned_temp_dirs(pid: int) -> list[str]:
             if Path(f).read_text().strip() == str(pid)]
 
 
+@pytest.mark.fault
 def test_sigterm_while_ray_starts_ends_within_seconds_and_leaves_nothing(tmp_path):
     """A scheduler's SIGTERM to the whole process group while `ray.init` starts the local Ray's processes
     (they get it too): the run ends within seconds, not after Ray's 30-60 s wait for a GCS that is gone, and

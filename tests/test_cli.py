@@ -189,3 +189,40 @@ def test_status_lists_the_groups_the_learner_set_aside(tmp_path, redis_url, caps
     assert len(lines) == 4 and lines[3] == "  ... 1 older"
     assert all(" UTC  entry " in line and "by learner-0: " in line for line in lines[1:3]), lines
     assert "by learner-0: " in lines[1] and lines[1].split(": ", 1)[1] == reader.dead_letters()[-1][b"reason"].decode()
+
+
+def test_status_watch_refreshes_until_interrupted(tmp_path, redis_url):
+    """`gigpo status --watch` as README runs it: the screen redrawn with the job's newest status at each
+    interval (a status the job publishes meanwhile shows at the next refresh), until Ctrl-C: exit status
+    130 and one line."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    write_job_file(str(tmp_path), "demo", redis_url, "")
+    channel = ControlChannel(connect(redis_url), "demo")
+    channel.publish_status({"run": "demo", "state": "training", "iteration": 1, "iterations": 10})
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "status", "--output-dir", str(tmp_path),
+                             "--watch", "--interval", "0.2"], cwd=repo, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        seen, deadline = b"", time.monotonic() + 60
+        os.set_blocking(proc.stdout.fileno(), False)
+        while seen.count(b"\x1b[2J") < 3 or b"iteration 2/10" not in seen:
+            assert proc.poll() is None and time.monotonic() < deadline, seen[-2000:]
+            if seen.count(b"\x1b[2J") >= 2:      # two screens of iteration 1: the job moves on
+                channel.publish_status({"run": "demo", "state": "training", "iteration": 2, "iterations": 10})
+            seen += proc.stdout.read() or b""
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert b"iteration 1/10" in seen
+    assert proc.returncode == 130 and err.decode().strip() == "gigpo: interrupted", err

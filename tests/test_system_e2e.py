@@ -36,6 +36,9 @@ OVERRIDES = [
     # which the evaluation below must use as it is.
     "model.warm_start_steps=2", "model.warm_start_games=2", "model.warm_start_batch=2", "run.eval_episodes=2",
     "learner.kl_coef=0.001",      # a KL term, so that the learner_kl gauge has a value to export
+    # A log-prob correction through the trainer's loss: the learner recomputes the old log-probs and weighs
+    # each token by min(pi_old / pi_vLLM, 2) (learner/gigpo.py, CORRECTIONS).
+    "learner.logprob_correction=tis",
 ]
 # Each side on its own CPU (run.learner_cpus / run.rollout_cpus, with the default run.rollout_nice), where
 # this machine has two: check_cpu_placement.
@@ -53,6 +56,13 @@ def test_two_iterations_of_the_full_system(tmp_path, monkeypatch, capfd):
         history = system.train()
         assert len(system.rollouts.live) == 2
         assert [int(m["update"]) for m in history] == [1, 2]
+        # The correction ran: update 1 trains groups sampled by version 0, the learner's own weights then, so
+        # in float32 its recomputed log-probs are vLLM's (a difference of float32 kernels, ~1e-5 per token:
+        # test_inference) and no token's ratio is anywhere near the cap of 2 (e^0.69): its share is exactly 0.
+        first = history[0]
+        assert first["time/recompute_s"] > 0 and first["train/logprob_gap_mean"] < 1e-3, first
+        assert first["train/correction_share"] == 0.0
+        assert all(0.0 <= m["train/correction_share"] <= 1.0 for m in history)
         # The learner trained on groups the rollout actor published through Redis ...
         stats = system.rollouts.stats()
         assert stats["groups_published"] >= 4

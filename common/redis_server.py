@@ -301,7 +301,8 @@ class EmbeddedRedis:
         self.binary = binary or find_redis_server()
         self.die_with_parent = die_with_parent
         self._own_dir = data_dir is None
-        self.data_dir = data_dir or _temp_dir("gigpo-redis-")
+        # Absolute: redis-server runs in it and reads `dir` from its config after that chdir.
+        self.data_dir = os.path.abspath(data_dir) if data_dir else _temp_dir("gigpo-redis-")
         self._secret_dir = self.data_dir if self._own_dir else ""    # made by start() for a given data_dir
         self._proc: subprocess.Popen | None = None
 
@@ -540,7 +541,7 @@ def redis_for(cfg: StreamConfig, host: str | None = None, data_dir: str = "") ->
         server.start()
     except RuntimeError as exc:
         server.stop(cleanup=True)
-        if _is_loopback(host):
+        if _is_loopback(host) or "Cannot assign requested address" not in str(exc) and "bind" not in str(exc):
             raise
         raise ConfigError(f"the embedded Redis cannot listen on {host}, the address Ray gives this node ("
                           f"{' '.join(str(exc).split())[:300]}); set stream.redis_url to a Redis every node "

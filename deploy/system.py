@@ -213,7 +213,7 @@ class System:
         if self.redis is None:
             return
         self.redis.stop(cleanup=True)
-        if self.finished and self.redis.data_dir == str(self.out / REDIS_DIR):
+        if self.finished and self.redis.data_dir == str((self.out / REDIS_DIR).resolve()):
             shutil.rmtree(self.redis.data_dir, ignore_errors=True)
 
     def _say_closing(self, msg: str, *args) -> None:

@@ -63,9 +63,10 @@ def test_stopped_run_ends_in_time_and_leaves_nothing(tmp_path, sig):
     log = tmp_path / "train.log"
     env = dict(os.environ, PYTHONPATH=f"{REPO}:{os.environ.get('PYTHONPATH', '')}")
     with open(log, "wb") as log_file:
-        # A session of its own, as a terminal gives a command: Ctrl-C signals the whole foreground group.
-        proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "train", "configs/embedded.yaml",
-                                 f"run.output_dir={out}", *OVERRIDES], cwd=REPO, env=env, stdout=log_file,
+        # A session of its own, as a terminal gives a command: Ctrl-C signals the whole foreground group. The
+        # output directory relative to the working directory, as `make run`'s runs/embedded is.
+        proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "train", str(REPO / "configs/embedded.yaml"),
+                                 "run.output_dir=run", *OVERRIDES], cwd=tmp_path, env=env, stdout=log_file,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         _wait_for(lambda: (out / JOB_FILE).exists(), START_S, "job file", proc, log)

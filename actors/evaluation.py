@@ -57,7 +57,7 @@ def summarize(episodes: list[EpisodeGroup]) -> dict:
         "success": sum(t.success for t in trajectories) / n,
         "per_task_type": {k: sum(v) / len(v) for k, v in sorted(per_type.items())},
         "mean_steps": sum(t.num_steps for t in trajectories) / n,
-        # Responses in the <think>/<action> format (rollout.parse_action), of all steps played.
+        # Responses in the <think>/<action> format (actors.prompts.shared.parse_action), of all steps played.
         "valid_action_share": sum(int(e.rows["valid"].sum()) for e in episodes) / max(steps, 1),
     }
     if any(t.task_type == "webshop" for t in trajectories):     # (ALFWorld's score is its success: no column)

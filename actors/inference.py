@@ -49,6 +49,7 @@ import uuid
 import ray
 
 from common import shm_cleanup, weight_transfer
+from common.actor_calls import call_all
 from common.config import ExperimentConfig, InferenceConfig, ModelConfig
 from common.cpu_placement import place_this_process
 from common.log_files import send_output_to
@@ -548,16 +549,12 @@ def stop_inference_actors(actors: list, timeout_s: float = 60.0, say=log.warning
     leaves) within `timeout_s` for all, then `ray.kill`. Of an actor killed without it (still starting, or
     hung) whose processes run below this one (a local Ray), the /dev/shm files they mapped (~400 MB per
     engine) are removed once they are gone. say: how a failed or late shutdown is reported."""
-    refs = [actor.shutdown.remote() for actor in actors]
-    done, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s) if refs else ([], [])
-    for ref in done:
-        try:
-            ray.get(ref)
-        except Exception as exc:  # noqa: BLE001 - a dead actor has no engine left to stop
-            say("inference actor shutdown failed: %s", exc)
+    answers = call_all(actors, "shutdown", timeout_s=timeout_s)
+    for exc in answers.errors.values():     # a dead actor has no engine left to stop
+        say("inference actor shutdown failed: %s", exc)
     held: set[str] = set()
-    if late:
-        say("%d inference actor(s) did not shut down within %.0f s: killed", len(late), timeout_s)
+    if answers.late:
+        say("%d inference actor(s) did not shut down within %.0f s: killed", len(answers.late), timeout_s)
         held = shm_cleanup.mapped_by(shm_cleanup.descendants(os.getpid()))
     for actor in actors:
         ray.kill(actor)

@@ -1,5 +1,4 @@
-"""The rollout actor: plays episode groups against its env instances and publishes them to the stream; and
-the agent's text: each step's prompt, and the action in each response.
+"""The rollout actor: plays episode groups against its env instances and publishes them to the stream.
 
     actor = create_rollout_actor(cfg, "rollout-0", inference_actors, stream_url, model=model)
     done = actor.run.remote()            # runs until stop(); returns stats()
@@ -9,11 +8,8 @@ One episode group = N trajectories of one task, reset with the same task id and 
 instances; the actor runs `rollout.groups_per_actor` groups at once in one asyncio loop, so while one
 trajectory waits for its environment (EnvPool worker processes, awaited as futures) the others generate
 (the inference actors batch concurrent requests). A group is published only when all its trajectories have
-ended, as one stream entry, so a consumer never sees half a group.
-
-Each step's prompt is rebuilt from scratch (the reference's defaults, no growing chat): a role line, the
-task, the last K (observation, action) pairs, the observation, the admissible actions and the instruction
-to think inside <think> </think> and answer inside <action> </action>; then the model's chat template.
+ended, as one stream entry, so a consumer never sees half a group. Each step's prompt and the action in
+its response: actors/prompts/.
 """
 from __future__ import annotations
 
@@ -22,14 +18,13 @@ import hashlib
 import itertools
 import logging
 import random
-import re
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass
 
 import ray
 
+from actors.prompts.shared import build_user_message, parse_action, prompt_token_ids, response_regex
 from common.config import ExperimentConfig, RolloutConfig
 from common.cpu_placement import place_this_process
 from common.log_files import send_output_to
@@ -41,134 +36,6 @@ from common.records import EpisodeGroup, StepRow, Termination, Trajectory
 from common.transport import InMemoryTrajectories, TrajectorySink
 
 log = logging.getLogger(__name__)
-
-# -- the agent's text: the prompt of a step, and the action in a response ------------------------------------
-
-# The role line per environment; anything else gets the generic one.
-ROLE_LINES = {
-    "alfworld": "You are an expert agent operating in the ALFRED Embodied Environment.",
-    "webshop": "You are an expert autonomous agent operating in the WebShop e-commerce platform.",
-}
-GENERIC_ROLE = "You are an expert agent operating in a text environment."
-
-INSTRUCTION = (
-    "Now it's your turn to take an action. You should first reason step-by-step about the current "
-    "situation. This reasoning process MUST be enclosed within <think> </think> tags. Once you've finished "
-    "your reasoning, you should choose an admissible action for current step and present it within "
-    "<action> </action> tags."
-)
-
-RAW_TAIL_CHARS = 30            # what an unparseable response sends to the env (reference: last 30 chars)
-_CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uac00-\ud7af]")
-
-
-@dataclass
-class ParsedAction:
-    action: str        # what goes to the environment
-    valid: bool        # well-formed: both think tags, both action tags, no CJK
-
-
-def parse_action(response: str) -> ParsedAction:
-    """The action of a model response, as the reference parses it: lower-cased, the text between the first
-    <action> and the first </action> after it; valid only with both action tags, both think tags and no CJK.
-    An invalid response still drives the env with its last RAW_TAIL_CHARS characters (which the env normally
-    answers with "Nothing happens."); the learner applies the penalty from `StepRow.valid`."""
-    text = response.lower()
-    found = re.search(r"<action>(.*?)</action>", text, re.DOTALL)
-    action = found.group(1).strip() if found else ""
-    valid = bool(action) and "<think>" in text and "</think>" in text and not _CJK.search(response)
-    return ParsedAction(action=action or text[-RAW_TAIL_CHARS:].strip(), valid=valid)
-
-
-def format_admissible(actions: list[str]) -> str:
-    # ALFWorld's "help" is an engine command, not a move: the reference hides it from the agent.
-    return ", ".join(f"'{a}'" for a in actions if a != "help")
-
-
-def build_user_message(env_name: str, task: str, observation: str, admissible: list[str],
-                       history: list[tuple[str, str]], step: int, history_length: int = 2) -> str:
-    """The user message of step `step` (0-based). `history`: all earlier (observation, action) pairs of
-    this trajectory, oldest first; only the last `history_length` are shown."""
-    parts = [ROLE_LINES.get(env_name, GENERIC_ROLE)]
-    if task:
-        parts.append(f"Your task is to: {task.strip()}")
-    shown = history[-history_length:] if history_length > 0 else []
-    if shown:
-        first = step - len(shown) + 1
-        pairs = " ".join(f"[Observation {first + i}: '{obs.strip()}', Action {first + i}: '{act}']"
-                         for i, (obs, act) in enumerate(shown))
-        parts.append(f"Prior to this step, you have already taken {step} step(s). Below are the most "
-                     f"recent {len(shown)} observations and the corresponding actions you took: {pairs}")
-    parts.append(f"You are now at step {step + 1} and your current observation is: {observation.strip()}")
-    parts.append(f"Your admissible actions of the current situation are: [{format_admissible(admissible)}].")
-    parts.append(INSTRUCTION)
-    return "\n".join(parts)
-
-
-def prompt_token_ids(tokenizer, user_message: str) -> list[int]:
-    """Chat-template the message (one user turn + the assistant header) and tokenize it."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": user_message}],
-                                         add_generation_prompt=True, tokenize=False)
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-# The characters that are operators in a regex outside a character class. Only these get a backslash:
-# re.escape also escapes spaces, '-', '#', '&' and '~', and vLLM's structured-output backend (xgrammar)
-# warns once per request about every such unneeded escape ("Escape sequence '\ ' is not recognized").
-_REGEX_OPERATORS = frozenset("\\^$.*+?()[]{}|")
-
-
-def regex_literal(text: str) -> str:
-    """`text` as a regex that matches exactly it, in the syntax Python's re and xgrammar share."""
-    return "".join("\\" + c if c in _REGEX_OPERATORS else c for c in text)
-
-
-# A free-text slot in an admissible action: WebShop lists "search[<your query>]", whose query the agent
-# writes. Constrained generation fixes the slot's shape, never its words: lower-case letters, digits,
-# spaces and the punctuation of product text (no brackets, which end the action, and no < or >, which
-# would start a tag), starting with a letter or digit, at most FREE_TEXT_MAX_CHARS characters.
-FREE_TEXT_SLOT = "<your query>"
-FREE_TEXT_CHARS = "a-z0-9 ,.:'&-"
-FREE_TEXT_MAX_CHARS = 160
-_FREE_TEXT = rf"[a-z0-9][{FREE_TEXT_CHARS}]{{0,{FREE_TEXT_MAX_CHARS - 1}}}"
-
-
-def _action_pattern(action: str) -> str:
-    """The regex of one admissible action: the action itself, its free-text slot (if any) as _FREE_TEXT."""
-    if FREE_TEXT_SLOT not in action:
-        return regex_literal(action)
-    return _FREE_TEXT.join(regex_literal(piece) for piece in action.split(FREE_TEXT_SLOT))
-
-
-def is_admissible(action: str, admissible: list[str]) -> bool:
-    """Whether constrained generation could produce `action` for this admissible list: one of the listed
-    actions, or one with its free-text slot filled in the allowed shape."""
-    return any(a == action or (FREE_TEXT_SLOT in a and re.fullmatch(_action_pattern(a), action))
-               for a in admissible if a != "help")
-
-
-def action_regex(admissible: list[str], max_think_chars: int = 200) -> str:
-    """For `rollout.constrain_actions`: a short free-text think section, then exactly one admissible
-    action (a free-text slot filled in its shape, see FREE_TEXT_SLOT); the format tags stay, so parsing and
-    validity work unchanged. `max_think_chars`: see think_chars; a free-text slot can be longer than its
-    placeholder, and the think section gives up the difference."""
-    actions = [a for a in admissible if a != "help"]
-    choices = "|".join(_action_pattern(a) for a in actions) or "look"
-    slot_growth = max((FREE_TEXT_MAX_CHARS - len(FREE_TEXT_SLOT) for a in actions if FREE_TEXT_SLOT in a),
-                      default=0)
-    think = max(0, max_think_chars - slot_growth)
-    # Printable ASCII except < and >: no stray tags, and no CJK (which would make the response invalid).
-    return rf"<think>[ -;=?-~]{{0,{think}}}</think> <action>({choices})</action>"
-
-
-def think_chars(admissible: list[str], max_response_tokens: int) -> int:
-    """action_regex's think budget: the grammar constrains characters, not tokens, and a token is >= 1
-    character, so even a one-character-per-token answer must end within max_response_tokens."""
-    fixed = len("<think></think> <action></action>") + max(map(len, admissible))
-    return max(0, min(200, max_response_tokens - fixed))
-
-
-# -- the actor ----------------------------------------------------------------------------------------------
 
 # Errors after which a request is retried (on another inference actor when there is one).
 _RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError)
@@ -413,8 +280,7 @@ class Rollout:
             sampling = {"temperature": cfg.rollout.temperature, "max_tokens": cfg.model.max_response_tokens,
                         "seed": _stable_seed(cfg.run.seed, traj.traj_id, step)}
             if cfg.rollout.constrain_actions and report.admissible_actions:
-                think = think_chars(report.admissible_actions, cfg.model.max_response_tokens)
-                sampling["regex"] = action_regex(report.admissible_actions, think)
+                sampling["regex"] = response_regex(report.admissible_actions, cfg.model.max_response_tokens)
             out = await self._generate(instance, prompt_ids, sampling)
             # Decoded here, not vLLM's text: that one is detokenized in the context of the prompt.
             parsed = parse_action(self.tokenizer.decode(out["response_ids"], skip_special_tokens=True))

@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import numpy as np  # noqa: E402
 
+from common.config import LearnerConfig  # noqa: E402
 from learner.gigpo import anchor_group_summary, gigpo_advantages, gigpo_parts  # noqa: E402
 from learner.gigpo import gigpo_readable as loop_gigpo  # noqa: E402
 
@@ -48,7 +49,7 @@ def alfworld_like_batch(rng, groups=16, n=8, max_steps=50, fixed_length=True):
     return g, t, np.array(s), np.array(r), an
 
 
-def tensor_loop_gigpo(group_ids, traj_ids, steps, rewards, anchors, gamma=0.95, omega=1.0, eps=1e-6):
+def tensor_loop_gigpo(group_ids, traj_ids, steps, rewards, anchors, *, gamma: float, omega: float, eps=1e-6):
     """Per-row loops over torch tensors, the way the reference code is written (mean_std_norm, rows)."""
     import torch
     from collections import defaultdict
@@ -105,7 +106,10 @@ def main():
     rows = len(g)
     fast = best_of(lambda: gigpo_advantages(g, t, s, r, an), repeats=20)
     loop = best_of(lambda: loop_gigpo(g, t, s, r, an), repeats=3)
-    tensor_loop = best_of(lambda: tensor_loop_gigpo(g, t, s, r, an), repeats=1)
+    # The learner.* defaults, which gigpo_advantages and gigpo_readable take when given none.
+    settings = LearnerConfig()
+    tensor_loop = best_of(lambda: tensor_loop_gigpo(g, t, s, r, an, gamma=settings.gamma, omega=settings.omega),
+                          repeats=1)
     np.testing.assert_allclose(gigpo_advantages(g, t, s, r, an), loop_gigpo(g, t, s, r, an), rtol=1e-9, atol=1e-9)
     summary = anchor_group_summary(gigpo_parts(g, t, s, r, an))
     print(f"batch: {rows} rows (16 groups x 8 trajectories x 50 steps), ALFWorld-like observations")

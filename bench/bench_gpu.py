@@ -96,15 +96,16 @@ def build_model(shape: str, folder: str, *, dtype=torch.bfloat16, init_range: fl
 def synthetic_batch(cfg, shape: str, group_size: int, seed: int, prompt=(600, 1200), response=(32, 256)):
     """A TrainBatch of cfg.groups_per_batch synthetic ALFWorld-shaped groups (GiGPO advantages by cfg)."""
     from bench.synthetic import synthetic_groups
+    from common.config import RolloutConfig
     from learner.batching import build_batch
 
     gs = synthetic_groups(cfg.groups_per_batch, group_size, vocab_size=SHAPES[shape]["vocab_size"], seed=seed,
                           max_steps=4, prompt_tokens=prompt, response_tokens=response)
-    return build_batch(gs, cfg)
+    return build_batch(gs, cfg, invalid_action_penalty=RolloutConfig().invalid_action_penalty)
 
 
 def part_learner(args) -> None:
-    from common.config import LearnerConfig
+    from common.config import ExperimentConfig, LearnerConfig
     from learner.trainer import PolicyTrainer
 
     with tempfile.TemporaryDirectory(prefix="bench-gpu-") as folder:
@@ -117,7 +118,9 @@ def part_learner(args) -> None:
                             recompute_old_logprobs=True, micro_batch_tokens=args.micro_batch_tokens,
                             offload=args.offload)
         t0 = time.perf_counter()
-        trainer = PolicyTrainer(folder, cfg, dtype="auto", head_dtype=args.head_dtype)
+        defaults = ExperimentConfig()
+        trainer = PolicyTrainer(folder, cfg, dtype="auto", head_dtype=args.head_dtype,
+                                temperature=defaults.rollout.temperature, seed=defaults.run.seed)
         say(f"learner: DeepSpeed ZeRO-{cfg.zero_stage} engine on {trainer.device} in "
             f"{time.perf_counter() - t0:.1f} s")
     if torch.cuda.is_available():
@@ -129,7 +132,7 @@ def part_learner(args) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        metrics = trainer.train_step(batch, update=i)
+        metrics = trainer.train_step(batch, update=i).metrics
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
@@ -251,8 +254,9 @@ THINK_CHARS = " abcdefghijklmnopqrstuvwxyz,.'"
 def constrained_batch(tokenizer, cfg, num_groups: int, seed: int, group_size: int, prompt: tuple[int, int]):
     """A TrainBatch of synthetic groups whose responses are what a constrained sampler writes,
     `<think>..</think> <action>A</action>` and the end-of-sequence token, each row carrying its grammar (the
-    shape of actors/rollout.py's action_regex)."""
+    shape of actors/prompts/shared.py's action_regex)."""
     from bench.synthetic import synthetic_groups
+    from common.config import RolloutConfig
     from learner.batching import build_batch
 
     grammar = rf"<think>[ -;=?-~]{{0,40}}</think> <action>({'|'.join(ACTIONS)})</action>"
@@ -262,8 +266,9 @@ def constrained_batch(tokenizer, cfg, num_groups: int, seed: int, group_size: in
         text = f"<think>{think}</think> <action>{ACTIONS[int(rng.integers(len(ACTIONS)))]}</action>"
         return np.array(tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]), grammar
 
-    return build_batch(synthetic_groups(num_groups, group_size, vocab_size=SHAPES["smollm2-135m"]["vocab_size"],
-                                        seed=seed, max_steps=4, prompt_tokens=prompt, prefix="c", respond=respond), cfg)
+    groups = synthetic_groups(num_groups, group_size, vocab_size=SHAPES["smollm2-135m"]["vocab_size"], seed=seed,
+                              max_steps=4, prompt_tokens=prompt, prefix="c", respond=respond)
+    return build_batch(groups, cfg, invalid_action_penalty=RolloutConfig().invalid_action_penalty)
 
 
 def forced_tokens(bits: list[np.ndarray]) -> np.ndarray:
@@ -276,7 +281,7 @@ def part_constrained(args) -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from common.config import LearnerConfig
+    from common.config import ExperimentConfig, LearnerConfig
     from learner.grammar_mask import GrammarMasks
     from learner.trainer import PolicyTrainer
 
@@ -329,12 +334,15 @@ def part_constrained(args) -> None:
                     f"max {d.max():.2e}")
                 del gpu
                 torch.cuda.empty_cache()
-        trainer = PolicyTrainer(folder, cfg, dtype="auto")
+        defaults = ExperimentConfig()
+        trainer = PolicyTrainer(folder, cfg, dtype="auto", head_dtype=defaults.model.head_dtype,
+                                temperature=defaults.rollout.temperature, seed=defaults.run.seed)
         steps = []
         for i in range(args.steps + 1):
             batch = constrained_batch(tokenizer, cfg, cfg.groups_per_batch, seed=100 + i, **size)
             t0 = time.perf_counter()
-            metrics = trainer.train_step(batch, update=i)
+            result = trainer.train_step(batch, update=i)
+            metrics = result.metrics
             if cuda:
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
@@ -346,7 +354,7 @@ def part_constrained(args) -> None:
                 f"loss {row['loss']:.4f}")
             steps.append(row)
         lp = np.concatenate(trainer.compute_logprobs(batch))
-        forced = forced_tokens(batch.allowed_bits)
+        forced = forced_tokens(result.allowed_bits)      # the last update's masks (the trainer's, of `batch`)
         out.update(learner_steps=steps, learner_device=str(trainer.device),
                    learner_forced_max_abs=float(np.abs(lp[forced]).max()), learner_logprob_finite=bool(
                        np.isfinite(lp).all()))

@@ -33,12 +33,13 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from bench.synthetic import synthetic_groups  # noqa: E402
-from common.config import LearnerConfig  # noqa: E402
+from common.config import ExperimentConfig, LearnerConfig  # noqa: E402
 from common.tiny_model import build_tiny_model  # noqa: E402
 from learner.batching import build_batch  # noqa: E402
 from learner.trainer import PolicyTrainer, teardown_distributed  # noqa: E402
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+DEFAULTS = ExperimentConfig()      # the settings this bench does not choose, at the config's defaults
 ROUNDS = int(os.environ.get("BENCH_LEARNER_ROUNDS", "6"))
 GROUPS, GROUP_SIZE = 8, 8
 
@@ -79,11 +80,11 @@ def one_step(trainer, groups, cfg, update):
     with PeakRSS() as rss:
         t0, c0 = time.perf_counter(), time.process_time()
         tracemalloc.reset_peak()
-        batch = build_batch(groups, cfg, invalid_action_penalty=0.1)
+        batch = build_batch(groups, cfg, invalid_action_penalty=DEFAULTS.rollout.invalid_action_penalty)
         build_s = time.perf_counter() - t0
         _, build_peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
-        metrics = trainer.train_step(batch, update=update)
+        metrics = trainer.train_step(batch, update=update).metrics
         step_s = time.perf_counter() - t0
         cpu_s = time.process_time() - c0
     return {"step_s": step_s, "cpu_s": cpu_s, "build_s": build_s, "build_peak_mb": build_peak / 2 ** 20,
@@ -169,7 +170,8 @@ def train_alone(model_path: str, cfg, batches: list, threads: int) -> list[float
                             seed=cfg.run.seed, temperature=cfg.rollout.temperature)
     rates = []
     for i, groups in enumerate(batches):
-        m = trainer.train_step(build_batch(groups, cfg.learner, invalid_action_penalty=0.1), update=i)
+        batch = build_batch(groups, cfg.learner, invalid_action_penalty=cfg.rollout.invalid_action_penalty)
+        m = trainer.train_step(batch, update=i).metrics
         if i:
             rates.append(m["perf/tokens_per_s"])
     # The process group stays for the next trainer: DeepSpeed keeps its groups cached, and a second
@@ -191,7 +193,8 @@ def main() -> None:
     torch.set_num_threads(1)
     model = build_tiny_model(os.path.join(REPO, ".cache", "test-tiny-policy"))
     base = LearnerConfig(zero_stage=2, mini_batch_rows=128, micro_batch_tokens=4096, lr=1e-5)
-    trainer = PolicyTrainer(model, base, dtype="float32")
+    trainer = PolicyTrainer(model, base, dtype="float32", head_dtype=DEFAULTS.model.head_dtype,
+                            temperature=DEFAULTS.rollout.temperature, seed=DEFAULTS.run.seed)
     cfgs = {a: LearnerConfig(**{**base.__dict__, "algorithm": a}) for a in ("gigpo", "grpo")}
     batches = [synthetic_groups(GROUPS, GROUP_SIZE, vocab_size=1000, seed=100 + i, max_steps=6,
                                 prompt_tokens=(64, 256), response_tokens=(8, 48), num_anchors=4)
@@ -239,7 +242,7 @@ def main() -> None:
         nbytes = sum(t.numel() * t.element_size() for _, t in tensors)
         with tempfile.TemporaryDirectory(dir=shm) as d:
             t0 = time.perf_counter()
-            files = write_buckets(trainer.named_weights(), d, 512 * 2 ** 20)
+            files = write_buckets(trainer.named_weights(), d, DEFAULTS.inference.weight_bucket_mb * 2 ** 20)
             push.append(time.perf_counter() - t0)
     print(f"weight push (learner side, {nbytes / 2 ** 20:.1f} MB in {len(files)} bucket(s)): gather+copy "
           f"{np.median(gather) * 1000:.1f} ms, gather+write buckets {np.median(push) * 1000:.1f} ms per update "

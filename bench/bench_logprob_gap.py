@@ -78,7 +78,7 @@ def measure(name: str, model_path: str, args, out_dir: str) -> list[dict]:
         for lag in range(3):
             if lag:
                 learner.step(train[lag - 1])
-            batch = build_batch(measured, cfg.learner)
+            batch = build_batch(measured, cfg.learner, invalid_action_penalty=cfg.rollout.invalid_action_penalty)
             mine = learner.trainer.compute_logprobs(batch)
             row = {"precision": name, "dtype": dtype, "head_dtype": head, "lag": lag,
                    "tokens": int(sum(len(m) for m in mine)),

@@ -81,7 +81,9 @@ def main() -> None:
             for keep in (default_keep, GROUPS):
                 cfg.run.record_groups = keep
                 recorder = GroupRecorder(cfg, resume=False)
-                record_s = median_cpu_s(lambda: recorder.record(groups, batch, 1, recomputed=True))
+                # With a recompute's log-probs (here the sampler's own: the cost is the same).
+                record_s = median_cpu_s(lambda: recorder.record(groups, batch, 1,
+                                                                learner_logprobs=batch.old_logprobs))
                 size = os.path.getsize(recorder.path) / ROUNDS
                 print(f"{env:8s} record of {keep} groups: {1e3 * record_s:6.2f} ms, build_batch "
                       f"{1e3 * batch_s:6.2f} ms, ratio {record_s / batch_s:.3f}; one line {size / 1e3:.0f} kB")

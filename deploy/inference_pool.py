@@ -10,6 +10,7 @@ from typing import Callable
 import ray
 
 from actors.inference import stop_inference_actors
+from common.actor_calls import answered
 
 log = logging.getLogger("gigpo")
 
@@ -69,7 +70,7 @@ class InferencePool:
         pushes its weights to them first). One that died while starting is dropped, with a warning."""
         ready = 0
         for actor, ping in self.starting:
-            if not ray.wait([ping], timeout=0)[0]:
+            if not answered(ping):
                 break
             try:
                 ray.get(ping)
@@ -95,7 +96,7 @@ class InferencePool:
             if entry.stats_ref is None:
                 entry.stats_ref = entry.handle.stats.remote()
             idle = False
-            if ray.wait([entry.stats_ref], timeout=5)[0]:
+            if answered(entry.stats_ref, timeout_s=5):
                 ref, entry.stats_ref = entry.stats_ref, None
                 try:
                     stats = ray.get(ref)

@@ -6,8 +6,7 @@ import contextlib
 import json
 from pathlib import Path
 
-import ray
-
+from common.actor_calls import wait_all
 from common.metrics import update_figures
 from deploy.tracking import METRICS_FILE
 from deploy.viewer import GROUPS_FILE
@@ -27,15 +26,13 @@ class PlacementWatch:
         """{name: node} for `actors` ({name: handle}), waiting up to timeout_s for their answers."""
         self._asks = {name: self._asks[name] if name in self._asks else actor.node.remote()
                       for name, actor in actors.items()}
-        refs = list(self._asks.values())
-        ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0]) if refs else set()
-        for name, ref in list(self._asks.items()):
-            if ref in ready:
+        names = list(self._asks)
+        answers = wait_all([self._asks[name] for name in names], timeout_s)
+        for i, name in enumerate(names):
+            if i not in answers.late:
                 del self._asks[name]
-                try:
-                    self.nodes[name] = ray.get(ref)
-                except ray.exceptions.RayError:
-                    self.nodes[name] = None      # died (Ray may restart it; asked again next time)
+                # (None: died; Ray may restart it, and it is asked again next time)
+                self.nodes[name] = answers.done.get(i)
         return {name: self.nodes.get(name) for name in actors}
 
 

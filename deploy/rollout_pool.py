@@ -9,12 +9,14 @@ from typing import Callable
 
 import ray
 
+from common.actor_calls import answered, call_all, wait_all
 from common.config import ExperimentConfig
 from common.placement import format_need, job_needs
 
 log = logging.getLogger("gigpo")
 
 ROLLOUT_TELL_S = 30      # rollout actors told of added or removed inference actors
+ROLLOUT_STOP_S = 30      # rollout actors told to stop without draining (they discard what is in flight)
 
 
 @dataclass
@@ -55,6 +57,10 @@ class RolloutPool:
         """{id: handle} of the live actors, oldest first."""
         return {actor.id: actor.handle for actor in self.live}
 
+    def start(self, num_actors: int) -> None:
+        """The run's first rollout actors."""
+        self.scale(num_actors)
+
     def scale(self, num_actors: int, drain: bool = True) -> None:
         """Add or remove rollout actors (the newest first). A removed actor finishes (drain) or discards its
         in-flight groups, in the background (they may wait for room in the stream); `reap_retired` collects it."""
@@ -72,7 +78,7 @@ class RolloutPool:
     def reap_retired(self, timeout_s: float = 0.0, say=log.warning) -> None:
         """Collect the retiring actors whose stop() has returned (waiting up to timeout_s for them)."""
         for actor in self.retiring:
-            if not ray.wait([actor.stop], timeout=timeout_s)[0]:
+            if not answered(actor.stop, timeout_s):
                 continue
             del self.actors[actor.id]
             try:
@@ -85,9 +91,7 @@ class RolloutPool:
     def stop_all(self, timeout_s: float, say=log.warning) -> None:
         """Remove every actor without draining; one deadline for all, then the rest is killed."""
         self.scale(0, drain=False)
-        refs = [actor.stop for actor in self.retiring]
-        if refs:
-            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        wait_all([actor.stop for actor in self.retiring], timeout_s)
         self.reap_retired(timeout_s=0, say=say)
         for actor in self.retiring:
             say("rollout actor %s did not stop within %d s: killed", actor.id, timeout_s)
@@ -99,7 +103,7 @@ class RolloutPool:
         abandoned, the run goes on, and it plays again once back, with `inference`. An exception inside its
         loop is a bug: the run stops."""
         for actor in self.restarting:
-            if not ray.wait([actor.restart_ping], timeout=0)[0]:
+            if not answered(actor.restart_ping):
                 continue
             try:                # it answers: back, play again (with the inference actors of now: its
                 ray.get(actor.restart_ping)   # constructor's arguments may name others, from before a scale)
@@ -109,7 +113,7 @@ class RolloutPool:
             except ray.exceptions.RayError:     # still restarting (or waiting for a node): ask again later
                 actor.restart_ping = actor.handle.node.remote()
         for actor in self.live:
-            if actor.run is None or not ray.wait([actor.run], timeout=0)[0]:
+            if actor.run is None or not answered(actor.run):
                 continue
             try:
                 ray.get(actor.run)
@@ -130,17 +134,12 @@ class RolloutPool:
     def tell_inference(self, inference: list) -> None:
         """Every live and retiring actor's later requests go to `inference`. One that does not answer in time
         is told when it is back (`check_alive`)."""
-        told = [actor.handle.set_inference_actors.remote(inference) for actor in self.actors.values()
-                if actor.restart_ping is None]
-        ready, late = ray.wait(told, num_returns=len(told), timeout=ROLLOUT_TELL_S) if told else ([], [])
-        for ref in ready:
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayError:
-                pass        # died: Ray restarts it, and check_alive tells it when it is back
-        if late:
+        # (One that died meanwhile is restarted by Ray, and check_alive tells it when it is back.)
+        told = call_all([actor.handle for actor in self.actors.values() if actor.restart_ping is None],
+                        "set_inference_actors", inference, timeout_s=ROLLOUT_TELL_S)
+        if told.late:
             log.info("%d rollout actor(s) did not take the new inference actors within %d s (still starting?): "
-                     "they do when they answer", len(late), ROLLOUT_TELL_S)
+                     "they do when they answer", len(told.late), ROLLOUT_TELL_S)
 
     def play_one_batch(self, groups: int) -> None:
         """Sync mode: the live actors play exactly `groups` groups between them, with the current weights."""
@@ -152,18 +151,14 @@ class RolloutPool:
     def stats(self) -> dict:
         """Totals over live, retiring and removed actors."""
         actors = list(self.actors.values())
-        refs = {actor.handle.stats.remote(): actor for actor in actors}
         # An actor still waiting for its node's resources (or starting, or restarting) cannot answer yet: its
         # last answer counts. (Resources that no node has were refused at start: System.start.)
-        ready, waiting = ray.wait(list(refs), num_returns=len(refs), timeout=10.0)
-        if waiting:
+        answers = call_all([actor.handle for actor in actors], "stats", timeout_s=10.0)
+        if answers.late:
             log.warning("%d rollout actor(s) not started yet (each needs %s on one node; a busy cluster? see "
-                        "`ray status`)", len(waiting), format_need(job_needs(self.cfg)["rollout actor"][0]))
-        for ref in ready:
-            try:
-                refs[ref].stats = ray.get(ref)
-            except ray.exceptions.RayError:     # died since: check_alive restarts it
-                pass
+                        "`ray status`)", len(answers.late), format_need(job_needs(self.cfg)["rollout actor"][0]))
+        for i, stats in answers.done.items():     # (one that died since: check_alive restarts it)
+            actors[i].stats = stats
         total: dict = defaultdict(float)
         for stats in [actor.stats for actor in actors] + self.ended:
             for key, value in stats.items():

@@ -1,5 +1,5 @@
-"""A run's life on Ray: Ray started or joined, SIGTERM handled as Ctrl-C, the learners and Ray closed leaving no
-shared memory behind, and after a failure, which parts the run lost that it cannot go on without (`RunLost`)."""
+"""A run's life on Ray: Ray started or joined, SIGTERM handled as Ctrl-C, Ray closed leaving no shared memory
+behind, and after a failure, which parts the run lost that it cannot go on without (`RunLost`)."""
 from __future__ import annotations
 
 import contextlib
@@ -8,7 +8,6 @@ import os
 import shlex
 import signal
 import threading
-import time
 from pathlib import Path
 
 import ray
@@ -17,19 +16,15 @@ import redis
 from common import shm_cleanup
 from common.config import ExperimentConfig
 from common.metrics import ray_init_metrics_options
-from common.placement import alive_nodes, node_label
+from common.placement import node_label
 from common.process_env import apply_project_env, driver_runtime_env
 from common.redis_server import connect, redact
+from deploy.learner_pool import LearnerPool
 from env_servers.registry import data_env
 from learner.trainer import checkpoint_tags, is_complete_checkpoint, tag_update
 
 log = logging.getLogger("gigpo")
 
-LEARNER_CLOSE_S = 300    # a learner's close may save a checkpoint (of a large model: minutes)
-LOST_CHECK_S = 15.0      # how long the driver waits for a learner rank's answer whether it lives, after a failure
-LOST_DECIDE_S = 90.0     # ... and how long it asks again one that Ray calls unavailable (a node that stopped
-                         # answering is declared dead by Ray's health checks, 15-60 s by its defaults)
-LOST_ASK_AGAIN_S = 1.0
 EXIT_LOST = 3            # `gigpo train`'s exit status when the run lost a part it needs (RunLost)
 
 
@@ -187,46 +182,10 @@ class SignalTrap:
             self._saved = None
 
 
-def lost_parts(learners: list, embedded_redis, redis_url: str | None, timeout_s: float = LOST_CHECK_S,
-               decide_s: float = LOST_DECIDE_S) -> tuple[list[str], bool]:
-    """What the run has lost and cannot go on without, one line each, and whether a learner rank is among
-    it: a learner rank Ray reports dead (its process, or its node), or the Redis. A rank that does not answer
-    within timeout_s (busy in a collective with a dead one, or hung) is not counted; one Ray calls
-    unavailable (health checks pending) is asked again for up to decide_s."""
-    lost = []
-    if learners and ray.is_initialized():
-        nodes = getattr(learners, "nodes", None) or [None] * len(learners)
-        start = time.monotonic()
-        pings = {rank: (worker.node.remote(), start) for rank, worker in enumerate(learners)}
-
-        def node_gone(rank: int, alive: set) -> bool:
-            return nodes[rank] is not None and nodes[rank]["node_id"] not in alive
-
-        def say_lost(rank: int, alive: set) -> None:
-            lost.append(f"learner rank {rank} on node {node_label(nodes[rank])}: " + (
-                "the node is gone (it left the Ray cluster)" if node_gone(rank, alive) else "its process died"))
-
-        while pings:
-            refs = [ping for ping, _ in pings.values()]
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=LOST_ASK_AGAIN_S)
-            alive, now = {node["node_id"] for node in alive_nodes()}, time.monotonic()
-            for rank, (ping, asked) in list(pings.items()):
-                if ping not in ready:
-                    if now - asked >= timeout_s or now - start >= decide_s:
-                        del pings[rank]     # no answer: busy, or on a node Ray has not yet declared dead
-                        if node_gone(rank, alive):
-                            say_lost(rank, alive)
-                    continue
-                del pings[rank]
-                try:
-                    ray.get(ping)
-                except ray.exceptions.RayActorError as exc:
-                    if node_gone(rank, alive) or isinstance(exc, ray.exceptions.ActorDiedError):
-                        say_lost(rank, alive)
-                    elif now - start < decide_s:        # unavailable: Ray has not decided yet
-                        time.sleep(LOST_ASK_AGAIN_S)
-                        pings[rank] = (learners[rank].node.remote(), time.monotonic())
-    learner_lost = bool(lost)       # (only learner ranks so far)
+def lost_parts(learners: LearnerPool, embedded_redis, redis_url: str | None) -> list[str]:
+    """What the run has lost and cannot go on without, one line each: a learner rank Ray reports dead (its
+    process, or its node: `LearnerPool.lost`), or the Redis."""
+    lost = learners.lost()
     if embedded_redis is not None:
         if not embedded_redis.running:
             lost.append(f"its embedded Redis (the trajectory stream and the control channel; redis-server pid "
@@ -237,26 +196,4 @@ def lost_parts(learners: list, embedded_redis, redis_url: str | None, timeout_s:
         except redis.RedisError as exc:
             lost.append(f"its Redis at {redact(redis_url)} (stream.redis_url): it does not answer "
                         f"({' '.join(str(exc).split())[:200]}); start it again (with AOF its stream is kept)")
-    return lost, learner_lost
-
-
-def close_learners(learners: list, learner_lost: bool, say=log.warning) -> None:
-    """Close every learner rank (it checkpoints uncommitted updates), then kill it. After a lost rank, the
-    others are killed at once: they would wait for it in the close's collectives."""
-    if learner_lost:
-        for worker in learners:
-            ray.kill(worker)
-        return
-    refs = [worker.close.remote() for worker in learners]
-    done, late = ray.wait(refs, num_returns=len(refs), timeout=LEARNER_CLOSE_S) if refs else ([], [])
-    for ref in done:
-        try:
-            ray.get(ref)
-        except Exception as exc:  # noqa: BLE001 - a dead learner has nothing left to save
-            # (After a lost Redis: expected, its checkpoint is written before the acks that fail.)
-            say("learner close failed: %s", exc)
-    if late:
-        log.warning("%d learner(s) did not close within %d s", len(late), LEARNER_CLOSE_S)
-    for worker in learners:
-        ray.kill(worker)
-
+    return lost

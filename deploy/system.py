@@ -40,20 +40,19 @@ from common.redis_server import connect, redis_for
 from common.stream import stream_key
 from deploy.control import ControlChannel, write_job_file
 from deploy.inference_pool import INFERENCE_STOP_S, InferencePool
+from deploy.learner_pool import LearnerPool
 from deploy.preflight import PreflightError, check_rollout_nodes
 from deploy.reports import (PlacementWatch, append_eval_record, eval_line, eval_records, first_evaluation,
                             format_eval, format_summary, status_record, trim_records_after, waiting_state)
-from deploy.rollout_pool import RolloutPool
-from deploy.run_control import RunLost, SignalTrap, close_learners, link_ray_logs, lost_parts, start_ray, stop_ray
+from deploy.rollout_pool import ROLLOUT_STOP_S, RolloutPool
+from deploy.run_control import RunLost, SignalTrap, link_ray_logs, lost_parts, start_ray, stop_ray
 from deploy.run_model import eval_model, initial_model, ship_model
 from deploy.tracking import Tracker
-from learner.actor import create_learner_workers, set_learner_inference, step_learner
 from learner.group_record import GroupRecorder
 from learner.trainer import LEARNER_STATE, is_complete_checkpoint, prepare_output_dir
 
 log = logging.getLogger("gigpo")
 
-ROLLOUT_STOP_S = 30      # rollout actors told to stop without draining (they discard what is in flight)
 REDIS_DIR = "redis"      # in run.output_dir: the embedded Redis's data (its append-only file) while the run lasts
 LOST_STOP_S = 10         # rollout or inference actors, after the run lost a part: their node may be gone with it
 RATE_WINDOW = 8          # updates the progress bar's env steps/s is measured over
@@ -73,7 +72,7 @@ class System:
         self.rollouts = RolloutPool(cfg, self._new_rollout_actor)
         self.inference = InferencePool(self._new_inference_actors, self._use_inference,
                                        cfg.inference.generate_timeout_s)
-        self.learners: list = []
+        self.learners = LearnerPool()
         self.placement = PlacementWatch()
         self.model = None                   # the policy as every actor receives it (a ModelSource)
         self._actor_cfg = cfg               # what inference actors are created from (weights_dir set by start)
@@ -89,7 +88,6 @@ class System:
         self._training = False              # start() of a training run (not `gigpo eval`) has begun
         self.finished = False               # every update of the run done and checkpointed (`train`)
         self._lost: list[str] = []          # what the run lost (see run_control.lost_parts), once it has ended
-        self._learner_lost = False          # ... a learner rank among it: the others are not closed
 
     # -- start and stop --------------------------------------------------------------------------------
 
@@ -132,12 +130,12 @@ class System:
         needs = job_needs(cfg)
         wait_placeable({"an inference actor": needs["inference actor"][0],
                         "a rollout actor": needs["rollout actor"][0]}, PLACEMENT_TIMEOUT_S, log=log)
-        self.learners = create_learner_workers(cfg, self.model, self.redis_url, self.inference.serving,
-                                               read_only=eval_only, log_dir=self.log_dir)
-        state = ray.get(self.learners[0].state.remote())
+        self.learners.start(cfg, self.model, self.redis_url, self.inference.serving, read_only=eval_only,
+                            log_dir=self.log_dir)
+        state = self.learners.state()
         if eval_only and state["policy_version"] > 0:
             # The inference actors must serve the checkpoint's weights (a training learner pushes its own).
-            ray.get([w.sync_weights.remote() for w in self.learners])
+            self.learners.sync_weights()
         self.update = state["updates"]
         if not eval_only:
             # A resumed run retrains the updates after its checkpoint: their lines of the lost run go, so that
@@ -146,9 +144,9 @@ class System:
                 trim_records_after(self.out, self.update, restore=state.get("resumed_record"))
             self.tracker = Tracker(cfg.run.output_dir, cfg.run.name, to_dict(cfg), resume=cfg.run.resume)
             self.groups_file = GroupRecorder(cfg, resume=cfg.run.resume)
-        self.rollouts.scale(0 if eval_only else cfg.rollout.num_actors)
+        self.rollouts.start(0 if eval_only else cfg.rollout.num_actors)
         log.info("system up in %.0fs: %d inference, %d learner, %d rollout actors; outputs in %s",
-                 time.perf_counter() - t0, len(self.inference.serving), len(self.learners),
+                 time.perf_counter() - t0, len(self.inference.serving), len(self.learners.ranks),
                  len(self.rollouts.live), self.out.resolve())
         placement = self.refresh_placement(timeout_s=10.0)
         log.info("placement: %s", "; ".join(f"{name} on {node_label(node)}" for name, node in placement.items()))
@@ -166,8 +164,8 @@ class System:
     def _use_inference(self, actors: list) -> dict:
         """Make `actors` the run's inference actors: first for the learner (it pushes its current version to
         one that lacks it), then for every rollout actor. Returns learner rank 0's answer."""
-        info = set_learner_inference(self.learners, actors, timeout_s=2 * self.cfg.inference.transfer_timeout_s + 60,
-                                     on_wait=self._while_updating)
+        info = self.learners.use_inference(actors, timeout_s=2 * self.cfg.inference.transfer_timeout_s + 60,
+                                           on_wait=self._while_updating)
         self.rollouts.tell_inference(actors)
         return info
 
@@ -176,8 +174,8 @@ class System:
         waiting up to timeout_s for the answers (the learner's ranks reported theirs at start)."""
         serving = self.inference.serving + [actor for actor, _ in self.inference.starting]
         actors = {f"inference-{i}": actor for i, actor in enumerate(serving)} | self.rollouts.handles()
-        nodes = getattr(self.learners, "nodes", None) or [None] * len(self.learners)
-        return {f"learner-{rank}": node for rank, node in enumerate(nodes)} | self.placement.refresh(actors, timeout_s)
+        learners = {f"learner-{rank}": node for rank, node in enumerate(self.learners.nodes)}
+        return learners | self.placement.refresh(actors, timeout_s)
 
     def close(self) -> None:
         """Stop every part and leave nothing behind, whatever state the run is in (also after Ctrl-C or
@@ -189,7 +187,7 @@ class System:
         inference_stop_s = LOST_STOP_S if self._lost else INFERENCE_STOP_S
         say = self._say_closing
         steps = [("rollout actors", lambda: self.rollouts.stop_all(rollout_stop_s, say)),
-                 ("learners", lambda: close_learners(self.learners, self._learner_lost, say)),
+                 ("learners", lambda: self.learners.stop_all(say=say)),
                  ("inference actors", lambda: self.inference.stop_all(inference_stop_s, say)),
                  # (what killed engines noted in the config's weights directory; one made for this run goes whole)
                  ("engine shared memory", lambda: shm_cleanup.remove_noted_in(self.cfg.inference.weights_dir)),
@@ -204,7 +202,7 @@ class System:
                     say("closing %s failed: %s", name, exc)
             stop_ray()
         finally:
-            self.learners, self.redis, self.tracker = [], None, None
+            self.redis, self.tracker = None, None
             self.signals.restore()
 
     def _close_redis(self) -> None:
@@ -229,8 +227,8 @@ class System:
         if self._training and isinstance(exc, Exception) and not isinstance(exc, RunLost):
             # Before close() stops everything: was the failure a part the run cannot go on without?
             try:
-                self._lost, self._learner_lost = lost_parts(self.learners, self.redis, self.redis_url)
-                nodes = getattr(self.learners, "nodes", None)
+                self._lost = lost_parts(self.learners, self.redis, self.redis_url)
+                nodes = self.learners.nodes
                 if nodes and nodes[0]["node_id"] != ray.get_runtime_context().get_node_id():
                     learner_node = nodes[0]
             except Exception as check:  # noqa: BLE001 - the failure itself is what the user then gets
@@ -294,7 +292,7 @@ class System:
             done = None
             while done is None:
                 self.rollouts.check_alive(self.inference.serving)
-                done = step_learner(self.learners, timeout_s=WAIT_FOR_DATA_S, on_wait=self._while_updating)
+                done = self.learners.step(timeout_s=WAIT_FOR_DATA_S, on_wait=self._while_updating)
                 if done is None:           # no full batch yet: stay responsive (scale commands, status)
                     self._between_updates()
                     self._publish_waiting_status()
@@ -379,7 +377,7 @@ def train(cfg: ExperimentConfig) -> dict:
         t0 = time.perf_counter()
         history = system.train()
         train_s = time.perf_counter() - t0
-        ray.get([w.save_checkpoint.remote() for w in system.learners])
+        system.learners.save_checkpoint()
         system.finished = True
         after = system.evaluate(record="after training") if cfg.run.eval_every else None
         if after:

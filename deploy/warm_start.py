@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from actors.prompts.shared import build_user_message, is_admissible, prompt_token_ids, response_text
 from common.config import ExperimentConfig
 from common.tiny_model import save_model_atomically
 
@@ -47,16 +48,10 @@ class Example:
     repeat: int = 1          # times in the example pool per pass (FREE_TEXT_REPEAT for a free-text step)
 
 
-def response_text(action: str) -> str:
-    """The response constrained generation yields for `action` with an empty think section."""
-    return f"<think></think> <action>{action}</action>"
-
-
 def collect_examples(cfg: ExperimentConfig, tokenizer) -> tuple[list[Example], dict]:
     """Replay the walkthroughs of the first `model.warm_start_games` training games through the env: the
     examples and counts (games used or skipped, rows over `model.max_prompt_tokens`). The env runs in an
     EnvPool worker process, as in a rollout, so a crashed engine is an error result, not a crashed driver."""
-    from actors import rollout
     from env_servers.server import EnvPool
 
     examples: list[Example] = []
@@ -83,13 +78,12 @@ def collect_examples(cfg: ExperimentConfig, tokenizer) -> tuple[list[Example], d
             ok = True
             for step, action in enumerate(walkthrough[: cfg.env.max_steps]):
                 listed = action in report.admissible_actions
-                if not listed and not rollout.is_admissible(action, report.admissible_actions):
+                if not listed and not is_admissible(action, report.admissible_actions):
                     ok = False
                     break
-                message = rollout.build_user_message(cfg.env.name, report.task, report.observation,
-                                                     report.admissible_actions, history, step,
-                                                     cfg.rollout.history_length)
-                ids = rollout.prompt_token_ids(tokenizer, message)
+                message = build_user_message(cfg.env.name, report.task, report.observation,
+                                             report.admissible_actions, history, step, cfg.rollout.history_length)
+                ids = prompt_token_ids(tokenizer, message)
                 if len(ids) <= cfg.model.max_prompt_tokens:
                     response = tokenizer.encode(response_text(action), add_special_tokens=False) + [eos]
                     rows.append(Example(ids, response[: cfg.model.max_response_tokens],
@@ -137,7 +131,8 @@ def finetune(model, examples: list[Example], steps: int, lr: float, batch_size: 
         optimizer.zero_grad(set_to_none=True)
         step_loss = 0.0
         for part in pack_by_tokens(np.arange(batch.num_rows), batch.row_lengths(), MICRO_BATCH_TOKENS):
-            logp, _ = response_logprobs(model, collate(batch, part))
+            # Cross-entropy of the model's own distribution: the logits unscaled (temperature 1).
+            logp, _ = response_logprobs(model, collate(batch, part), temperature=1.0)
             loss = -logp.sum() / response_tokens
             loss.backward()
             step_loss += loss.item()

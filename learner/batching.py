@@ -1,6 +1,6 @@
 """From episode groups to training tensors: rows, advantages, mini-batches, token-budget micro-batches.
 
-    batch = build_batch(groups, learner_cfg, invalid_action_penalty=0.1)
+    batch = build_batch(groups, cfg.learner, invalid_action_penalty=cfg.rollout.invalid_action_penalty)
     for rows in mini_batches(batch.num_rows, learner_cfg.mini_batch_rows, seed=update):
         plan = plan_micro_batches(batch, rows, micro_batch_tokens, world_size)
         for idx in plan.per_rank[rank]:
@@ -25,11 +25,12 @@ from learner.gigpo import ADVANTAGE_ESTIMATORS, AdvantageRows, estimate_grpo
 
 @dataclass
 class TrainBatch:
-    """The rows of one update, flattened from its groups, with one advantage per row."""
+    """The rows of one update, flattened from its groups, with one advantage per row. The trainer never writes
+    into a batch it is given: its grammar masks, recomputed log-probs and weights go on a copy."""
 
     prompt_ids: list[np.ndarray]          # per row, int32
     response_ids: list[np.ndarray]        # per row, int32
-    old_logprobs: list[np.ndarray]        # per row, float32 (behaviour policy; may be replaced by recompute)
+    old_logprobs: list[np.ndarray]        # per row, float32: the sampler's (behaviour policy)
     advantages: np.ndarray                # float64 [rows]
     row_group: list[str]                  # episode-group id of each row
     group_ids: list[str]                  # every group consumed by this batch, kept or skipped
@@ -39,7 +40,7 @@ class TrainBatch:
     # The rest per row; None: all tokens in the loss / no grammar / unconstrained / weight 1.
     token_masks: list[np.ndarray] | None = None    # bool per token: in the loss (False: forced, learner/gigpo.py)
     grammars: list[str] | None = None              # the regex the response was sampled under ("": none)
-    allowed_bits: list[np.ndarray] | None = None   # int32 [tokens, words], set by the trainer (grammar_mask.py)
+    allowed_bits: list[np.ndarray] | None = None   # int32 [tokens, words] (grammar_mask.py; the trainer's copy)
     weights: list[np.ndarray] | None = None        # float32 policy-gradient weight per token (correction_weights)
 
     @property
@@ -98,8 +99,7 @@ def _cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.clip(np.dot(a, b) / (na * nb), -1.0, 1.0))
 
 
-def build_batch(groups: list[EpisodeGroup], cfg: LearnerConfig, *, invalid_action_penalty: float = 0.1
-                ) -> TrainBatch:
+def build_batch(groups: list[EpisodeGroup], cfg: LearnerConfig, *, invalid_action_penalty: float) -> TrainBatch:
     """Flatten groups into rows, each with its advantage by cfg.algorithm's estimator
     (learner.gigpo.ADVANTAGE_ESTIMATORS), and the batch's metrics.
 

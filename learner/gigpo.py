@@ -58,8 +58,10 @@ from common.config import LearnerConfig
 # The definition: GiGPO one episode group at a time, with loops (Eqs. 3-8). The tests' oracle: the vectorized
 # `gigpo_advantages` below, which is what runs, equals it to 1e-9 (tests/test_advantages.py).
 
-def gigpo_readable(group_ids, traj_ids, steps, rewards, anchors, *, gamma=0.95, omega=1.0, normalize_std=True,
-                   episode_stats="rows", similarity=None, eps=1e-6, penalties=None) -> list[float]:
+def gigpo_readable(group_ids, traj_ids, steps, rewards, anchors, *, gamma=LearnerConfig.gamma,
+                   omega=LearnerConfig.omega, normalize_std=LearnerConfig.normalize_std,
+                   episode_stats=LearnerConfig.episode_stats, similarity=LearnerConfig.similarity, eps=1e-6,
+                   penalties=None) -> list[float]:
     """GiGPO advantage per row, written as the paper defines it; arguments as `gigpo_advantages`."""
     penalties = [0.0] * len(group_ids) if penalties is None else [float(p) for p in penalties]
     rows_of_group = defaultdict(list)
@@ -110,12 +112,12 @@ def _group_norm(members: list[float], normalize_std: bool, eps: float, alone: st
 
 
 def _anchor_groups(rows: list[int], anchors, similarity: float | None) -> list[list[int]]:
-    """The anchor-state groups of one episode group's rows (Eq. 6): identical anchors; with `similarity`,
-    each anchor joins the first earlier group whose first anchor is at least that similar."""
+    """The anchor-state groups of one episode group's rows (Eq. 6): identical anchors; with a `similarity`
+    (not 0 or None), each anchor joins the first earlier group whose first anchor is at least that similar."""
     groups: dict[Any, list[int]] = {}
     for i in rows:
         key = anchors[i]
-        if similarity is not None:
+        if similarity:
             text = str(key)
             key = next((rep for rep in groups if rep == text or
                         difflib.SequenceMatcher(None, rep, text).ratio() >= similarity), text)
@@ -309,9 +311,11 @@ class GiGPOParts:
     returns: np.ndarray          # R_t - penalty per row (the value normalized inside anchor groups)
 
 
-def gigpo_parts(group_ids, traj_ids, steps, rewards, anchors, *, gamma: float = 0.95,
-                normalize_std: bool = True, episode_stats: str = "rows", similarity: float | None = None,
-                eps: float = 1e-6, penalties=None) -> GiGPOParts:
+def gigpo_parts(group_ids, traj_ids, steps, rewards, anchors, *, gamma: float = LearnerConfig.gamma,
+                normalize_std: bool = LearnerConfig.normalize_std,
+                episode_stats: str = LearnerConfig.episode_stats,
+                similarity: float | None = LearnerConfig.similarity, eps: float = 1e-6,
+                penalties=None) -> GiGPOParts:
     """Episode and step advantages of GiGPO, separately. See `gigpo_advantages`."""
     rows = _check_rows(group_ids, traj_ids, steps, rewards, penalties, extra=[("anchors", anchors)], eps=eps)
     if len(rows.rewards) == 0:
@@ -319,7 +323,7 @@ def gigpo_parts(group_ids, traj_ids, steps, rewards, anchors, *, gamma: float = 
         return GiGPOParts(empty, empty, np.zeros(0, dtype=np.int64), empty)
     episode = _episode_advantages(rows, normalize_std=normalize_std, episode_stats=episode_stats, eps=eps)
     returns = discounted_returns(rows.traj, rows.steps, rows.rewards, gamma) - rows.penalties
-    if similarity is None:
+    if not similarity:
         anchor_group = scoped_codes(rows.group, factorize(anchors))
     else:
         anchor_group = similarity_codes(rows.group, list(anchors), similarity)
@@ -327,9 +331,11 @@ def gigpo_parts(group_ids, traj_ids, steps, rewards, anchors, *, gamma: float = 
     return GiGPOParts(episode=episode, step=step, anchor_group=anchor_group, returns=returns)
 
 
-def gigpo_advantages(group_ids, traj_ids, steps, rewards, anchors, *, gamma: float = 0.95,
-                     omega: float = 1.0, normalize_std: bool = True, episode_stats: str = "rows",
-                     similarity: float | None = None, eps: float = 1e-6, penalties=None) -> np.ndarray:
+def gigpo_advantages(group_ids, traj_ids, steps, rewards, anchors, *, gamma: float = LearnerConfig.gamma,
+                     omega: float = LearnerConfig.omega, normalize_std: bool = LearnerConfig.normalize_std,
+                     episode_stats: str = LearnerConfig.episode_stats,
+                     similarity: float | None = LearnerConfig.similarity, eps: float = 1e-6,
+                     penalties=None) -> np.ndarray:
     """GiGPO advantage per row, float64 in the input order: A = A^E + omega * A^S (Eq. 8). Vectorized; equals
     `gigpo_readable`.
 
@@ -337,7 +343,8 @@ def gigpo_advantages(group_ids, traj_ids, steps, rewards, anchors, *, gamma: flo
     inside the trajectory), rewards (r_t), anchors (anchor-state key: observation text, bytes, tuples) and
     optional penalties (see the module). gamma: Eq. 5's discount; omega: Eq. 8's weight; normalize_std:
     divide by std + eps, else subtract the mean only; episode_stats: "rows" (reference) or "trajectories"
-    (Eq. 3); similarity: None groups identical anchors, a ratio in (0, 1) anchor texts at least this similar.
+    (Eq. 3); similarity: 0 (or None) groups identical anchors, a ratio in (0, 1) anchor texts at least this
+    similar. The defaults are the learner.* fields' of the same names.
     """
     parts = gigpo_parts(group_ids, traj_ids, steps, rewards, anchors, gamma=gamma,
                         normalize_std=normalize_std, episode_stats=episode_stats, similarity=similarity,
@@ -345,8 +352,9 @@ def gigpo_advantages(group_ids, traj_ids, steps, rewards, anchors, *, gamma: flo
     return parts.episode + omega * parts.step
 
 
-def grpo_advantages(group_ids, traj_ids, steps, rewards, *, normalize_std: bool = True,
-                    episode_stats: str = "rows", eps: float = 1e-6, penalties=None) -> np.ndarray:
+def grpo_advantages(group_ids, traj_ids, steps, rewards, *, normalize_std: bool = LearnerConfig.normalize_std,
+                    episode_stats: str = LearnerConfig.episode_stats, eps: float = 1e-6,
+                    penalties=None) -> np.ndarray:
     """GRPO: the episode advantage A^E alone (Eq. 3); equals GiGPO with omega = 0."""
     rows = _check_rows(group_ids, traj_ids, steps, rewards, penalties, eps=eps)
     if len(rows.rewards) == 0:
@@ -354,8 +362,7 @@ def grpo_advantages(group_ids, traj_ids, steps, rewards, *, normalize_std: bool 
     return _episode_advantages(rows, normalize_std=normalize_std, episode_stats=episode_stats, eps=eps)
 
 
-def rloo_advantages(group_ids, traj_ids, steps, rewards, *, episode_stats: str = "trajectories",
-                    penalties=None) -> np.ndarray:
+def rloo_advantages(group_ids, traj_ids, steps, rewards, *, episode_stats: str, penalties=None) -> np.ndarray:
     """RLOO: score minus the mean score of the group's *other* members (leave-one-out baseline), members being
     the trajectories (each row: R(tau) - penalty minus the others' mean) or the rows. Alone: baseline 0."""
     rows = _check_rows(group_ids, traj_ids, steps, rewards, penalties)
@@ -411,7 +418,7 @@ def gigpo_parts_of(rows: AdvantageRows, cfg: LearnerConfig) -> GiGPOParts:
     """`gigpo_parts` of `rows` with the settings of `cfg`."""
     return gigpo_parts(rows.group_ids, rows.traj_ids, rows.steps, rows.rewards, rows.anchors, gamma=cfg.gamma,
                        normalize_std=cfg.normalize_std, episode_stats=cfg.episode_stats,
-                       similarity=cfg.similarity or None, penalties=rows.penalties)
+                       similarity=cfg.similarity, penalties=rows.penalties)
 
 
 def estimate_gigpo(rows: AdvantageRows, cfg: LearnerConfig) -> tuple[np.ndarray, dict[str, float]]:
@@ -433,7 +440,8 @@ def estimate_grpo(rows: AdvantageRows, cfg: LearnerConfig) -> tuple[np.ndarray, 
 
 def estimate_rloo(rows: AdvantageRows, cfg: LearnerConfig) -> tuple[np.ndarray, dict[str, float]]:
     """RLOO over the trajectories (learner.episode_stats and normalize_std do not apply to it)."""
-    return rloo_advantages(rows.group_ids, rows.traj_ids, rows.steps, rows.rewards, penalties=rows.penalties), {}
+    return rloo_advantages(rows.group_ids, rows.traj_ids, rows.steps, rows.rewards, episode_stats="trajectories",
+                           penalties=rows.penalties), {}
 
 
 ADVANTAGE_ESTIMATORS = {"gigpo": estimate_gigpo, "grpo": estimate_grpo, "rloo": estimate_rloo}

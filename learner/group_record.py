@@ -2,9 +2,10 @@
 `gigpo view` (deploy/viewer.py): one JSON line per update in <run.output_dir>/groups.jsonl.
 
     recorder = GroupRecorder(cfg, resume=resume)
-    line = recorder.build(groups, batch, update, recomputed=...)  # learner rank 0, after the training step
-    recorder.write(line)                                          # the driver, where the run's files are
-    recorder.record(groups, batch, update, recomputed=...)        # both in one process (tests, a script)
+    result = trainer.train_step(batch, update)                   # learner rank 0 (a TrainStepResult)
+    line = recorder.build(groups, batch, update, learner_logprobs=result.learner_logprobs)
+    recorder.write(line)                                         # the driver, where the run's files are
+    recorder.record(groups, batch, update, learner_logprobs=...)  # both in one process (tests, a script)
 
 Learner rank 0 builds the line and hands it to the driver with the update's metrics (learner.actor), which
 writes it on its own node: without a filesystem the nodes share, `gigpo view` on the head finds every update.
@@ -163,16 +164,17 @@ class GroupRecorder:
         self.path = Path(cfg.run.output_dir) / GROUPS_FILE
         self._mode = "a" if resume else "w"
 
-    def build(self, groups: list[EpisodeGroup], batch: TrainBatch, update: int, *, recomputed: bool
-              ) -> dict | None:
-        """The update's line (None: run.record_groups is 0, or it could not be built). recomputed: the
-        training step replaced the batch's old log-probs by the learner's own."""
+    def build(self, groups: list[EpisodeGroup], batch: TrainBatch, update: int, *,
+              learner_logprobs: list[np.ndarray] | None) -> dict | None:
+        """The update's line (None: run.record_groups is 0, or it could not be built). learner_logprobs: the
+        old log-probs the training step recomputed (`learner.trainer.TrainStepResult`), None without a
+        recompute."""
         if not self.cfg.run.record_groups:
             return None
         try:
             line = group_record(groups, batch, self.cfg.learner, keep=self.cfg.run.record_groups, update=update,
                                 invalid_action_penalty=self.cfg.rollout.invalid_action_penalty,
-                                learner_logprobs=batch.old_logprobs if recomputed else None)
+                                learner_logprobs=learner_logprobs)
             json.dumps(line, allow_nan=False)      # what write() needs: fail here, where the cause is
             return line
         except Exception as exc:  # noqa: BLE001 - a diagnostic record is never worth stopping a training run
@@ -194,8 +196,8 @@ class GroupRecorder:
         self._mode = "a"
         return True
 
-    def record(self, groups: list[EpisodeGroup], batch: TrainBatch, update: int, *, recomputed: bool
-               ) -> dict | None:
+    def record(self, groups: list[EpisodeGroup], batch: TrainBatch, update: int, *,
+               learner_logprobs: list[np.ndarray] | None) -> dict | None:
         """build, then write; the line written (None: nothing was)."""
-        line = self.build(groups, batch, update, recomputed=recomputed)
+        line = self.build(groups, batch, update, learner_logprobs=learner_logprobs)
         return line if self.write(line) else None

@@ -36,8 +36,8 @@ from learner.batching import build_batch, check_group
 from learner.group_record import GroupRecorder
 from learner.learner_metrics import LearnerMetrics
 from learner.read_policy import admit
-from learner.trainer import (PUSHED_VERSION, PolicyTrainer, checkpoint_dir_of, prepare_checkpoint_dir,
-                             setup_distributed)
+from learner.trainer import (PUSHED_VERSION, PolicyTrainer, TrainStepResult, checkpoint_dir_of,
+                             prepare_checkpoint_dir, setup_distributed)
 
 if TYPE_CHECKING:
     from common.transport import TrajectorySource, WeightPublisher
@@ -219,22 +219,22 @@ class Learner:
         with _timed(times, "time/build_batch_s"):
             batch, groups, received = self._build_batch(groups, received)     # advantages (bad groups out)
         lags = [self.policy_lag(g.policy_versions[0]) for g in groups if g.policy_versions[0] >= 0]
-        train = self._train(batch, groups)
+        trained = self._train(batch, groups)
         if self.recorder is not None:
-            self.last_groups_record = self.recorder.build(
-                groups, batch, self.updates, recomputed=self.trainer.recomputes_old_logprobs and batch.num_rows > 0)
+            self.last_groups_record = self.recorder.build(groups, batch, self.updates,
+                                                          learner_logprobs=trained.learner_logprobs)
         with _timed(times, "time/push_weights_s"):
             # Nothing trained (every group skipped): the actors' weights stand.
             push_info = self.publish_weights() if batch.num_rows else {}
         # What the driver writes of this update, kept in a checkpoint of it: a driver killed between the
         # checkpoint and its own write leaves the resumed run the means to fill that line (System.start).
         self._update_record = {"update": self.updates, "groups": self.last_groups_record,
-                               "metrics": {**batch.metrics, **train, "update": float(self.updates),
+                               "metrics": {**batch.metrics, **trained.metrics, "update": float(self.updates),
                                            "policy_version": float(self.policy_version)}}
         with _timed(times, "time/checkpoint_s"):
             checkpointed = self._commit(received)                        # checkpoint, then ack
         times["time/step_s"] = time.perf_counter() - t_start
-        metrics = self._step_metrics(batch, train, push_info, groups, lags, times, checkpointed)
+        metrics = self._step_metrics(batch, trained.metrics, push_info, groups, lags, times, checkpointed)
         if self.metrics is not None:
             self.metrics.record_update(metrics, groups, received, batch.skipped_group_ids)
         return metrics
@@ -262,7 +262,7 @@ class Learner:
         good = []
         for g in groups:
             try:
-                build_batch([g], self.cfg.learner)
+                build_batch([g], self.cfg.learner, invalid_action_penalty=penalty)
                 good.append(g)
             except ValueError as exc:
                 self.stats["bad_groups"] += 1
@@ -270,19 +270,17 @@ class Learner:
                     self.stream.dead_letter([r for r in received if r.group.group_id == g.group_id],
                                             f"learner: {exc}")
                     received = [r for r in received if r.group.group_id != g.group_id]
-        batch = build_batch(good, self.cfg.learner, invalid_action_penalty=penalty)
-        batch.group_ids = [g.group_id for g in good]
-        return batch, good, received
+        return build_batch(good, self.cfg.learner, invalid_action_penalty=penalty), good, received
 
-    def _train(self, batch, groups: list[EpisodeGroup]) -> dict[str, float]:
+    def _train(self, batch, groups: list[EpisodeGroup]) -> TrainStepResult:
         """One optimizer pass over the batch; the update and its groups are counted as trained."""
-        train = self.trainer.train_step(batch, update=self.updates)
+        trained = self.trainer.train_step(batch, update=self.updates)
         self.updates += 1
         self.trained_group_ids.update(batch.group_ids)
         self.last_group_ids = list(batch.group_ids)
         self.stats["groups_trained"] += len(groups) - len(batch.skipped_group_ids) - len(batch.env_error_group_ids)
         self.stats["groups_skipped_equal_returns"] += len(batch.skipped_group_ids)
-        return train
+        return trained
 
     def _commit(self, received: list | None) -> bool:
         """Ack the update's stream entries at once, or (learner.ack_on_checkpoint) with the checkpoint covering

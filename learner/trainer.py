@@ -1,8 +1,9 @@
 """The policy trainer: a DeepSpeed ZeRO engine around a causal LM, one `train_step(batch)` per update.
 
     setup_distributed()                       # once per process (single process: no env vars needed)
-    trainer = PolicyTrainer(model_path, learner_cfg)
-    metrics = trainer.train_step(batch, update=7)
+    trainer = PolicyTrainer(model_path, cfg.learner, dtype=cfg.model.dtype, head_dtype=cfg.model.head_dtype,
+                            temperature=cfg.rollout.temperature, seed=cfg.run.seed)
+    result = trainer.train_step(batch, update=7)     # a TrainStepResult: metrics, recomputed log-probs, ...
     for name, tensor in trainer.named_weights(): ...   # full weights (gathered at ZeRO-3), for the push
     trainer.save_checkpoint(dir, {"trained_group_ids": [...], "policy_version": 8})
 
@@ -11,7 +12,9 @@ every mini-batch (`batching.plan_micro_batches`), all running the same number of
 as ZeRO's collectives need. A micro-batch's loss is its token sum over the whole mini-batch's token count,
 times the number of processes (DeepSpeed averages gradients across them): the gradient of the mini-batch
 token mean, however it was split. On CPU: fp32, gloo, a plain `torch.optim.AdamW` (DeepSpeed's own
-optimizers JIT-compile for minutes); on GPU: bf16, nccl.
+optimizers JIT-compile for minutes); on GPU: bf16, nccl. `train_step` never writes into the batch it is
+given: what it computes of it (grammar masks, the learner's own old log-probs, a correction's weights) goes
+on a copy and comes back in its `TrainStepResult`.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import shutil
 import sys
 import time
 import uuid
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -178,14 +182,26 @@ def _ds_config(cfg: LearnerConfig, bf16: bool) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class TrainStepResult:
+    """What one `PolicyTrainer.train_step` computed of the batch it was given (which it leaves as it was)."""
+
+    metrics: dict[str, float]                          # token means over the whole batch, on every process
+    # Per row, the old log-probs the learner recomputed and trained with; None: it trained with the sampler's.
+    learner_logprobs: list[np.ndarray] | None = None
+    weights: list[np.ndarray] | None = None            # per row, the correction's token weights; None: all 1
+    # Per row, the grammar mask this process built (None for rows it did not feed the model); None: no grammars.
+    allowed_bits: list[np.ndarray | None] | None = None
+
+
 class PolicyTrainer:
     """DeepSpeed engine + frozen reference + the PPO train step. One per learner process."""
 
-    def __init__(self, model_path: str, cfg: LearnerConfig, *, dtype: str = "auto", head_dtype: str = "model",
-                 seed: int = 0, pad_id: int | None = None, temperature: float = 1.0):
+    def __init__(self, model_path: str, cfg: LearnerConfig, *, dtype: str, head_dtype: str, temperature: float,
+                 seed: int, pad_id: int | None = None):
         """dtype, head_dtype: model.dtype and model.head_dtype (`project_head_in_float32`). temperature:
         rollout.temperature; every log-prob, KL and entropy is of softmax(logits / temperature), the
-        distribution the tokens were drawn from and vLLM reports (see learner/gigpo.py)."""
+        distribution the tokens were drawn from and vLLM reports (see learner/gigpo.py). seed: run.seed."""
         import deepspeed
         from transformers import AutoModelForCausalLM
 
@@ -246,30 +262,34 @@ class PolicyTrainer:
         """The rows this process feeds the model in `plan` (and the stand-in of an empty share)."""
         return [fallback_row, *np.concatenate(plan.per_rank[self.rank]).tolist()]
 
-    def constrain(self, batch: TrainBatch, rows: Iterable[int]) -> float:
-        """Set `batch.allowed_bits` (learner/grammar_mask.py) of `rows`, each row once. A process builds
+    def constrain(self, batch: TrainBatch, rows: Iterable[int]) -> tuple[TrainBatch, float]:
+        """A copy of `batch` whose `allowed_bits` (learner/grammar_mask.py) hold those of `rows` too (built for
+        the rows that have none yet), and the seconds taken; `batch` itself without grammars. A process builds
         only the masks of the rows it feeds the model (`_own_rows`): they cost host CPU, which the processes
-        of a node share. Returns the seconds taken."""
+        of a node share."""
         if batch.grammars is None:
-            return 0.0
-        if batch.allowed_bits is None:
-            batch.allowed_bits = [None] * batch.num_rows
-        todo = sorted({r for r in rows if batch.allowed_bits[r] is None})
-        if not todo:
-            return 0.0
+            return batch, 0.0
+        bits = [None] * batch.num_rows if batch.allowed_bits is None else list(batch.allowed_bits)
+        todo = sorted({r for r in rows if bits[r] is None})
         t = time.perf_counter()
-        if self._grammar_masks is None:
-            self._grammar_masks = GrammarMasks(self.model_path, self.vocab_size)
-        built = self._grammar_masks.rows([batch.grammars[r] for r in todo], [batch.response_ids[r] for r in todo])
-        for r, bits in zip(todo, built):
-            batch.allowed_bits[r] = bits
-        return time.perf_counter() - t
+        if todo:
+            if self._grammar_masks is None:
+                self._grammar_masks = GrammarMasks(self.model_path, self.vocab_size)
+            built = self._grammar_masks.rows([batch.grammars[r] for r in todo],
+                                             [batch.response_ids[r] for r in todo])
+            for r, row_bits in zip(todo, built):
+                bits[r] = row_bits
+        return replace(batch, allowed_bits=bits), time.perf_counter() - t
 
-    @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch) -> list[np.ndarray]:
         """Log-probs of every row's response under the current weights (all processes join and get all rows)."""
+        return self._logprobs_and_masks(batch)[0]
+
+    @torch.no_grad()
+    def _logprobs_and_masks(self, batch: TrainBatch) -> tuple[list[np.ndarray], TrainBatch]:
+        """`compute_logprobs`, and the copy of `batch` with the grammar masks it built (`constrain`)."""
         plan = self._plan(batch, np.arange(batch.num_rows))
-        self.constrain(batch, self._own_rows(plan, 0))
+        batch, _ = self.constrain(batch, self._own_rows(plan, 0))
         mine: dict[int, np.ndarray] = {}
         self.engine.eval()
         for rows_mb in plan.per_rank[self.rank]:
@@ -284,49 +304,51 @@ class PolicyTrainer:
             dist.all_gather_object(gathered, mine)
             for part in gathered:
                 mine.update(part)
-        return [mine[r] for r in range(batch.num_rows)]
+        return [mine[r] for r in range(batch.num_rows)], batch
 
     @property
     def recomputes_old_logprobs(self) -> bool:
-        """train_step replaces a batch's old log-probs by the learner's own (learner.recompute_old_logprobs,
-        or a learner.logprob_correction, which needs both)."""
+        """train_step trains with the learner's own old log-probs instead of the sampler's
+        (learner.recompute_old_logprobs, or a learner.logprob_correction, which needs both)."""
         return self.cfg.recompute_old_logprobs or self.cfg.logprob_correction != "none"
 
-    def train_step(self, batch: TrainBatch, update: int | None = None) -> dict[str, float]:
-        """ppo_epochs passes over the batch, one optimizer step per mini-batch; returns metrics (token means over
-        the whole batch, on every process). With `recomputes_old_logprobs` the batch's old_logprobs are first
-        replaced by the learner's own (and a correction's weights computed from both); the sampler-learner
-        log-prob gap is measured every update (train/logprob_gap_*)."""
+    def train_step(self, batch: TrainBatch, update: int | None = None) -> TrainStepResult:
+        """ppo_epochs passes over the batch, one optimizer step per mini-batch. With `recomputes_old_logprobs`
+        it trains with the learner's own old log-probs (and a correction's weights computed from both and the
+        sampler's); the sampler-learner log-prob gap is measured every update (train/logprob_gap_*). `batch` is
+        left as it was: the result holds what was computed of it."""
         update = self.updates if update is None else update
         if batch.num_rows == 0:
-            return {"train/skipped_empty_batch": 1.0}
+            return TrainStepResult({"train/skipped_empty_batch": 1.0})
         t0 = time.perf_counter()
         metrics: dict[str, float] = {}
         # Every pass's plan, first: the grammar masks this process needs are those of its rows in them.
         passes = [(rows, self._plan(batch, rows)) for epoch in range(self.cfg.ppo_epochs)
                   for rows in mini_batches(batch.num_rows, self.cfg.mini_batch_rows,
                                            seed=(update * 1000003 + epoch) % (2 ** 32))]
+        trained = batch        # what the passes read: `batch`, or a copy with what is computed below
         if batch.grammars is not None:
-            metrics["time/grammar_mask_s"] = self.constrain(
+            trained, metrics["time/grammar_mask_s"] = self.constrain(
                 batch, [r for rows, plan in passes for r in self._own_rows(plan, int(rows[0]))])
         # The gap between the sampler's log-probs and the learner's old ones (learner.gigpo): from the
         # recompute when there is one (every token), else from the first mini-batch's forward pass, whose
         # weights are still the old ones (its tokens only: all of them when one mini-batch holds the batch).
         correction = self.cfg.logprob_correction
         gap_in_first_mini_batch = not self.recomputes_old_logprobs
+        learner_logprobs = weights = None
         if not gap_in_first_mini_batch:
             t = time.perf_counter()
-            new_old = self.compute_logprobs(batch)
+            learner_logprobs, trained = self._logprobs_and_masks(trained)
             # Forced tokens (log-prob 0 under the constrained sampler) are not in the loss, nor here.
             masks = [batch.token_mask(r) for r in range(batch.num_rows)]
-            gap = logprob_gap(np.concatenate([a[m] for a, m in zip(new_old, masks)]),
+            gap = logprob_gap(np.concatenate([a[m] for a, m in zip(learner_logprobs, masks)]),
                               np.concatenate([b[m] for b, m in zip(batch.old_logprobs, masks)]))
             metrics.update({f"train/logprob_gap_{k}": v for k, v in gap.items()})
             # Where the correction binds: a ratio truncated at the cap (tis), a token dropped (masks).
-            weights, metrics["train/correction_share"] = correction_weights(
-                new_old, batch.old_logprobs, correction, self.cfg.correction_cap, masks)
-            batch.weights = weights if correction != "none" else None     # (all ones: the loss skips them)
-            batch.old_logprobs = new_old
+            all_weights, metrics["train/correction_share"] = correction_weights(
+                learner_logprobs, batch.old_logprobs, correction, self.cfg.correction_cap, masks)
+            weights = all_weights if correction != "none" else None     # (all ones: the loss skips them)
+            trained = replace(trained, old_logprobs=learner_logprobs, weights=weights)
             metrics["time/recompute_s"] = time.perf_counter() - t
         else:
             metrics["train/correction_share"] = 0.0
@@ -342,7 +364,7 @@ class PolicyTrainer:
             scale = float(self.world_size) / max(plan.response_tokens, 1)
             measure = gap_in_first_mini_batch and steps == 0
             for rows_mb in plan.per_rank[self.rank]:
-                mb, weight = self._micro(batch, rows_mb, int(rows[0]))
+                mb, weight = self._micro(trained, rows_mb, int(rows[0]))
                 ms, logp = self._train_micro(mb, scale * weight)
                 if weight:
                     for k, v in ms.items():
@@ -387,7 +409,8 @@ class PolicyTrainer:
             "time/train_s": elapsed,
             "perf/tokens_per_s": tokens_seen / elapsed if elapsed > 0 else 0.0,
         })
-        return metrics
+        return TrainStepResult(metrics, learner_logprobs=learner_logprobs, weights=weights,
+                               allowed_bits=trained.allowed_bits)
 
     def _train_micro(self, mb: MicroBatch, scale: float) -> tuple[dict[str, float], torch.Tensor]:
         """Forward + backward of one micro-batch; `scale` turns its token sum into its share of the mini-batch
@@ -509,7 +532,7 @@ def project_head_in_float32(model) -> None:
     head.forward = forward
 
 
-def response_logprobs(model, mb: MicroBatch, temperature: float = 1.0, device="cpu", with_entropy: bool = False
+def response_logprobs(model, mb: MicroBatch, temperature: float, device="cpu", with_entropy: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p and entropy of `mb`'s response tokens under softmax(logits / temperature), flat [N] in row-major
     order; logits of the response window only (the trainer's forward pass, and the warm start's)."""

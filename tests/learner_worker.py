@@ -18,12 +18,19 @@ import time
 import numpy as np
 import torch
 
-from actors.rollout import action_regex
+from actors.prompts.shared import action_regex
 from common.config import ExperimentConfig, LearnerConfig, StreamConfig
 from learner.batching import build_batch
 from bench.synthetic import synthetic_groups
 from learner.trainer import PolicyTrainer, teardown_distributed
 
+
+# What these tests leave at the config's defaults, passed explicitly: build_batch's invalid-action penalty,
+# PolicyTrainer's settings from outside learner.* (dtype: each test's own).
+DEFAULTS = ExperimentConfig()
+PENALTY = DEFAULTS.rollout.invalid_action_penalty
+TRAINER = {"head_dtype": DEFAULTS.model.head_dtype, "temperature": DEFAULTS.rollout.temperature,
+           "seed": DEFAULTS.run.seed}
 
 # The agreement tests (tests/test_learner_trainer.py) compare one update done in different ways; these
 # settings make the arithmetic of both ways the same up to the order of one sum (the derivation is there).
@@ -51,7 +58,8 @@ def agreement_batch(model_path: str):
         if rng.random() < 0.5:
             return rng.integers(1, 1000, int(rng.integers(4, 24))), ""
         return np.array(answers[int(rng.integers(len(answers)))]), action_regex(actions, 0)
-    return build_batch(synthetic_groups(6, 4, vocab_size=1000, seed=11, respond=respond), LearnerConfig())
+    return build_batch(synthetic_groups(6, 4, vocab_size=1000, seed=11, respond=respond), LearnerConfig(),
+                       invalid_action_penalty=PENALTY)
 
 
 def train_once(model_path: str, stage: int, term_sums: bool = False) -> dict:
@@ -65,7 +73,7 @@ def train_once(model_path: str, stage: int, term_sums: bool = False) -> dict:
                   weights of linear and embedding layers (a linear weight's gradient is sum_t dy_t x_t^T,
                   its bias's sum_t dy_t, an embedding row's the dy_t of the positions holding its token)."""
     batch = agreement_batch(model_path)
-    trainer = PolicyTrainer(model_path, train_config(stage), dtype="float32")
+    trainer = PolicyTrainer(model_path, train_config(stage), dtype="float32", **TRAINER)
     for group in trainer.engine.optimizer.param_groups:
         group["eps"] = ADAM_EPS
     row_sums: dict[str, torch.Tensor] = {}
@@ -73,14 +81,14 @@ def train_once(model_path: str, stage: int, term_sums: bool = False) -> dict:
     handles = []
     if term_sums:
         handles = _track_gradient_terms(trainer.engine.module, row_sums, token_sums)
-    metrics = trainer.train_step(batch, update=0)
+    result = trainer.train_step(batch, update=0)
     for handle in handles:
         handle.remove()
     weights = {n: w.clone() for n, w in trainer.named_weights()}
     trainer.close()
-    return {"metrics": metrics, "before": batch.old_logprobs, "weights": weights, "row_sums": row_sums,
+    return {"metrics": result.metrics, "before": result.learner_logprobs, "weights": weights, "row_sums": row_sums,
             "token_sums": token_sums, "rows": batch.num_rows, "tokens": int(batch.row_lengths().sum()),
-            "masked_rows": sum(bits is not None for bits in batch.allowed_bits)}
+            "masked_rows": sum(bits is not None for bits in result.allowed_bits)}
 
 
 def _track_gradient_terms(module: torch.nn.Module, row_sums: dict, token_sums: dict) -> list:

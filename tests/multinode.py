@@ -583,7 +583,7 @@ def _train_observed(record_path: str, argv: list[str]) -> int:
         return {
             "inference": [{"policy_version": ask(a, "policy_version"), "node": ask(a, "node"),
                            "transfer_state": ask(a, "transfer_state")} for a in run.inference.serving],
-            "learners": [{"state": ask(w, "state"), "node": ask(w, "node")} for w in run.learners],
+            "learners": [{"state": ask(w, "state"), "node": ask(w, "node")} for w in run.learners.ranks],
             "rollouts": {name: {"stats": ask(a, "stats"), "node": ask(a, "node")} for name, a in run.rollouts.handles().items()},
             "redis_host": urlsplit(run.redis_url).hostname if run.redis_url else None,
             "stream": stream_counts(run.redis_url, run.cfg.stream) if run.redis_url else None,

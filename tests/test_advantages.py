@@ -130,7 +130,7 @@ def test_rloo_leave_one_out():
     t = ["a", "a", "b", "c", "z"]
     s = [0, 1, 0, 0, 0]
     r = [0.0, 10.0, 4.0, 1.0, 3.0]
-    adv = rloo_advantages(g, t, s, r)                         # trajectory returns 10, 4, 1; h alone
+    adv = rloo_advantages(g, t, s, r, episode_stats="trajectories")   # trajectory returns 10, 4, 1; h alone
     np.testing.assert_allclose(adv, [10 - 2.5, 10 - 2.5, 4 - 5.5, 1 - 7.0, 3.0])
     adv_rows = rloo_advantages(g, t, s, r, episode_stats="rows")   # row scores 10, 10, 4, 1
     np.testing.assert_allclose(adv_rows[:4], [10 - 5, 10 - 5, 4 - 7, 1 - 8])
@@ -179,7 +179,7 @@ def test_clear_errors_grpo_rloo():
     with pytest.raises(ValueError, match="length mismatch"):
         grpo_advantages(["g"], ["a", "b"], [0], [1.0])
     with pytest.raises(ValueError, match="finite"):
-        rloo_advantages(["g"], ["a"], [0], [np.inf])
+        rloo_advantages(["g"], ["a"], [0], [np.inf], episode_stats="trajectories")
     # The settings' ranges (gamma, omega, similarity, episode_stats) are the config's rules, checked when
     # it loads: tests/test_config.py.
 

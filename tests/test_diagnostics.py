@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.config import LearnerConfig
+from common.config import ExperimentConfig, LearnerConfig
 from common.records import EpisodeGroup, Termination, Trajectory
 from learner.batching import build_batch, collate, plan_micro_batches
 from learner.gigpo import LossSettings, grpo_advantages, policy_loss
@@ -23,7 +23,15 @@ from tests.synthetic import keep_trajectories, last_rows, step_rows, steps_of
 from learner.trainer import PolicyTrainer
 
 
-def _grpo_of(groups, penalty=0.1) -> np.ndarray:
+# What these tests leave at the config's defaults, passed explicitly: build_batch's invalid-action penalty,
+# PolicyTrainer's settings from outside learner.* (dtype: each test's own).
+DEFAULTS = ExperimentConfig()
+PENALTY = DEFAULTS.rollout.invalid_action_penalty
+TRAINER = {"head_dtype": DEFAULTS.model.head_dtype, "temperature": DEFAULTS.rollout.temperature,
+           "seed": DEFAULTS.run.seed}
+
+
+def _grpo_of(groups, penalty=PENALTY) -> np.ndarray:
     rows = step_rows(groups)
     return grpo_advantages([r[0] for r in rows], [r[1] for r in rows], np.array([r[2].step for r in rows]),
                            [r[2].reward for r in rows], penalties=[0.0 if r[2].valid else penalty for r in rows])
@@ -45,14 +53,14 @@ def test_diagnostics_compare_the_advantages_with_grpo():
     _make_all_succeed(groups[0])
     grpo = _grpo_of(groups)
     for algorithm in ("gigpo", "rloo"):
-        b = build_batch(groups, LearnerConfig(algorithm=algorithm))
+        b = build_batch(groups, LearnerConfig(algorithm=algorithm), invalid_action_penalty=PENALTY)
         a = b.advantages
         assert b.metrics["diag/adv_cosine_vs_grpo"] == pytest.approx(
             a @ grpo / (np.linalg.norm(a) * np.linalg.norm(grpo)), rel=1e-12)
         assert b.metrics["diag/adv_sign_differs_share"] == np.mean(np.sign(a) != np.sign(grpo))
-    gigpo = build_batch(groups, LearnerConfig(algorithm="gigpo")).metrics
+    gigpo = build_batch(groups, LearnerConfig(algorithm="gigpo"), invalid_action_penalty=PENALTY).metrics
     assert gigpo["diag/adv_cosine_vs_grpo"] < 1.0 and gigpo["diag/adv_sign_differs_share"] > 0.0
-    grpo_m = build_batch(groups, LearnerConfig(algorithm="grpo")).metrics
+    grpo_m = build_batch(groups, LearnerConfig(algorithm="grpo"), invalid_action_penalty=PENALTY).metrics
     assert grpo_m["diag/adv_cosine_vs_grpo"] == 1.0 and grpo_m["diag/adv_sign_differs_share"] == 0.0
 
     all_success = [all(t.success for t in g.trajectories) for g in groups]
@@ -73,13 +81,13 @@ def test_diagnostics_of_batches_without_signal_or_success():
         for t in g.trajectories:
             t.success, t.episode_return = False, 0.0
         g.rows["reward"][:], g.rows["valid"][:] = 0.0, True
-    m = build_batch(groups, LearnerConfig(algorithm="gigpo")).metrics
+    m = build_batch(groups, LearnerConfig(algorithm="gigpo"), invalid_action_penalty=PENALTY).metrics
     # Both advantage vectors are 0: the same vector (cosine 1), no sign differs.
     assert m["adv/zero_share"] == 1.0
     assert m["diag/adv_cosine_vs_grpo"] == 1.0 and m["diag/adv_sign_differs_share"] == 0.0
     assert m["diag/groups_all_success_share"] == 0.0
     assert np.isnan(m["diag/success_episode_length_mean"])   # no length to report (the gauge keeps its last)
-    assert build_batch([], LearnerConfig()).metrics["diag/adv_cosine_vs_grpo"] == 1.0
+    assert build_batch([], LearnerConfig(), invalid_action_penalty=PENALTY).metrics["diag/adv_cosine_vs_grpo"] == 1.0
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -92,10 +100,11 @@ def test_env_error_trajectories_are_left_out_not_trained_as_failures():
     broken.trajectories[1].termination = Termination.ENV_ERROR
     for t in lonely.trajectories[1:]:          # one trajectory left: nothing to compare it with
         t.termination = Termination.ENV_ERROR
-    b = build_batch(groups, LearnerConfig())
+    b = build_batch(groups, LearnerConfig(), invalid_action_penalty=PENALTY)
 
     # The same batch as if the env-error trajectories (and the group left with one) had never come.
-    expected = build_batch([keep_trajectories(broken, [0, 2, 3]), clean], LearnerConfig())
+    expected = build_batch([keep_trajectories(broken, [0, 2, 3]), clean], LearnerConfig(),
+                           invalid_action_penalty=PENALTY)
     np.testing.assert_array_equal(b.advantages, expected.advantages)
     assert b.row_group == expected.row_group and lonely.group_id not in b.row_group
     assert b.num_rows == expected.num_rows == broken.num_rows + clean.num_rows - broken.trajectories[1].num_steps
@@ -117,7 +126,7 @@ def test_forced_tokens_are_left_out_of_the_loss():
     groups = synthetic_groups(2, 2, seed=4)
     forced_at = [0, 2]
     steps_of(groups[0], 0)[0].response_logprobs[forced_at] = 0.0    # the sampler had one choice
-    b = build_batch(groups, LearnerConfig())
+    b = build_batch(groups, LearnerConfig(), invalid_action_penalty=PENALTY)
     assert b.metrics["batch/forced_tokens"] == len(forced_at)
     mask = b.token_masks[0]                    # row 0 is that step
     assert not mask[forced_at].any() and mask.sum() == len(mask) - len(forced_at)
@@ -157,16 +166,16 @@ def test_learner_logprobs_are_of_the_sampling_temperature(tiny_model_path):
     from transformers import AutoModelForCausalLM
 
     with pytest.raises(ValueError, match="temperature"):
-        PolicyTrainer(tiny_model_path, LearnerConfig(), temperature=0.0)
+        PolicyTrainer(tiny_model_path, LearnerConfig(), dtype=DEFAULTS.model.dtype, **dict(TRAINER, temperature=0.0))
 
     groups = synthetic_groups(2, 3, vocab_size=1000, seed=7)
     steps_of(groups[0], 0)[0].response_logprobs[1] = 0.0       # one forced token (see below)
-    batch = build_batch(groups, LearnerConfig())
+    batch = build_batch(groups, LearnerConfig(), invalid_action_penalty=PENALTY)
     cfg = LearnerConfig(zero_stage=2, micro_batch_tokens=300, mini_batch_rows=1024, recompute_old_logprobs=True)
-    trainer = PolicyTrainer(tiny_model_path, cfg, dtype="float32", temperature=T)
+    trainer = PolicyTrainer(tiny_model_path, cfg, dtype="float32", **dict(TRAINER, temperature=T))
     try:
         got = trainer.compute_logprobs(batch)
-        m = trainer.train_step(batch, update=0)
+        m = trainer.train_step(batch, update=0).metrics
     finally:
         trainer.close()
 
@@ -218,7 +227,8 @@ def test_every_learner_gauge_shows_a_key_the_batch_reports():
     """A learner gauge names the update metric it shows once (MetricSpec.update_key); the batch's keys must
     exist under that name (the train/* ones come from the trainer: the learner tests scrape those)."""
     from common.metrics import METRICS
-    reported = build_batch(synthetic_groups(2, 4, seed=3), LearnerConfig(algorithm="gigpo")).metrics
+    reported = build_batch(synthetic_groups(2, 4, seed=3), LearnerConfig(algorithm="gigpo"),
+                           invalid_action_penalty=PENALTY).metrics
     keys = {key for s in METRICS.values() if s.type == "gauge" for _, key in s.update_keys
             if key.split("/")[0] in ("anchor", "diag", "batch")}
     assert keys and keys <= set(reported), keys - set(reported)

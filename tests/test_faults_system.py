@@ -116,7 +116,7 @@ def test_killed_rollout_actor_restarts_scale_to_zero_pauses_inference_scales_and
             assert system.rollouts.restarts == 1 and history[-1]["rollout/actor_restarts"] == 1.0
             assert any(s.startswith("paused") for s in seen_states)
             # Every update trained a full batch of distinct groups, and no group twice across updates.
-            state = ray.get(system.learners[0].state.remote())
+            state = ray.get(system.learners.ranks[0].state.remote())
             assert state["trained_groups"] == n * cfg.learner.groups_per_batch
             # No group lost: every group published was trained, counted as dropped or is in the stream; and
             # none half-published (an entry that is not a whole group is dead-lettered on read).

@@ -9,12 +9,19 @@ import numpy as np
 import pytest
 import torch
 
-from actors.rollout import action_regex
-from common.config import LearnerConfig
+from actors.prompts.shared import action_regex
+from common.config import ExperimentConfig, LearnerConfig
 from common.records import EpisodeGroup, StepRow, Trajectory
 from learner.batching import build_batch
 from learner.gigpo import token_logprobs_and_entropy
 from learner.grammar_mask import GrammarMasks, allowed_tokens
+
+# What these tests leave at the config's defaults, passed explicitly: build_batch's invalid-action penalty,
+# PolicyTrainer's settings from outside learner.* (dtype: each test's own).
+DEFAULTS = ExperimentConfig()
+PENALTY = DEFAULTS.rollout.invalid_action_penalty
+TRAINER = {"head_dtype": DEFAULTS.model.head_dtype, "temperature": DEFAULTS.rollout.temperature,
+           "seed": DEFAULTS.run.seed}
 
 ACTIONS = ["go to cabinet 1", "go to cabinet 2", "take mug 1 from desk 2", "look"]
 ANSWERS = [f"<think></think> <action>{a}</action>" for a in ACTIONS]   # what action_regex(ACTIONS, 0) allows
@@ -118,9 +125,11 @@ def test_the_trainer_scores_constrained_rows_under_their_grammar(tiny):
         for k, a in enumerate(ANSWERS)]
     played = [(Trajectory(traj_id=f"t{k}", success=k == 0, episode_return=10.0 * (k == 0), score=float(k == 0)),
                [s]) for k, s in enumerate(steps)]
-    batch = build_batch([EpisodeGroup.pack("g", "task", "alfworld", played, producer="test")], LearnerConfig())
+    batch = build_batch([EpisodeGroup.pack("g", "task", "alfworld", played, producer="test")], LearnerConfig(),
+                        invalid_action_penalty=PENALTY)
     assert batch.grammars == [regex, regex, regex, ""]
-    trainer = PolicyTrainer(path, LearnerConfig(zero_stage=2, micro_batch_tokens=300), dtype="float32")
+    trainer = PolicyTrainer(path, LearnerConfig(zero_stage=2, micro_batch_tokens=300), dtype="float32",
+                            **TRAINER)
     try:
         scored = trainer.compute_logprobs(batch)
     finally:

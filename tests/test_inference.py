@@ -90,7 +90,7 @@ def test_constrained_actions(setup):
     choices = ["go to cabinet 1", "take mug 1 from desk 2"]
     outs = ray.get([actor.generate.remote(PROMPT, {"choice": choices, "max_tokens": 32}) for _ in range(4)])
     assert all(o["text"] in choices for o in outs), [o["text"] for o in outs]
-    from actors.rollout import action_regex, parse_action
+    from actors.prompts.shared import action_regex, parse_action
     out = ray.get(actor.generate.remote(PROMPT, {"regex": action_regex(choices, 20), "max_tokens": 64}))
     parsed = parse_action(out["text"])
     assert parsed.valid and parsed.action in choices, out["text"]
@@ -101,7 +101,7 @@ def test_learner_scores_constrained_samples_as_sampled(setup):
     learner's log-probs of the same tokens (learner/grammar_mask.py) are of that distribution: equal to
     vLLM's within fp32 noise, on the think section's free text and on the action's choices alike. Over the
     whole vocabulary they are not (the random model puts most of its mass elsewhere)."""
-    from actors.rollout import action_regex
+    from actors.prompts.shared import action_regex
     from learner.gigpo import token_logprobs_and_entropy
     from learner.grammar_mask import GrammarMasks, allowed_tokens
     path, actor = setup

@@ -8,12 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from common.config import LearnerConfig
+from common.config import LearnerConfig, RolloutConfig
 from learner.batching import build_batch, collate, mini_batches, pack_by_tokens, plan_micro_batches
 from learner.gigpo import (LossSettings, correction_weights, gigpo_advantages, grpo_advantages, logprob_gap,
                            policy_loss, token_logprobs_and_entropy)
 from bench.synthetic import synthetic_groups
 from tests.synthetic import step_rows
+
+
+PENALTY = RolloutConfig().invalid_action_penalty     # build_batch's, at the config's default
 
 
 def _reference_token_loss(lp, old, a, ref, ent, clip=0.2, c=3.0, kl_coef=0.01, ent_coef=0.001):
@@ -106,7 +109,7 @@ def test_build_batch_penalties_and_algorithms():
     np.testing.assert_allclose(b.advantages, grpo_advantages(*args, penalties=pen))
     assert b.group_ids == [g.group_id for g in groups]
     with pytest.raises(ValueError, match="algorithm"):
-        build_batch(groups, LearnerConfig(algorithm="ppo"))
+        build_batch(groups, LearnerConfig(algorithm="ppo"), invalid_action_penalty=PENALTY)
 
 
 def test_dynamic_sampling_skips_equal_return_groups_and_counts_them():
@@ -116,7 +119,7 @@ def test_dynamic_sampling_skips_equal_return_groups_and_counts_them():
     groups[1].rows["reward"][:] = 0.0
     equal = [g.group_id for g in groups if len(set(t.episode_return for t in g.trajectories)) == 1]
     assert groups[1].group_id in equal and len(equal) < len(groups)
-    b = build_batch(groups, LearnerConfig(dynamic_sampling=True))
+    b = build_batch(groups, LearnerConfig(dynamic_sampling=True), invalid_action_penalty=PENALTY)
     assert b.skipped_group_ids == equal
     assert b.metrics["batch/groups_skipped_equal_returns"] == len(equal)
     assert groups[1].group_id not in b.row_group
@@ -127,12 +130,12 @@ def test_bad_rows_raise_clear_errors():
     groups = synthetic_groups(2, 2, seed=1)
     groups[1].rows["response_logprobs"][0] = np.nan
     with pytest.raises(ValueError, match=groups[1].group_id):
-        build_batch(groups, LearnerConfig())
+        build_batch(groups, LearnerConfig(), invalid_action_penalty=PENALTY)
 
 
 def test_token_budget_packing_and_rank_plan():
     groups = synthetic_groups(6, 4, seed=2)
-    b = build_batch(groups, LearnerConfig())
+    b = build_batch(groups, LearnerConfig(), invalid_action_penalty=PENALTY)
     lengths = b.row_lengths()
     budget = 200
     for mb in mini_batches(b.num_rows, 32, seed=0):
@@ -148,7 +151,7 @@ def test_token_budget_packing_and_rank_plan():
 
 
 def test_collate_aligns_targets_with_response_tokens():
-    b = build_batch(synthetic_groups(2, 2, seed=4), LearnerConfig())
+    b = build_batch(synthetic_groups(2, 2, seed=4), LearnerConfig(), invalid_action_penalty=PENALTY)
     rows = np.arange(min(5, b.num_rows))
     mb = collate(b, rows, pad_id=0)
     # Logits position L - window + j predicts token L - window + j + 1: the last window - 1 tokens.

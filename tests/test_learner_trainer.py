@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.config import LearnerConfig
+from common.config import ExperimentConfig, LearnerConfig
 from common.transport import InMemoryTrajectories, InMemoryWeights
 from learner.batching import build_batch
 from learner.loop import PUSHED_VERSION, Learner
@@ -28,6 +28,13 @@ from tests import learner_worker
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
+
+# What these tests leave at the config's defaults, passed explicitly: build_batch's invalid-action penalty,
+# PolicyTrainer's settings from outside learner.* (dtype: each test's own).
+DEFAULTS = ExperimentConfig()
+PENALTY = DEFAULTS.rollout.invalid_action_penalty
+TRAINER = {"head_dtype": DEFAULTS.model.head_dtype, "temperature": DEFAULTS.rollout.temperature,
+           "seed": DEFAULTS.run.seed}
 
 
 def _env(**extra) -> dict:
@@ -99,15 +106,16 @@ def _reference_loss(model_path: str, batch, s: LearnerConfig, weights: dict | No
 
 @pytest.fixture(scope="module")
 def fixed_batch():
-    return build_batch(synthetic_groups(6, 4, vocab_size=1000, seed=11), LearnerConfig())
+    return build_batch(synthetic_groups(6, 4, vocab_size=1000, seed=11), LearnerConfig(),
+                       invalid_action_penalty=PENALTY)
 
 
 def test_loss_on_fixed_batch_equals_plain_torch(tiny_model_path, fixed_batch):
     # One mini-batch, several micro-batches: the reported loss is that of the initial weights.
     cfg = LearnerConfig(zero_stage=2, mini_batch_rows=1024, micro_batch_tokens=300, lr=1e-3)
-    trainer = PolicyTrainer(tiny_model_path, cfg, dtype="float32")
+    trainer = PolicyTrainer(tiny_model_path, cfg, dtype="float32", **TRAINER)
     try:
-        m = trainer.train_step(fixed_batch, update=0)
+        m = trainer.train_step(fixed_batch, update=0).metrics
     finally:
         trainer.close()
     loss, entropy = _reference_loss(tiny_model_path, fixed_batch, cfg)
@@ -124,11 +132,11 @@ def test_the_kl_term_weighs_into_the_loss_as_in_plain_torch(tiny_model_path, fix
     The KL term is ~1e3 times the tolerance (float32 learner against a float64 reference from the same
     float32 logits: ~1e-6 relative), so a wrong weight or a missing term fails."""
     cfg = LearnerConfig(zero_stage=2, mini_batch_rows=1024, micro_batch_tokens=300, lr=1e-2, kl_coef=0.5)
-    trainer = PolicyTrainer(tiny_model_path, cfg, dtype="float32")
+    trainer = PolicyTrainer(tiny_model_path, cfg, dtype="float32", **TRAINER)
     try:
         trainer.train_step(fixed_batch, update=0)
         weights = {name: t.detach().clone() for name, t in trainer.named_weights()}
-        m = trainer.train_step(fixed_batch, update=1)
+        m = trainer.train_step(fixed_batch, update=1).metrics
     finally:
         trainer.close()
     loss, _ = _reference_loss(tiny_model_path, fixed_batch, cfg, weights=weights)
@@ -139,14 +147,15 @@ def test_the_kl_term_weighs_into_the_loss_as_in_plain_torch(tiny_model_path, fix
 
 
 def test_update_moves_logprobs_with_the_sign_of_the_advantage(tiny_model_path):
-    batch = build_batch(synthetic_groups(6, 4, vocab_size=1000, seed=11), LearnerConfig())
+    batch = build_batch(synthetic_groups(6, 4, vocab_size=1000, seed=11), LearnerConfig(),
+                        invalid_action_penalty=PENALTY)
     batch.advantages = np.where(np.arange(batch.num_rows) % 2 == 0, 1.0, -1.0)
     cfg = LearnerConfig(zero_stage=2, mini_batch_rows=1024, micro_batch_tokens=600, lr=3e-4, kl_coef=0.0,
                         entropy_coef=0.0, recompute_old_logprobs=True)
-    trainer = PolicyTrainer(tiny_model_path, cfg, dtype="float32")
+    trainer = PolicyTrainer(tiny_model_path, cfg, dtype="float32", **TRAINER)
     try:
         before = trainer.compute_logprobs(batch)
-        m = trainer.train_step(batch, update=0)
+        m = trainer.train_step(batch, update=0).metrics
         after = trainer.compute_logprobs(batch)
     finally:
         trainer.close()
@@ -160,10 +169,11 @@ def test_update_moves_logprobs_with_the_sign_of_the_advantage(tiny_model_path):
 def test_trainable_layers_train_only_the_last_blocks_and_the_norm(tiny_model_path):
     """learner.trainable_layers=1 of the tiny model's 2: one step changes the last block and the final norm,
     and leaves the first block and the (tied) embeddings bit for bit as loaded."""
-    batch = build_batch(synthetic_groups(2, 4, vocab_size=1000, seed=5), LearnerConfig())
+    batch = build_batch(synthetic_groups(2, 4, vocab_size=1000, seed=5), LearnerConfig(),
+                        invalid_action_penalty=PENALTY)
     cfg = LearnerConfig(zero_stage=2, mini_batch_rows=1024, micro_batch_tokens=600, lr=1e-3, kl_coef=0.0,
                         trainable_layers=1)
-    trainer = PolicyTrainer(tiny_model_path, cfg, dtype="float32")
+    trainer = PolicyTrainer(tiny_model_path, cfg, dtype="float32", **TRAINER)
     try:
         before = {name: t.clone() for name, t in trainer.named_weights()}
         trainer.train_step(batch, update=0)
@@ -173,7 +183,7 @@ def test_trainable_layers_train_only_the_last_blocks_and_the_norm(tiny_model_pat
     trainable = {name for name in before if name.startswith(("model.layers.1.", "model.norm."))}
     assert changed == trainable and trainable
     with pytest.raises(ValueError, match="the model has 2 layers"):
-        PolicyTrainer(tiny_model_path, LearnerConfig(trainable_layers=3), dtype="float32")
+        PolicyTrainer(tiny_model_path, LearnerConfig(trainable_layers=3), dtype="float32", **TRAINER)
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["from-the-training-pass", "from-the-recompute"])
@@ -184,14 +194,15 @@ def test_the_log_prob_gap_is_measured_every_update_and_corrected(tiny_model_path
     forward pass, here the whole batch: one mini-batch); both forward passes compute the same float32 values
     up to summation order, ~1e-6. With tis at cap 1.2 every token's ratio e^0.3 = 1.35 is truncated; at cap 2
     none is."""
-    batch = build_batch(synthetic_groups(2, 4, vocab_size=1000, seed=9), LearnerConfig())
+    batch = build_batch(synthetic_groups(2, 4, vocab_size=1000, seed=9), LearnerConfig(),
+                        invalid_action_penalty=PENALTY)
     cfg = LearnerConfig(zero_stage=2, mini_batch_rows=1024, micro_batch_tokens=600, lr=1e-6, kl_coef=0.0,
                         recompute_old_logprobs=recompute)
-    trainer = PolicyTrainer(tiny_model_path, cfg, dtype="float32")
+    trainer = PolicyTrainer(tiny_model_path, cfg, dtype="float32", **TRAINER)
     try:
         own = trainer.compute_logprobs(batch)
         batch.old_logprobs = [lp - 0.3 for lp in own]
-        m = trainer.train_step(batch, update=0)
+        m = trainer.train_step(batch, update=0).metrics
         assert m["train/logprob_gap_mean"] == pytest.approx(0.3, abs=1e-4)
         assert m["train/logprob_gap_max"] == pytest.approx(0.3, abs=1e-4) and m["train/logprob_gap_share"] == 1.0
         assert m["train/logprob_gap_kl"] == pytest.approx(math.exp(0.3) - 1 - 0.3, abs=1e-4)
@@ -200,9 +211,10 @@ def test_the_log_prob_gap_is_measured_every_update_and_corrected(tiny_model_path
             trainer.cfg = LearnerConfig(**{**cfg.__dict__, "logprob_correction": "tis", "correction_cap": cap})
             own = trainer.compute_logprobs(batch)
             batch.old_logprobs = [lp - 0.3 for lp in own]
-            m = trainer.train_step(batch, update=1)
+            result = trainer.train_step(batch, update=1)
+            m = result.metrics
             assert m["train/correction_share"] == share and m["train/logprob_gap_mean"] == pytest.approx(0.3, abs=1e-4)
-            np.testing.assert_allclose(np.concatenate(batch.weights), min(cap, math.exp(0.3)), rtol=1e-5)
+            np.testing.assert_allclose(np.concatenate(result.weights), min(cap, math.exp(0.3)), rtol=1e-5)
     finally:
         trainer.close()
 
@@ -210,7 +222,7 @@ def test_the_log_prob_gap_is_measured_every_update_and_corrected(tiny_model_path
 def test_checkpoint_tag_loads_that_checkpoint_and_a_missing_tag_is_an_error(tiny_model_path, fixed_batch, tmp_path):
     cfg = LearnerConfig(zero_stage=2, mini_batch_rows=1024, micro_batch_tokens=600, lr=1e-3)
     weights = lambda t: {n: w.clone() for n, w in t.named_weights()}  # noqa: E731
-    trainer = PolicyTrainer(tiny_model_path, cfg, dtype="float32")
+    trainer = PolicyTrainer(tiny_model_path, cfg, dtype="float32", **TRAINER)
     try:
         trainer.train_step(fixed_batch)
         first = trainer.save_checkpoint(tmp_path, {"policy_version": 1})
@@ -222,7 +234,7 @@ def test_checkpoint_tag_loads_that_checkpoint_and_a_missing_tag_is_an_error(tiny
         trainer.close()
     assert any(not torch.equal(w1[n], w2[n]) for n in w1)
     for tag, want, version in ((Path(first).name, w1, 1), (None, w2, 2)):
-        trainer = PolicyTrainer(tiny_model_path, cfg, dtype="float32")
+        trainer = PolicyTrainer(tiny_model_path, cfg, dtype="float32", **TRAINER)
         try:
             state = trainer.load_checkpoint(tmp_path, tag=tag)
             assert state["policy_version"] == version and trainer.updates == version
@@ -496,7 +508,8 @@ def test_head_dtype_float32_gives_float32_logits_of_the_bf16_hidden_state_and_tr
     logits.logsumexp(-1).sum().backward()
     assert weight.grad is not None and weight.grad.dtype == torch.bfloat16 and weight.grad.abs().sum() > 0
 
-    trainer = PolicyTrainer(tiny_model_path, LearnerConfig(kl_coef=0.01), dtype="bfloat16", head_dtype="float32")
+    trainer = PolicyTrainer(tiny_model_path, LearnerConfig(kl_coef=0.01), dtype="bfloat16",
+                            **dict(TRAINER, head_dtype="float32"))
     try:
         probe = torch.zeros(1, hidden.shape[-1], dtype=torch.bfloat16)
         for m in (trainer.engine.module, trainer.ref_model):

@@ -11,12 +11,19 @@ import numpy as np
 import pytest
 import torch
 
-from common.config import LearnerConfig
+from common.config import ExperimentConfig, LearnerConfig
 from common.records import EpisodeGroup, StepRow, Trajectory
 from tests.synthetic import steps_of
 from learner.gigpo import gigpo_parts, grpo_advantages
 from learner.batching import build_batch
 from learner.trainer import PolicyTrainer
+
+# What these tests leave at the config's defaults, passed explicitly: build_batch's invalid-action penalty,
+# PolicyTrainer's settings from outside learner.* (dtype: each test's own).
+DEFAULTS = ExperimentConfig()
+PENALTY = DEFAULTS.rollout.invalid_action_penalty
+TRAINER = {"head_dtype": DEFAULTS.model.head_dtype, "temperature": DEFAULTS.rollout.temperature,
+           "seed": DEFAULTS.run.seed}
 
 TASK = "Your task is to: take the mug 1."
 OBS = {   # anchor states: raw observations, as the ALFWorld env reports them
@@ -90,7 +97,8 @@ def test_mechanism_grpo_is_zero_and_gigpo_prefers_the_shortcut(group):
     for stats in ("rows", "trajectories"):
         # Every trajectory scores 10: "all equal" is detected exactly, not left to (x - mean) / (std + eps).
         assert np.all(grpo_advantages(gid, tid, steps, rewards, episode_stats=stats) == 0.0)
-        assert np.all(build_batch([g], LearnerConfig(algorithm="grpo", episode_stats=stats)).advantages == 0.0)
+        assert np.all(build_batch([g], LearnerConfig(algorithm="grpo", episode_stats=stats),
+                                  invalid_action_penalty=PENALTY).advantages == 0.0)
     parts = gigpo_parts(gid, tid, steps, rewards, anchors)
     assert np.all(parts.episode == 0.0)
     is_ = lambda name, t: np.array([o == (name, t) for o in order])           # noqa: E731
@@ -105,7 +113,7 @@ def test_mechanism_grpo_is_zero_and_gigpo_prefers_the_shortcut(group):
     assert np.all(parts.step[is_("shortcut", 1)] == 0.0)
     # From the drawer, going straight to the cabinet beats the detour via the shelf.
     assert parts.step[is_("drawer", 1)].min() > 0 > parts.step[is_("drawer_shelf", 1)].max()
-    batch = build_batch([g], LearnerConfig(algorithm="gigpo"))
+    batch = build_batch([g], LearnerConfig(algorithm="gigpo"), invalid_action_penalty=PENALTY)
     np.testing.assert_array_equal(batch.advantages, parts.step)
     # The diagnostics of this batch (see learner/batching.py build_batch): GRPO's vector is 0, so the
     # cosine is 0 by convention and every row GiGPO trains differs in sign from GRPO's 0.
@@ -114,7 +122,7 @@ def test_mechanism_grpo_is_zero_and_gigpo_prefers_the_shortcut(group):
     assert m["diag/adv_sign_differs_share"] == pytest.approx(np.mean(parts.step != 0.0))
     assert m["diag/groups_all_success_share"] == 1.0
     assert m["diag/success_episode_length_mean"] == pytest.approx((2 * 2 + 2 * 3 + 4 * 4) / 8)
-    grpo_m = build_batch([g], LearnerConfig(algorithm="grpo")).metrics
+    grpo_m = build_batch([g], LearnerConfig(algorithm="grpo"), invalid_action_penalty=PENALTY).metrics
     assert grpo_m["diag/adv_cosine_vs_grpo"] == 1.0 and grpo_m["diag/adv_sign_differs_share"] == 0.0
 
 
@@ -129,19 +137,19 @@ def test_mechanism_one_update_raises_the_shortcut_and_grpo_changes_nothing(tiny_
     # linearly with lr (1e-4 gives 10x), i.e. the first-order effect of the gradient decides their signs.
     cfg = LearnerConfig(zero_stage=2, lr=1e-5, weight_decay=0.0, kl_coef=0.0, entropy_coef=0.0,
                         recompute_old_logprobs=True, mini_batch_rows=1024, micro_batch_tokens=8192)
-    trainer = PolicyTrainer(tiny_model_path, cfg, dtype="float32")
+    trainer = PolicyTrainer(tiny_model_path, cfg, dtype="float32", **TRAINER)
     try:
         snapshot = lambda: {n: w.clone() for n, w in trainer.named_weights()}   # noqa: E731
-        grpo = build_batch([g], LearnerConfig(algorithm="grpo"))
+        grpo = build_batch([g], LearnerConfig(algorithm="grpo"), invalid_action_penalty=PENALTY)
         w0, lp0 = snapshot(), trainer.compute_logprobs(grpo)
-        m = trainer.train_step(grpo, update=0)
+        m = trainer.train_step(grpo, update=0).metrics
         assert m["train/grad_norm"] == 0.0 and m["train/pg_loss"] == 0.0
         assert all(torch.equal(w, w0[n]) for n, w in snapshot().items())
         # Unchanged weights give bit-identical log-probs: the comparison below needs no noise allowance.
         assert all(np.array_equal(a, b) for a, b in zip(trainer.compute_logprobs(grpo), lp0))
 
-        gigpo = build_batch([g], LearnerConfig(algorithm="gigpo"))
-        m = trainer.train_step(gigpo, update=1)
+        gigpo = build_batch([g], LearnerConfig(algorithm="gigpo"), invalid_action_penalty=PENALTY)
+        m = trainer.train_step(gigpo, update=1).metrics
         lp1 = trainer.compute_logprobs(gigpo)
     finally:
         trainer.close()

@@ -76,13 +76,13 @@ def test_a_need_no_node_has_is_one_clear_error_within_its_deadline(kinds_ray):
 @pytest.mark.slow
 @pytest.mark.fault
 def test_learner_with_resources_no_node_has_fails_within_the_deadline(kinds_ray, tiny_model_path):
-    from learner.actor import create_learner_workers
+    from deploy.learner_pool import LearnerPool
 
     cfg = ExperimentConfig()
     cfg.learner.resources = {"gpu_node": 1}
     t0 = time.monotonic()
     with pytest.raises(PlacementError, match="gpu_node 1"):
-        create_learner_workers(cfg, ModelSource(tiny_model_path), None, [], placement_timeout_s=2)
+        LearnerPool().start(cfg, ModelSource(tiny_model_path), None, [], placement_timeout_s=2)
     assert time.monotonic() - t0 < 2 + POLL_S + CLUSTER_QUERY_MARGIN_S
     # (its pending actor was killed: nothing is left waiting for a node)
 
@@ -94,36 +94,37 @@ def test_two_learner_ranks_meet_at_rank0s_node_with_the_shipped_model(kinds_ray,
                                                                      tmp_path, redis_url):
     from transformers import AutoModelForCausalLM
 
-    from learner.actor import create_learner_workers, step_learner
+    from deploy.learner_pool import LearnerPool
 
     cfg = ExperimentConfig()
     cfg.run.output_dir = str(tmp_path / "run")
     cfg.learner.num_processes = 2
     cfg.learner.resources = {"learner_node": 1}
     cfg.stream.stream = "test:placement-learner"
-    workers = create_learner_workers(cfg, shipped_model, redis_url, [])
+    workers = LearnerPool()
+    workers.start(cfg, shipped_model, redis_url, [])
     try:
         node = this_node()
         assert [n["node_id"] for n in workers.nodes] == [node["node_id"]] * 2
         # Every rank met at rank 0's node (its Ray IP), on one port.
         env = ray.get([w.__ray_call__.remote(lambda self: (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]))
-                       for w in workers])
+                       for w in workers.ranks])
         assert env[0] == env[1] and env[0][0] == workers.nodes[0]["ip"] == node["ip"]
         # The weights each rank loaded are the original's, from this node's cache of the shipped files.
         want = _weights_digest(AutoModelForCausalLM.from_pretrained(tiny_model_path))
         got = ray.get([w.__ray_call__.remote(lambda self: _weights_digest(self.learner.trainer.engine.module))
-                       for w in workers])
+                       for w in workers.ranks])
         assert got == [want, want]
         # An update that never ends (rank 0 waits for a stream nobody writes, without a timeout) is an error
         # naming the ranks and their nodes once the deadline has passed, not a hang.
         t0 = time.monotonic()
         with pytest.raises(TimeoutError) as err:
-            step_learner(workers, timeout_s=None, deadline_s=3)
+            workers.step(timeout_s=None, deadline_s=3)
         # the deadline, one more poll of the ranks' answers, and the message (their nodes are known already)
         assert time.monotonic() - t0 < 3 + CLUSTER_QUERY_MARGIN_S
         assert f"rank 0 on {node['ip']}" in str(err.value) and "rank 1 on" in str(err.value)
     finally:
-        for w in workers:
+        for w in workers.ranks:
             ray.kill(w)
 
 

@@ -3,8 +3,8 @@ import re
 
 import pytest
 
-from actors.rollout import (RAW_TAIL_CHARS, action_regex, build_user_message, format_admissible, parse_action,
-                            prompt_token_ids)
+from actors.prompts.shared import (RAW_TAIL_CHARS, action_regex, build_user_message, format_admissible,
+                                   parse_action, prompt_token_ids)
 
 
 @pytest.mark.parametrize("response, action, valid", [
@@ -61,7 +61,8 @@ def test_user_message_layout():
 
 
 def test_first_step_has_no_history_block():
-    msg = build_user_message("webshop", "", "WebShop [SEP] Search", ["search[query]"], [], step=0)
+    msg = build_user_message("webshop", "", "WebShop [SEP] Search", ["search[query]"], [], step=0,
+                             history_length=2)
     assert "Prior to this step" not in msg
     assert msg.startswith("You are an expert autonomous agent operating in the WebShop")
     assert "Your task is to" not in msg                   # no task given: no task line
@@ -119,7 +120,7 @@ def test_tiny_model_prompt_tokens(tiny_model_path):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
-    msg = build_user_message("alfworld", "put a mug in cabinet.", "You arrive at cabinet 1.", ["look"], [], 0)
+    msg = build_user_message("alfworld", "put a mug in cabinet.", "You arrive at cabinet 1.", ["look"], [], 0, 2)
     ids = prompt_token_ids(tok, msg)
     text = tok.decode(ids)
     assert text.startswith("<|im_start|>user\n") and text.endswith("<|im_end|>\n<|im_start|>assistant\n")

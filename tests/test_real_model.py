@@ -47,7 +47,7 @@ def _user_message(tokenizer, prompt_ids: list[int]) -> str:
 
 def _gap(trainer, groups, cfg) -> tuple[np.ndarray, int]:
     """|learner - vLLM| log-prob per sampled token of `groups` (all in the loss), and the versions played."""
-    batch = build_batch(groups, cfg.learner)
+    batch = build_batch(groups, cfg.learner, invalid_action_penalty=cfg.rollout.invalid_action_penalty)
     mine = trainer.compute_logprobs(batch)
     diffs = np.concatenate([np.abs(m - o) for m, o in zip(mine, batch.old_logprobs)])
     versions = {int(v) for g in groups for v in g.rows["policy_version"]}
@@ -59,7 +59,8 @@ def test_real_model_through_rollout_learner_pushes_and_resume(smollm2_path, loca
     from transformers import AutoTokenizer
 
     from actors.inference import create_inference_actors, stop_inference_actors
-    from actors.rollout import ROLE_LINES, Rollout
+    from actors.prompts.shared import ROLE_LINES
+    from actors.rollout import Rollout
     from common.weight_transfer import WeightTransfer
     from learner.loop import Learner
 
@@ -93,7 +94,8 @@ def test_real_model_through_rollout_learner_pushes_and_resume(smollm2_path, loca
                           checkpoint_dir=str(tmp_path / "checkpoints"))
         diffs, version = _gap(learner.trainer, groups, cfg)
         assert version == 0 and diffs.max() <= FP32_LOGPROB_BOUND, diffs.max()
-        before = learner.trainer.compute_logprobs(build_batch(groups, cfg.learner))
+        before = learner.trainer.compute_logprobs(
+            build_batch(groups, cfg.learner, invalid_action_penalty=cfg.rollout.invalid_action_penalty))
 
         # One update, pushed by shm; then what vLLM samples is what the learner computes, and the update
         # moved the model well beyond the bound (else agreeing would prove nothing). The update's own gap
@@ -101,7 +103,8 @@ def test_real_model_through_rollout_learner_pushes_and_resume(smollm2_path, loca
         stale = _play_group(rollout)               # also sampled by version 0: trained on after update 1
         metrics = learner.step(groups)
         assert learner.policy_version == 1 and metrics["train/logprob_gap_max"] <= FP32_LOGPROB_BOUND, metrics
-        after = learner.trainer.compute_logprobs(build_batch(groups, cfg.learner))
+        after = learner.trainer.compute_logprobs(
+            build_batch(groups, cfg.learner, invalid_action_penalty=cfg.rollout.invalid_action_penalty))
         moved = max(float(np.abs(a - b).max()) for a, b in zip(after, before))
         assert moved > 10 * FP32_LOGPROB_BOUND, moved
         groups = _play_group(rollout)
@@ -124,13 +127,14 @@ def test_real_model_through_rollout_learner_pushes_and_resume(smollm2_path, loca
         # Checkpoint, then a new learner resumes it: the same weights bit for bit (same float32 values, same
         # kernels), the same trained groups; it pushes them as version 3 and vLLM serves exactly them again.
         learner.save_checkpoint()
-        trained, saved = set(learner.trained_group_ids), learner.trainer.compute_logprobs(build_batch(groups,
-                                                                                                       cfg.learner))
+        trained, saved = set(learner.trained_group_ids), learner.trainer.compute_logprobs(
+            build_batch(groups, cfg.learner, invalid_action_penalty=cfg.rollout.invalid_action_penalty))
         learner.close(checkpoint=False)
         learner = Learner(cfg, smollm2_path, publisher=WeightTransfer(inference, mode="shm", timeout_s=300),
                           checkpoint_dir=str(tmp_path / "checkpoints"), resume=True)
         assert learner.updates == 2 and learner.policy_version == 3 and learner.trained_group_ids == trained
-        resumed = learner.trainer.compute_logprobs(build_batch(groups, cfg.learner))
+        resumed = learner.trainer.compute_logprobs(
+            build_batch(groups, cfg.learner, invalid_action_penalty=cfg.rollout.invalid_action_penalty))
         assert all(np.array_equal(a, b) for a, b in zip(resumed, saved))
         assert ray.get(inference[0].policy_version.remote()) == 3
         assert ray.get(inference[0].weights_digest.remote()) == digest

@@ -141,8 +141,14 @@ def check_cpu_placement(system) -> None:
 
     procs = psutil.Process().children(recursive=True)
 
+    def command(proc: psutil.Process) -> str:
+        try:
+            return (proc.cmdline() or [""])[0]
+        except psutil.Error:     # a child that has ended since the listing (a zombie until Ray reaps it)
+            return ""
+
     def actors(cls: str) -> list[psutil.Process]:
-        found = [p for p in procs if p.cmdline() and p.cmdline()[0].startswith(f"ray::{cls}")]
+        found = [p for p in procs if command(p).startswith(f"ray::{cls}")]
         assert found, f"no ray::{cls} process"
         return found
 

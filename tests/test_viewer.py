@@ -134,7 +134,7 @@ def run_dir_with_records(tmp_path, updates=(1, 2, 3)):
     for u in updates:
         groups = scenario()
         batch = build_batch(groups, cfg.learner, invalid_action_penalty=cfg.rollout.invalid_action_penalty)
-        lines.append(recorder.record(groups, batch, u, recomputed=False))
+        lines.append(recorder.record(groups, batch, u, learner_logprobs=None))
     return tmp_path / "run", lines
 
 
@@ -146,13 +146,13 @@ def test_the_recorder_starts_a_new_run_anew_and_appends_on_resume(tmp_path):
     cfg = ExperimentConfig()
     cfg.run.output_dir = str(run)
     groups = scenario()
-    batch = build_batch(groups, cfg.learner)
-    GroupRecorder(cfg, resume=True).record(groups, batch, 4, recomputed=False)
+    batch = build_batch(groups, cfg.learner, invalid_action_penalty=cfg.rollout.invalid_action_penalty)
+    GroupRecorder(cfg, resume=True).record(groups, batch, 4, learner_logprobs=None)
     assert len(path.read_text().splitlines()) == 4
-    GroupRecorder(cfg, resume=False).record(groups, batch, 1, recomputed=False)
+    GroupRecorder(cfg, resume=False).record(groups, batch, 1, learner_logprobs=None)
     assert len(path.read_text().splitlines()) == 1
     cfg.run.record_groups = 0
-    assert GroupRecorder(cfg, resume=True).record(groups, batch, 2, recomputed=False) is None
+    assert GroupRecorder(cfg, resume=True).record(groups, batch, 2, learner_logprobs=None) is None
     assert len(path.read_text().splitlines()) == 1
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from actors import rollout
+from actors.prompts.shared import action_regex, parse_action
 from common.config import load_config
 from deploy.warm_start import WARM_DIR, collect_examples, warm_start
 
@@ -33,14 +33,14 @@ def test_rows_are_what_constrained_rollouts_produce(tmp_path, tiny_model_path):
     for e in examples:
         assert e.response_ids[-1] == tok.eos_token_id      # vLLM stops on end-of-turn after the regex
         text = tok.decode(e.response_ids[:-1])
-        parsed = rollout.parse_action(text)
+        parsed = parse_action(text)
         assert parsed.valid
         # The response is one the action regex admits, for the admissible list shown in the prompt.
         shown = re.search(r"admissible actions of the current situation are: \[(.*)\]\.",
                           tok.decode(e.prompt_ids)).group(1)
         admissible = re.findall(r"'([^']*)'", shown)
         assert parsed.action in admissible
-        assert re.fullmatch(rollout.action_regex(admissible, 8), text)
+        assert re.fullmatch(action_regex(admissible, 8), text)
 
 
 def test_warm_start_learns_and_is_cached(tmp_path, tiny_model_path):

@@ -7,7 +7,8 @@ import re
 
 import pytest
 
-from actors import rollout
+from actors.prompts.shared import action_regex, is_admissible, parse_action
+from actors.prompts.webshop import FREE_TEXT, FREE_TEXT_MAX_CHARS
 from env_servers.webshop.data import SAMPLE_DIR
 from env_servers.webshop.env import QUERY_MAX_CHARS, WebShopEnv, solution_path, solution_query
 from tests.webshop_catalog import real_catalog
@@ -20,17 +21,17 @@ def response(action: str, think: str = "") -> str:
 
 
 def test_search_query_is_free_text_of_a_fixed_shape():
-    pattern = re.compile(rollout.action_regex([SEARCH, "click[back to search]"]))
+    pattern = re.compile(action_regex([SEARCH, "click[back to search]"]))
     for query in ["double sided, machine washable decorative pillows with size: 28 x 28", "a", "3x-large",
-                  "women's shorts & tops", "x" * rollout.FREE_TEXT_MAX_CHARS]:
+                  "women's shorts & tops", "x" * FREE_TEXT_MAX_CHARS]:
         assert pattern.fullmatch(response(f"search[{query}]")), query
     assert pattern.fullmatch(response("click[back to search]"))
     for bad in ["search[]", "search[ leading space]", "search[Upper case]", "search[a]b]", "search[<tag>]",
-                "search[" + "x" * (rollout.FREE_TEXT_MAX_CHARS + 1) + "]", "search[<your query>]",
+                "search[" + "x" * (FREE_TEXT_MAX_CHARS + 1) + "]", "search[<your query>]",
                 "click[search]"]:
         assert not pattern.fullmatch(response(bad)), bad
     # Listed actions stay literal: a search action the env lists itself is that action only.
-    literal = re.compile(rollout.action_regex(["search[red shirt]"]))
+    literal = re.compile(action_regex(["search[red shirt]"]))
     assert literal.fullmatch(response("search[red shirt]")) and not literal.fullmatch(response("search[red]"))
 
 
@@ -39,33 +40,33 @@ def test_think_section_gives_up_what_the_query_may_add():
     query can make the action 148 characters longer, so the think section shrinks by that much and the
     whole response still fits the character budget the rollout computed."""
     budget = 200
-    regex = rollout.action_regex([SEARCH], budget)
+    regex = action_regex([SEARCH], budget)
     think = int(re.search(r"\{0,(\d+)\}</think>", regex).group(1))
-    longest_action = len("search[]") + rollout.FREE_TEXT_MAX_CHARS
+    longest_action = len("search[]") + FREE_TEXT_MAX_CHARS
     assert think == budget - (longest_action - len(SEARCH))
-    assert re.fullmatch(regex, response("search[" + "q" * rollout.FREE_TEXT_MAX_CHARS + "]", "t" * think))
+    assert re.fullmatch(regex, response("search[" + "q" * FREE_TEXT_MAX_CHARS + "]", "t" * think))
     assert not re.fullmatch(regex, response("search[q]", "t" * (think + 1)))
-    assert rollout.action_regex([SEARCH], 10).startswith("<think>[ -;=?-~]{0,0}</think>")   # never negative
+    assert action_regex([SEARCH], 10).startswith("<think>[ -;=?-~]{0,0}</think>")   # never negative
     # Without a free-text slot nothing changes.
-    assert "{0,200}" in rollout.action_regex(["click[buy now]"], 200)
+    assert "{0,200}" in action_regex(["click[buy now]"], 200)
 
 
 def test_grammar_backend_compiles_the_free_text_regex_without_warnings(capfd):
     import xgrammar
 
     capfd.readouterr()
-    xgrammar.Grammar.from_regex(rollout.action_regex([SEARCH, "click[back to search]", "click[< prev]"]))
+    xgrammar.Grammar.from_regex(action_regex([SEARCH, "click[back to search]", "click[< prev]"]))
     err = capfd.readouterr().err
     assert "arning" not in err, err
 
 
 def test_is_admissible():
     listed = [SEARCH, "click[b07x2v4nm3]", "help"]
-    assert rollout.is_admissible("click[b07x2v4nm3]", listed)
-    assert rollout.is_admissible("search[red t-shirt, size: xl]", listed)
+    assert is_admissible("click[b07x2v4nm3]", listed)
+    assert is_admissible("search[red t-shirt, size: xl]", listed)
     for action in ["click[b07x2v4nm4]", "search[]", "search[Red]", "help", "search[a] click[b]"]:
-        assert not rollout.is_admissible(action, listed), action
-    assert rollout.is_admissible("go to desk 1", ["go to desk 1"])     # ALFWorld: membership
+        assert not is_admissible(action, listed), action
+    assert is_admissible("go to desk 1", ["go to desk 1"])     # ALFWorld: membership
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +82,7 @@ def test_solution_paths_of_the_sample_catalog_win(sample_env):
         path = report.info["walkthrough"]
         assert path == solution_path(sample_env.shop, int(task_id))
         assert path[0].startswith("search[") and path[-1] == "click[buy now]"
-        assert rollout.is_admissible(path[0], report.admissible_actions)
+        assert is_admissible(path[0], report.admissible_actions)
         for action in path:
             report = sample_env.step(action)
             assert report.action_admissible, (task_id, action)
@@ -105,7 +106,7 @@ def test_solution_paths_on_the_1000_product_catalog():
     goals win at the measured rate (95.2% of 500: the search finds the goal's product for all but 2, and
     23 products' goals do not score 1 even when bought as asked); 90% leaves room for nothing else."""
     env = WebShopEnv(data_dir=real_catalog())
-    shape = re.compile(r"search\[" + rollout._FREE_TEXT + r"\]")
+    shape = re.compile(r"search\[" + FREE_TEXT + r"\]")
     assert all(shape.fullmatch(f"search[{solution_query(g)}]") for g in env.shop.goals)
     won = 0
     for task_id in env.task_ids("eval"):
@@ -131,13 +132,13 @@ def test_warm_start_rows_of_webshop_goals(tmp_path, tiny_model_path, monkeypatch
     assert len(searches) == 5 and all(e.repeat == FREE_TEXT_REPEAT for e in searches)
     for e in examples:
         text = tok.decode(e.response_ids[:-1])
-        parsed = rollout.parse_action(text)
+        parsed = parse_action(text)
         shown = re.search(r"admissible actions of the current situation are: \[(.*)\]\.",
                           tok.decode(e.prompt_ids)).group(1)
         admissible = re.findall(r"'([^']*)'", shown)
-        assert parsed.valid and rollout.is_admissible(parsed.action, admissible)
+        assert parsed.valid and is_admissible(parsed.action, admissible)
         assert (e.repeat > 1) == parsed.action.startswith("search[")
-        assert re.fullmatch(rollout.action_regex(admissible, 200), text)
+        assert re.fullmatch(action_regex(admissible, 200), text)
 
 
 def test_long_uneven_batches_are_cut_into_micro_batches_with_the_same_gradient(tiny_model_path, monkeypatch):

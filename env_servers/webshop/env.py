@@ -124,8 +124,8 @@ class WebShopEnv:
                          task_type=TASK_TYPE, action_admissible=accepted, score=score, info=info)
 
 
-# The query a solution path searches with: the goal's words, in the shape constrained generation allows a
-# query (actors.rollout FREE_TEXT_*: lower-case letters, digits, spaces, ",.:'&-", at most 160 characters).
+# The query a solution path searches with: the goal's words, in the shape constrained generation allows a query
+# (actors/prompts/webshop.py FREE_TEXT_*: lower-case letters, digits, spaces, ",.:'&-", at most 160 characters).
 QUERY_MAX_CHARS = 160
 _PRICE_CLAUSE = re.compile(r",? and price lower than .*$")
 _GOAL_OPENING = re.compile(r"^(find me|i am looking for|i'm looking for|i need|i want)\s+")

@@ -16,18 +16,11 @@ Design:
 - Where this node does not see the model's directory, the engine starts from the config and tokenizer shipped
   through Ray with vLLM's dummy weights (`has_weights() == False`) and holds every request at its gate until
   the learner's first push (version 0).
-- Weight updates happen between requests, in place, through one request gate: an update closes the gate,
-  waits for the in-flight requests, loads, then reopens, so every response comes from exactly the policy
-  version it reports. Two ways in (common/weight_transfer.py): `update_weights_from_files` (shm buckets) and
-  vLLM's weight-transfer protocol (`init_weight_transfer_engine`, `start_weight_update`, `update_weights`,
-  `finish_weight_update`) over a process group. The engine is always created with that protocol's backend
-  ("gloo" on CPU, our vLLM plugin; "nccl" on GPU, or "ipc" when inference.weight_transfer=ipc); it costs
-  nothing until the learner initialises a group, so the learner can choose the way once it knows placement.
-- A load that fails half-way is reported to the caller, then the actor exits (Ray restarts it) with its gate
-  kept closed: vLLM's layer-wise reload leaves the model partly on the meta device and forgets the session,
-  and a failed collective leaves the group unusable, so only a fresh process is known to be whole. Failures
-  before the model is touched (missing files, a rendezvous timeout, a bad request) are plain errors and the
-  actor keeps serving. An update not finished within inference.transfer_timeout_s + 60 s exits the same way.
+- Weights: the engine's `WeightReceiver` (common/weight_receiver.py, the receiving half of
+  common/weight_transfer.py) updates them between requests, in place, through one request gate, so every
+  response comes from exactly the policy version it reports; the actor's weight methods
+  (`update_weights_from_files`, `init_weight_transfer_engine`, `start_weight_update`, ...) delegate to it. A
+  load that fails half-way makes the actor exit (Ray restarts it) with its gate kept closed.
 - Fault tolerance: a restarted actor (max_restarts / max_task_retries) first loads the newest shm manifest;
   without one it comes back without weights (gate closed, outside the group) until the learner notices and
   pushes (`Learner.repush_if_needed`): nobody samples from the initial weights again by accident. An actor
@@ -35,15 +28,12 @@ Design:
 """
 from __future__ import annotations
 
-import asyncio
 import atexit
-import contextlib
 import dataclasses
 import itertools
 import logging
 import os
 import shutil
-import time
 import uuid
 
 import ray
@@ -54,29 +44,14 @@ from common.config import ExperimentConfig, InferenceConfig, ModelConfig
 from common.cpu_placement import place_this_process
 from common.log_files import send_output_to
 from common.metrics import ActorMetrics
-from common.model_files import ModelSource, node_name
+from common.model_files import ModelSource
 from common.process_env import apply_project_env
+from common.weight_receiver import RequestGate, WeightReceiver, transfer_backend
 
 log = logging.getLogger(__name__)
 
-EXIT_DELAY_S = 1.0      # after a failed load: time for the error to reach the caller before the actor exits
-
 # Keys a `sampling` dict may carry (anything else is a caller bug and is rejected by name).
 SAMPLING_KEYS = {"temperature", "top_p", "top_k", "max_tokens", "seed", "choice", "regex", "stop"}
-
-
-def _transfer_backend(gpu: bool, weight_transfer: str) -> str | None:
-    """The vLLM weight-transfer backend this engine is created with (None: the gloo plugin is not installed,
-    so only the shm way is available; the learner says so if another is chosen)."""
-    if gpu:
-        return "ipc" if weight_transfer == "ipc" else "nccl"
-    from common import gloo_weight_transfer
-    if not gloo_weight_transfer.plugin_installed():
-        log.warning("vLLM will not load the gloo weight-transfer plugin (the project's vllm.general_plugins "
-                    "entry point is not installed, or VLLM_PLUGINS leaves it out): shm weight transfer only")
-        return None
-    gloo_weight_transfer.register()
-    return gloo_weight_transfer.BACKEND
 
 
 def _reconstructed() -> bool:
@@ -132,11 +107,12 @@ def engine_args(model_path: str, model_cfg: ModelConfig, infer_cfg: InferenceCon
 class InferenceEngine:
     """The actor's body (kept as a plain class so that it can also run in-process)."""
 
-    def __init__(self, model: ModelSource | str, model_cfg: ModelConfig, infer_cfg: InferenceConfig, seed: int = 0,
-                 cpus: str = "", nice: int = 0, log_dir: str = "", name: str = "inference",
-                 wait_for_weights: bool = False):
-        """wait_for_weights: serve nothing from the model's files (the initial policy) but wait for the
-        learner's weights (the newest shm manifest, or a push): an actor added to a running job."""
+    def __init__(self, model: ModelSource | str, model_cfg: ModelConfig, infer_cfg: InferenceConfig, seed: int,
+                 cpus: str, nice: int, log_dir: str, name: str, wait_for_weights: bool):
+        """seed: this engine's (run.seed * 1000 + its index); cpus, nice: run.rollout_cpus and rollout_nice;
+        name: its log file's, under log_dir. wait_for_weights: serve nothing from the model's files (the
+        initial policy) but wait for the learner's weights (the newest shm manifest, or a push): an actor
+        added to a running job."""
         apply_project_env()     # vLLM's, DeepSpeed's, ... variables first
         # <log_dir>/<name>.log: vLLM's logs, and its engine core process's (it inherits the fds).
         send_output_to(log_dir, name)
@@ -155,47 +131,32 @@ class InferenceEngine:
         self.model_path = self.model.local_path(weights=False)
         dummy = self.model_path != self.model.path
         self.max_response_tokens = model_cfg.max_response_tokens
-        self.transfer_backend = _transfer_backend(self.gpu, infer_cfg.weight_transfer)
-        self.transfer_timeout_s = infer_cfg.transfer_timeout_s
+        backend = transfer_backend(self.gpu, infer_cfg.weight_transfer)
         args = engine_args(self.model_path, model_cfg, infer_cfg, seed=seed, gpu=self.gpu, dummy=dummy,
-                           transfer_backend=self.transfer_backend)
+                           transfer_backend=backend)
         self.max_model_len = args.max_model_len
         shm_before = shm_cleanup.entries()        # (for the note below)
         self.engine = AsyncLLM.from_engine_args(args)
         self.seed = seed
         self._seeds = itertools.count()
-        self._version = 0
-        self._files: list[str] = []          # the bucket files the current weights came from (shm)
-        self._group = ""                     # token of the weight-transfer group this engine is in
-        self._update: dict | None = None     # the collective update in progress (start .. finish)
-        # The update gate: `_open` is set while requests may start (weights loaded, no update waiting or
-        # running); `_idle` while nothing is in flight. (asyncio primitives bind to a loop at first use.)
-        self._open = asyncio.Event()
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._inflight = 0
-        self._held = 0                       # requests waiting at the gate
-        self._exiting = False                # a load failed half-way: the actor exits (_give_up)
-        self._update_lock = asyncio.Lock()
-        self.stats_ = {"requests": 0, "generated_tokens": 0, "prompt_tokens": 0, "updates": 0,
-                       "update_wait_s": 0.0, "update_load_s": 0.0}
+        # Requests pass the gate while weights are loaded and no update is waiting or running.
+        self.gate = RequestGate()
+        self.stats_ = {"requests": 0, "generated_tokens": 0, "prompt_tokens": 0}
         self.metrics = ActorMetrics("inference", f"{_run_tag()}-{seed}")
         self.metrics.set("inference_queue_depth", 0)
-        self._weights_dir = infer_cfg.weights_dir or weight_transfer.default_weights_dir(_run_tag())
-        self._pending_manifest = weight_transfer.read_manifest(self._weights_dir)
+        weights_dir = infer_cfg.weights_dir or weight_transfer.default_weights_dir(_run_tag())
         # Disk weights are version 0, the learner's initial policy, unless this is a restart: then they are
         # older than what the learner pushed since (the manifest, if any, brings the newest back).
-        self._has_weights = not dummy and not _reconstructed() and not wait_for_weights
-        if self._has_weights:
-            self._open.set()
-            self.metrics.set("policy_version", self._version)     # served from the start, before any push
-        else:
+        self.receiver = WeightReceiver(
+            self.engine, self.gate, self.metrics, backend=backend, timeout_s=infer_cfg.transfer_timeout_s,
+            weights_dir=weights_dir, has_weights=not dummy and not _reconstructed() and not wait_for_weights)
+        if not self.receiver.has_weights:
             log.info("serving nothing until the learner's weights arrive (%s)",
                      "dummy weights: the model's files are not on this node" if dummy else
                      "added to a running job" if wait_for_weights and not _reconstructed() else "restarted")
         # The shared memory this engine's processes map, noted beside the weights: if this actor is killed,
         # its restarted self (here, now) or the driver at the end of the run removes it (common.shm_cleanup).
-        self._shm_note = os.path.join(self._weights_dir, f".engine-shm-{seed}.json")
+        self._shm_note = os.path.join(weights_dir, f".engine-shm-{seed}.json")
         shm_cleanup.remove_noted(self._shm_note, wait_s=10)     # a killed predecessor's
         shm_cleanup.write_note(self._shm_note, shm_cleanup.mapped_by(shm_cleanup.descendants(os.getpid()))
                                | shm_cleanup.new_semaphores(shm_before))
@@ -241,20 +202,10 @@ class InferenceEngine:
         if not prompt_ids:
             raise ValueError("empty prompt")
         params = self._sampling_params(len(prompt_ids), dict(sampling or {}))
-        await self._load_pending_manifest()
-        t_gate = time.perf_counter()
-        if not self._open.is_set():         # an update is waiting or running, or no weights yet
-            self._held += 1
-            try:
-                while not self._open.is_set():
-                    await self._open.wait()
-            finally:
-                self._held -= 1
-        weight_wait = time.perf_counter() - t_gate
-        self._inflight += 1
-        self._idle.clear()
-        self.metrics.set("inference_queue_depth", self._inflight)
-        version = self._version
+        await self.receiver.load_pending_manifest()
+        weight_wait = await self.gate.enter()     # closed while an update waits or runs, or before any weights
+        self.metrics.set("inference_queue_depth", self.gate.inflight)
+        version = self.receiver.version
         try:
             final = None
             async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
@@ -265,10 +216,8 @@ class InferenceEngine:
             log.error("vLLM engine died (%s); exiting for a restart", e)
             os._exit(1)
         finally:
-            self._inflight -= 1
-            if self._inflight == 0:
-                self._idle.set()
-            self.metrics.set("inference_queue_depth", self._inflight)
+            self.gate.leave()
+            self.metrics.set("inference_queue_depth", self.gate.inflight)
         comp = final.outputs[0]
         ids = list(comp.token_ids)
         logprobs = [lp[t].logprob for t, lp in zip(ids, comp.logprobs or [])]
@@ -281,210 +230,43 @@ class InferenceEngine:
                 "policy_version": version, "finish_reason": comp.finish_reason or "abort",
                 "weight_wait_s": weight_wait}
 
-    # -- weights ----------------------------------------------------------------------------------------
-
-    def _give_up(self, what: str, exc: BaseException) -> RuntimeError:
-        """A load failed after it touched the model: exit, so that Ray restarts this actor with a whole
-        model (its callers' requests are retried there). The exit follows a moment later, so that the
-        learner gets the returned error, not just a dead actor; until then the gate stays closed."""
-        message = (f"{what} failed half-way ({type(exc).__name__}: {str(exc)[:500]}): the model may be partly "
-                   f"loaded; inference actor pid {os.getpid()} on {node_name()} exits for a restart")
-        log.error(message)
-        self._exiting = True
-        self._open.clear()
-        asyncio.get_running_loop().call_later(EXIT_DELAY_S, os._exit, 1)
-        return RuntimeError(message)
-
-    @contextlib.contextmanager
-    def _exit_on_failure(self, what: str):
-        """`_give_up` on whatever a load inside this block raises (it has touched the model)."""
-        try:
-            yield
-        except BaseException as exc:  # noqa: BLE001 - whatever it was, the model may be half-loaded
-            raise self._give_up(what, exc) from exc
-
-    def _refuse_if_exiting(self) -> None:
-        if self._exiting:
-            raise RuntimeError(f"inference actor pid {os.getpid()} is exiting for a restart after a failed load")
-
-    def _serving(self, version: int, wait: float, load: float) -> dict:
-        """Weights of `version` are loaded (after `wait` s at the gate, `load` s loading): serve them. Returns
-        the update's timings."""
-        self._version = int(version)
-        self._has_weights = True
-        self.metrics.set("policy_version", self._version)
-        self._open.set()
-        self.stats_["updates"] += 1
-        self.stats_["update_wait_s"] += wait
-        self.stats_["update_load_s"] += load
-        return {"wait_s": wait, "load_s": load, "version": self._version}
-
-    async def _load_pending_manifest(self) -> None:
-        """After a (re)start: load the newest published weights before serving anything."""
-        if self._pending_manifest is None:
-            return
-        manifest, self._pending_manifest = self._pending_manifest, None
-        # The newest now: a push since the constructor read it may have replaced (and removed) its files.
-        manifest = weight_transfer.read_manifest(self._weights_dir) or manifest
-        if int(manifest["version"]) > self._version or not self._has_weights:
-            try:
-                await self.update_weights_from_files(manifest["files"], int(manifest["version"]))
-            except FileNotFoundError as exc:      # the model untouched: wait for the learner's next push
-                log.warning("the weight manifest names missing files (%s): waiting for a push", exc)
-
-    async def _closed_gate(self) -> float:
-        """Close the gate and wait until nothing is in flight (returns the wait in seconds); a wait that is
-        cancelled reopens it if weights are being served."""
-        t0 = time.perf_counter()
-        self._open.clear()
-        try:
-            await self._idle.wait()
-        except BaseException:
-            if self._has_weights:
-                self._open.set()
-            raise
-        return time.perf_counter() - t0
+    # -- weights: common.weight_receiver's WeightReceiver (the Ray actor's methods the sender calls) ---------
 
     async def update_weights_from_files(self, files: list[str], version: int) -> dict:
-        """shm way: reload all weights in place from safetensors buckets; returns timings."""
-        self._refuse_if_exiting()
-        async with self._update_lock:
-            if self._has_weights and int(version) == self._version and list(files) == self._files:
-                # A retried push (or the manifest this actor already loaded at restart). A *lower*
-                # version is applied: a learner resumed from an older checkpoint rolls the weights back.
-                return {"skipped": True, "version": self._version}
-            missing = [f for f in files if not os.path.isfile(f)]
-            if missing:
-                raise FileNotFoundError(
-                    f"{len(missing)} weight bucket(s) not found on node {node_name()}, e.g. {missing[0]}: the shm "
-                    "transfer needs learner rank 0 on this node, or inference.weights_dir on a shared filesystem")
-            wait = await self._closed_gate()
-            t0 = time.perf_counter()
-            with self._exit_on_failure(f"loading weight version {version} from {len(files)} file(s)"):
-                await self.engine.collective_rpc(weight_transfer.load_buckets_into_worker, args=(list(files),))
-                await self.engine.reset_prefix_cache()   # cached KV was computed by the old weights
-            self._files = list(files)
-            return self._serving(version, wait, time.perf_counter() - t0)
-
-    # The collective / ipc way: vLLM's weight-transfer protocol, called by common.weight_transfer's client
-    # in this order: init (once per group), then start, update_weights (concurrently with the learner's
-    # broadcast), finish per push.
-
-    def _require_backend(self) -> None:
-        if not self.transfer_backend:
-            raise RuntimeError(f"this inference actor has no vLLM weight-transfer backend (node {node_name()}): "
-                               "the gloo plugin is not installed there; use inference.weight_transfer=shm")
+        return await self.receiver.update_weights_from_files(files, version)
 
     async def init_weight_transfer_engine(self, init_info: dict, group: str) -> None:
-        """Join the learner's group (leaving an older one first); blocks until every member joined, or
-        raises after the group's timeout (nothing else changes then: the model is untouched)."""
-        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
-        self._refuse_if_exiting()
-
-        self._require_backend()
-        async with self._update_lock:
-            if self._group:
-                self._group = ""
-                await self.engine.shutdown_weight_transfer_engine()
-            await self.engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=dict(init_info)))
-            self._group = group
+        await self.receiver.init_weight_transfer_engine(init_info, group)
 
     async def shutdown_weight_transfer_engine(self) -> None:
-        async with self._update_lock:
-            if self._group:
-                self._group = ""
-                await self.engine.shutdown_weight_transfer_engine()
+        await self.receiver.shutdown_weight_transfer_engine()
 
     async def start_weight_update(self, version: int) -> None:
-        """Close the gate, wait for the requests in flight, and begin vLLM's layer-wise reload. Holds the
-        update lock until `finish_weight_update` (or `abort_weight_update`, or the watchdog)."""
-        self._refuse_if_exiting()
-        self._require_backend()
-        if not self._group and self.transfer_backend != "ipc":
-            raise RuntimeError("start_weight_update before this actor joined a weight-transfer group")
-        await self._update_lock.acquire()
-        try:
-            wait = await self._closed_gate()
-        except BaseException:
-            self._update_lock.release()
-            raise
-        self._update = {"version": int(version), "wait_s": wait, "t0": time.perf_counter(), "received": False}
-        self._update["watchdog"] = asyncio.get_running_loop().create_task(self._expire(self._update))
-        # (A failure here: the reload may have begun moving layers.)
-        with self._exit_on_failure(f"starting the update to version {version}"):
-            await self.engine.start_weight_update()
-
-    async def _expire(self, update: dict) -> None:
-        """An update still open transfer_timeout_s (+ a margin) after its start: the learner is gone."""
-        await asyncio.sleep(self.transfer_timeout_s + 60)
-        if self._update is update and not self._exiting:      # (logged; nobody waits for this task)
-            self._give_up(f"the update to version {update['version']}",
-                          TimeoutError(f"not finished {self.transfer_timeout_s + 60:.0f} s after its start"))
+        await self.receiver.start_weight_update(version)
 
     async def update_weights(self, update_info) -> None:
-        """Receive the weights (vLLM's backend receives them from the learner's broadcast and loads them)."""
-        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
-
-        self._refuse_if_exiting()
-        if self._update is None:
-            raise RuntimeError("update_weights without start_weight_update")
-        with self._exit_on_failure(f"receiving weight version {self._update['version']}"):   # part may be loaded
-            await self.engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
-        # gloo and nccl send a push in one call; ipc in one call per chunk, so one call says nothing there.
-        self._update["received"] = self.transfer_backend != "ipc"
+        await self.receiver.update_weights(update_info)
 
     async def finish_weight_update(self, version: int) -> dict:
-        """Complete the reload and serve `version`; returns timings."""
-        self._refuse_if_exiting()
-        update = self._update
-        if update is None:
-            raise RuntimeError("finish_weight_update without start_weight_update")
-        with self._exit_on_failure(f"finishing the update to version {version}"):
-            await self.engine.finish_weight_update()
-            await self.engine.reset_prefix_cache()      # cached KV was computed by the old weights
-        self._update = None
-        update["watchdog"].cancel()
-        self._files = []
-        info = self._serving(version, update["wait_s"], time.perf_counter() - update["t0"])
-        self._update_lock.release()
-        return info
+        return await self.receiver.finish_weight_update(version)
 
     async def abort_weight_update(self) -> str:
-        """The learner gave up on a push: an update that received everything is completed (its version
-        served); one that did not leaves a partly loaded model, so the actor exits for a restart. Returns
-        "idle", "exiting" or "finished"."""
-        if self._exiting:
-            return "exiting"
-        update = self._update
-        if update is None:
-            return "idle"
-        if not update["received"]:
-            with self._exit_on_failure(f"the update to version {update['version']}"):
-                raise RuntimeError("abandoned by the learner before all weights arrived")
-        await self.finish_weight_update(update["version"])
-        return "finished"
+        return await self.receiver.abort_weight_update()
+
+    async def transfer_state(self) -> dict:
+        return await self.receiver.transfer_state()
 
     # -- introspection ----------------------------------------------------------------------------------
 
     async def policy_version(self) -> int:
-        await self._load_pending_manifest()
-        return self._version
+        await self.receiver.load_pending_manifest()
+        return self.receiver.version
 
     async def has_weights(self) -> bool:
         """False while the engine holds no weights of the learner's (dummy weights, or restarted without a
         manifest): requests wait at the gate until a push arrives."""
-        await self._load_pending_manifest()
-        return self._has_weights
-
-    async def transfer_state(self) -> dict:
-        """What the learner's weight transfer needs to know, in one call."""
-        await self._load_pending_manifest()
-        config = self.engine.vllm_config
-        return {"has_weights": self._has_weights, "version": self._version, "group": self._group,
-                "backend": self.transfer_backend, "pid": os.getpid(), "node": self.node(),
-                "workers": config.parallel_config.world_size * config.parallel_config.data_parallel_size,
-                "aliases": weight_transfer.tied_aliases(config.model_config.hf_config),
-                "updating": self._update is not None}
+        await self.receiver.load_pending_manifest()
+        return self.receiver.has_weights
 
     def node(self) -> dict:
         from common.placement import this_node
@@ -495,11 +277,12 @@ class InferenceEngine:
         return (await self.engine.collective_rpc(_weights_digest))[0]
 
     def weights_dir(self) -> str:
-        return self._weights_dir
+        return self.receiver.weights_dir
 
     def stats(self) -> dict:
-        return dict(self.stats_, inflight=self._inflight, policy_version=self._version,
-                    has_weights=self._has_weights, held=self._held)
+        return dict(self.stats_, **self.receiver.stats, inflight=self.gate.inflight,
+                    policy_version=self.receiver.version, has_weights=self.receiver.has_weights,
+                    held=self.gate.held)
 
     def pid(self) -> int:
         return os.getpid()
@@ -512,7 +295,7 @@ class InferenceEngine:
         self.engine.shutdown()
         removed = shm_cleanup.remove_noted(self._shm_note, wait_s=10)
         try:
-            os.rmdir(self._weights_dir)   # empty: on a node other than the driver's, nobody else removes it
+            os.rmdir(self.receiver.weights_dir)   # empty: on a node other than the driver's, nobody else removes it
         except OSError:
             pass                          # holds buckets or other actors' notes: the driver removes it
         return removed

@@ -19,6 +19,7 @@ from typing import Any, Literal
 import yaml
 
 from common.cpu_placement import parse_cpu_list
+from common.run_dir import resume_overwrite_conflict
 
 
 def F(default: Any, doc: str, rule: tuple | None = None) -> Any:
@@ -327,9 +328,9 @@ def validate(cfg: ExperimentConfig) -> None:
     if cfg.run.resume_tag and not cfg.run.resume:
         raise ConfigError("run.resume_tag is set but run.resume is false; add run.resume=true, or drop the tag",
                           "run.resume_tag", "run.resume")
-    if cfg.run.resume and cfg.run.overwrite:
-        raise ConfigError("run.resume=true continues the run in run.output_dir, run.overwrite=true deletes its "
-                          "checkpoints; set only one", "run.overwrite", "run.resume")
+    conflict = resume_overwrite_conflict(cfg.run.resume, cfg.run.overwrite)
+    if conflict:
+        raise ConfigError(conflict, "run.overwrite", "run.resume")
     shortest = cfg.model.max_response_tokens + 1         # a whole response and one prompt token
     if cfg.learner.micro_batch_tokens < shortest:
         raise ConfigError(

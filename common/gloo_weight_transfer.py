@@ -45,7 +45,6 @@ from vllm.distributed.weight_transfer.base import (TrainerInitInfo, TrainerWeigh
 log = logging.getLogger(__name__)
 
 BACKEND = "gloo"
-DEFAULT_BUFFER_BYTES = 512 * 2**20
 _JOINED_KEY = "gigpo/joined/{rank}"     # set by each worker in the store before the group forms
 
 
@@ -145,7 +144,7 @@ class GlooWeightTransferInitInfo(WeightTransferInitInfo):
     master_port: int
     rank_offset: int          # the group rank of this engine's first worker
     world_size: int
-    timeout_s: float = 600.0
+    timeout_s: float          # inference.transfer_timeout_s
 
 
 @dataclass
@@ -243,9 +242,9 @@ class GlooTrainerInitInfo(TrainerInitInfo):
 
     master_address: str                # the trainer's address, reachable from every inference node
     world_size: int                    # 1 + the number of vLLM workers
+    timeout_s: float                   # inference.transfer_timeout_s
+    buffer_size_bytes: int             # inference.weight_bucket_mb, in bytes
     master_port: int = 0               # 0: a free port, chosen by the store
-    timeout_s: float = 600.0
-    buffer_size_bytes: int = DEFAULT_BUFFER_BYTES
     rank: int = field(default=0, kw_only=True)
 
 

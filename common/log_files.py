@@ -23,11 +23,6 @@ LOG_FORMAT = "%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"
 OWN_LOGGERS = ("gigpo", "deploy", "actors", "learner", "common", "env_servers")
 
 
-def run_log_dir(output_dir: str | os.PathLike) -> str:
-    """The log directory of a training run (absolute: actors may run in another working directory)."""
-    return str(Path(output_dir).resolve() / "logs")
-
-
 def _point_fds_at(path: Path) -> None:
     """Make fds 1 and 2 of this process write (append) to `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,8 @@
     if transfer.needs_push(version): ...                        # an actor without the current weights
     transfer.close()
 
+This is the sending half; the receiving half, inside each inference actor, is common/weight_receiver.py.
+
 The ways (`inference.weight_transfer`):
 - "shm" (`ShmTransfer`): the tensors are packed into a few large safetensors "buckets" (at most
   inference.weight_bucket_mb each: a sync costs per call, not per byte) in a shared-memory directory, and each
@@ -27,7 +29,8 @@ Restarts and scaling: a restarted actor has lost its place in the group; the nex
 (`transfer_state()["group"]`), rebuilds the group on a fresh port with every actor, and pushes. A push that
 fails because an actor died is tried once more after it is back. An actor without the current weights
 (restarted, or added through `set_actors` by `gigpo scale --inference`) keeps its request gate closed
-(actors/inference.py) until `needs_push` has the learner push its version (`Learner.repush_if_needed`).
+(common/weight_receiver.py, the receiving half) until `needs_push` has the learner push its version
+(`Learner.repush_if_needed`).
 """
 from __future__ import annotations
 
@@ -218,7 +221,8 @@ def actor_states(actors: list, timeout_s: float) -> list[dict]:
 class ShmTransfer:
     """Learner side of the shm way (see the module docstring). One per learner (rank 0)."""
 
-    def __init__(self, inference_actors: list, bucket_mb: float = 512, timeout_s: float = 600.0):
+    def __init__(self, inference_actors: list, bucket_mb: float = InferenceConfig.weight_bucket_mb,
+                 timeout_s: float = InferenceConfig.transfer_timeout_s):
         import ray
 
         if bucket_mb <= 0:
@@ -335,7 +339,8 @@ class EngineTransfer:
     failed. The group is built at the first push and rebuilt (fresh port, every actor) whenever an actor is
     not in it (restarted) or a push failed."""
 
-    def __init__(self, inference_actors: list, backend: str, bucket_mb: float = 512, timeout_s: float = 600.0):
+    def __init__(self, inference_actors: list, backend: str, bucket_mb: float, timeout_s: float):
+        """bucket_mb, timeout_s: inference.weight_bucket_mb and transfer_timeout_s."""
         from common import gloo_weight_transfer
 
         if backend not in ("gloo", "nccl", "ipc"):

@@ -25,9 +25,11 @@ import os
 import shlex
 import sys
 import time
+from pathlib import Path
 
 from common.config import ConfigError, describe, load_config, redact_credentials, to_dict
 from common.placement import PlacementError
+from common.run_dir import JOB_FILE
 from deploy.models import PINNED, SMOLLM2, ModelError, prepare_pinned
 from deploy.preflight import PreflightError, run_checks
 
@@ -129,7 +131,7 @@ def cmd_status(args) -> int:
     if args.dead_letters:
         stream = read_job_file(args.output_dir).get("stream")
         if not stream:
-            raise UsageError(f"{args.output_dir}/job.json names no stream (a job started before it did)")
+            raise UsageError(f"{Path(args.output_dir) / JOB_FILE} names no stream (a job started before it did)")
         print(format_dead_letters(channel.client, stream, args.dead_letters))
         return 0
     while True:

@@ -14,8 +14,7 @@ import redis
 from common.metrics import SECTIONS
 from common.redis_server import (PASSWORD_ENV, is_redacted, password_file_for, read_password_file, redact,
                                  with_password)
-
-JOB_FILE = "job.json"
+from common.run_dir import JOB_FILE
 
 
 def write_job_file(output_dir: str, run_name: str, redis_url: str, ray_address: str, run_id: str = "",

@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.run_dir import EVALS_FILE, METRICS_FILE
+
 ROOT = Path(__file__).resolve().parents[1]
 COMPARED = ("gigpo", "grpo")        # the two learner.algorithm choices this experiment compares
 RUN_INFO = "experiment_run.json"     # in each run directory: how the run ended and its wall time
@@ -130,13 +132,13 @@ def _read_jsonl(path: Path) -> list[dict]:
 def read_evals(run_dir: Path) -> dict[str, list[dict]]:
     """{"before": episodes, "after": episodes} of a run's evals.jsonl (missing ones left out)."""
     keys = {"before training": "before", "after training": "after"}
-    return {keys[e["when"]]: e["episodes_detail"] for e in _read_jsonl(run_dir / "evals.jsonl")
+    return {keys[e["when"]]: e["episodes_detail"] for e in _read_jsonl(run_dir / EVALS_FILE)
             if e.get("when") in keys}
 
 
 def read_curves(run_dir: Path) -> list[dict]:
     """Per update of one run: its metrics.jsonl line (training-batch success, steps, diagnostics)."""
-    return [m for m in _read_jsonl(run_dir / "metrics.jsonl") if "batch/success_rate" in m]
+    return [m for m in _read_jsonl(run_dir / METRICS_FILE) if "batch/success_rate" in m]
 
 
 # -- records: what each finished run gave, kept in the repository --------------------------------------------

@@ -24,6 +24,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from common.run_dir import TINY_DIR
 from common.tiny_model import BUILD_INFO, build_tiny_model, save_model_atomically
 
 SOURCE_INFO = "gigpo_model_source.json"     # beside a converted model: what it was made from
@@ -215,9 +216,6 @@ def prepare_pinned(spec: PinnedModel = SMOLLM2, root: Path | None = None, wheel:
 
 
 # -- What a run loads ------------------------------------------------------------------------------------
-
-TINY_DIR = "tiny_model"
-
 
 def prepare_model_path(path: str, output_dir: str, build_dir: str | None = None) -> str:
     """ModelConfig.path -> a directory (or hub name) transformers and vLLM load. build_dir (`gigpo eval`,

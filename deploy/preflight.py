@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 
 from common.config import ExperimentConfig
 from common.redis_server import password_of
+from common.run_dir import checkpoints_dir, complete_checkpoints, is_complete_checkpoint, other_runs_checkpoints
 from deploy.models import PINNED, ModelError, check_gguf, models_dir
 
 
@@ -243,8 +244,7 @@ def check_no_other_run(cfg: ExperimentConfig) -> None:
     run's checkpoints (it would mix them with its own)."""
     if cfg.run.resume or cfg.run.overwrite:
         return
-    from learner.trainer import checkpoint_dir_of, other_runs_checkpoints   # (torch: `gigpo train` needs it next)
-    problem = other_runs_checkpoints(checkpoint_dir_of(cfg))
+    problem = other_runs_checkpoints(checkpoints_dir(cfg.run.output_dir))
     if problem:
         raise PreflightError(problem)
 
@@ -253,10 +253,9 @@ def check_resume_tag(cfg: ExperimentConfig) -> None:
     """run.resume_tag names a complete checkpoint of run.output_dir."""
     if not (cfg.run.resume and cfg.run.resume_tag):
         return
-    from learner.trainer import checkpoint_dir_of, is_complete_checkpoint   # torch: only when a tag is named
-    root = checkpoint_dir_of(cfg)
+    root = checkpoints_dir(cfg.run.output_dir)
     if not is_complete_checkpoint(root / cfg.run.resume_tag):
-        have = sorted(p.name for p in root.glob("update_*") if is_complete_checkpoint(p)) if root.is_dir() else []
+        have = [p.name for p in complete_checkpoints(root)]
         fix = f"use one of {', '.join(have)}" if have else "there is none there: drop run.resume_tag"
         raise PreflightError(f"run.resume_tag {cfg.run.resume_tag!r} is not a complete checkpoint under {root}; "
                              f"{fix}")

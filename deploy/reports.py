@@ -8,10 +8,7 @@ from pathlib import Path
 
 from common.actor_calls import wait_all
 from common.metrics import update_figures
-from deploy.tracking import METRICS_FILE
-from deploy.viewer import GROUPS_FILE
-
-EVALS_FILE = "evals.jsonl"     # a training run's evaluations, one line each (System.evaluate)
+from common.run_dir import EVALS_FILE, GROUPS_FILE, METRICS_FILE
 
 
 class PlacementWatch:

@@ -19,9 +19,9 @@ from common.metrics import ray_init_metrics_options
 from common.placement import node_label
 from common.process_env import apply_project_env, driver_runtime_env
 from common.redis_server import connect, redact
+from common.run_dir import checkpoints_dir, complete_checkpoints, tag_update
 from deploy.learner_pool import LearnerPool
 from env_servers.registry import data_env
-from learner.trainer import checkpoint_tags, is_complete_checkpoint, tag_update
 
 log = logging.getLogger("gigpo")
 
@@ -132,8 +132,8 @@ class RunLost(RuntimeError):
 
 def lost_run_message(exc: RunLost, resume_command: list[str]) -> str:
     """What `gigpo train` prints on RunLost: what was lost, the newest complete checkpoint, how to resume."""
-    root = Path(exc.output_dir) / "checkpoints"
-    complete = [tag for tag in checkpoint_tags(root) if is_complete_checkpoint(tag)]
+    root = checkpoints_dir(exc.output_dir)
+    complete = complete_checkpoints(root)
     lines = [f"gigpo: the run lost {part}" for part in exc.lost]
     if complete:
         lines.append(f"newest complete checkpoint: {complete[-1]} (update {tag_update(complete[-1].name)}); "

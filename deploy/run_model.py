@@ -9,9 +9,9 @@ from pathlib import Path
 from common.config import ExperimentConfig
 from common.model_files import ModelSource
 from common.placement import alive_nodes
+from common.run_dir import LATEST, WARM_DIR, checkpoints_dir
 from deploy.models import prepare_model_path
 from deploy.warm_start import existing_warm_model, warm_start
-from learner.trainer import LATEST, checkpoint_dir_of
 
 log = logging.getLogger("gigpo")
 
@@ -33,13 +33,13 @@ def eval_model(cfg: ExperimentConfig, scratch_dir: str) -> str:
         if warm:
             return warm
     path = prepare_model_path(cfg.model.path, cfg.run.output_dir, build_dir=scratch_dir or None)
-    has_checkpoint = bool(cfg.run.resume_tag) or (checkpoint_dir_of(cfg) / LATEST).exists()
+    has_checkpoint = bool(cfg.run.resume_tag) or (checkpoints_dir(cfg.run.output_dir) / LATEST).exists()
     if cfg.model.warm_start_steps > 0 and not has_checkpoint:
         if not scratch_dir:
             raise ValueError(f"{cfg.run.output_dir} has neither a checkpoint nor a warm model to evaluate")
         log.warning("%s has no checkpoint and no warm model: evaluating a warm start built for this "
                     "evaluation only", cfg.run.output_dir)
-        path = warm_start(cfg, path, out_dir=str(Path(scratch_dir) / "warm_model"))
+        path = warm_start(cfg, path, out_dir=str(Path(scratch_dir) / WARM_DIR))
     return path
 
 

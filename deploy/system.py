@@ -33,10 +33,12 @@ from actors.inference import create_inference_actors, remove_made_weights_dirs, 
 from actors.rollout import create_rollout_actor
 from common import shm_cleanup
 from common.config import ExperimentConfig, to_dict
-from common.log_files import Terminal, run_log_dir, run_output
+from common.log_files import Terminal, run_output
 from common.metrics import ActorMetrics
 from common.placement import PLACEMENT_TIMEOUT_S, job_needs, node_label, wait_placeable
 from common.redis_server import connect, redis_for
+from common.run_dir import (LEARNER_STATE, REDIS_DIR, eval_dir, eval_result_file, is_complete_checkpoint, logs_dir,
+                            prepare_output_dir)
 from common.stream import stream_key
 from deploy.control import ControlChannel, write_job_file
 from deploy.inference_pool import INFERENCE_STOP_S, InferencePool
@@ -49,11 +51,9 @@ from deploy.run_control import RunLost, SignalTrap, link_ray_logs, lost_parts, s
 from deploy.run_model import eval_model, initial_model, ship_model
 from deploy.tracking import Tracker
 from learner.group_record import GroupRecorder
-from learner.trainer import LEARNER_STATE, is_complete_checkpoint, prepare_output_dir
 
 log = logging.getLogger("gigpo")
 
-REDIS_DIR = "redis"      # in run.output_dir: the embedded Redis's data (its append-only file) while the run lasts
 LOST_STOP_S = 10         # rollout or inference actors, after the run lost a part: their node may be gone with it
 RATE_WINDOW = 8          # updates the progress bar's env steps/s is measured over
 WAIT_FOR_DATA_S = 10.0   # the learner's wait for a batch, between which the driver handles commands and status
@@ -66,7 +66,7 @@ class System:
         self.cfg = cfg
         self.out = Path(cfg.run.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.log_dir = log_dir or run_log_dir(cfg.run.output_dir)      # each actor's log file goes here
+        self.log_dir = log_dir or logs_dir(cfg.run.output_dir)      # each actor's log file goes here
         self.terminal: Terminal | None = None     # where the bar and eval lines go (None: stdout/stderr)
         self.signals = SignalTrap()
         self.rollouts = RolloutPool(cfg, self._new_rollout_actor)
@@ -357,7 +357,7 @@ class System:
 
 def train(cfg: ExperimentConfig) -> dict:
     """`gigpo train`: start, evaluate, train, evaluate, print a summary (every log in <run.output_dir>/logs/)."""
-    log_dir = run_log_dir(cfg.run.output_dir)
+    log_dir = logs_dir(cfg.run.output_dir)
     with run_output(log_dir) as terminal, System(cfg) as system:
         system.terminal = terminal
         terminal.print(f"run {cfg.run.name}: starting (logs in {log_dir})")
@@ -418,10 +418,10 @@ def evaluate_only(cfg: ExperimentConfig, checkpoint: str = "", splits: list[str]
     cfg = dataclasses.replace(
         cfg, run=dataclasses.replace(cfg.run, resume=True, output_dir=output_dir, resume_tag=resume_tag),
         inference=dataclasses.replace(cfg.inference, weights_dir=own_dir))
-    eval_dir = Path(output_dir).resolve() / "eval"
+    eval_logs = logs_dir(eval_dir(output_dir))
     scratch = tempfile.mkdtemp(prefix="gigpo-eval-")
     try:
-        with run_output(eval_dir / "logs") as terminal, System(cfg, log_dir=str(eval_dir / "logs")) as system:
+        with run_output(eval_logs) as terminal, System(cfg, log_dir=eval_logs) as system:
             system.terminal = terminal
             system.start(eval_only=True, scratch_dir=scratch)
             served = ray.get(system.inference.serving[0].policy_version.remote())
@@ -429,7 +429,7 @@ def evaluate_only(cfg: ExperimentConfig, checkpoint: str = "", splits: list[str]
             for split in splits:
                 result["splits"][split] = system.evaluate(split)
                 terminal.print(eval_line(f"({split})", result["splits"][split]))
-            path = eval_dir / f"update_{result['update']:07d}.json"
+            path = eval_result_file(output_dir, result["update"])
             path.write_text(json.dumps(result, indent=2))
             terminal.print(format_eval(f"update {result['update']} (policy version {served})", result["splits"]))
             terminal.print(f"saved to {path}")

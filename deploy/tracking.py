@@ -9,8 +9,10 @@ import math
 import os
 from pathlib import Path
 
+from common.config import RunConfig
+from common.run_dir import METRICS_FILE, TENSORBOARD_DIR
+
 log = logging.getLogger("gigpo")
-METRICS_FILE = "metrics.jsonl"     # in run.output_dir: one line per update
 
 
 def redacted_config(config: dict) -> dict:
@@ -22,13 +24,13 @@ def redacted_config(config: dict) -> dict:
 
 
 class Tracker:
-    def __init__(self, output_dir: str, run_name: str, config: dict, resume: bool = False):
+    def __init__(self, output_dir: str, run_name: str, config: dict, resume: bool = RunConfig.resume):
         """resume: append to the run's metrics.jsonl, else start it anew. `config` is kept redacted (`self.config`)."""
         self.config = redacted_config(config)
         self.dir = Path(output_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         from torch.utils.tensorboard import SummaryWriter
-        self.tb = SummaryWriter(log_dir=str(self.dir / "tensorboard"))
+        self.tb = SummaryWriter(log_dir=str(self.dir / TENSORBOARD_DIR))
         self.jsonl = open(self.dir / METRICS_FILE, "a" if resume else "w")
         self.wandb = None
         if os.environ.get("WANDB_API_KEY"):

@@ -12,9 +12,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
-GROUPS_FILE = "groups.jsonl"       # (learner.group_record.GROUPS_FILE; not imported: that module needs torch)
-EVALS_FILE = "evals.jsonl"
-VIEW_FILE = "view.html"
+from common.run_dir import EVALS_FILE, GROUPS_FILE, VIEW_FILE
+
 GROUP_KEYS = {"group_id", "task_id", "task_type", "trajectories", "observations", "rows"}
 ROW_KEYS = {"traj", "step", "obs", "action", "valid", "reward", "anchor_group", "adv", "episode_adv", "step_adv",
             "grpo_adv", "policy_version", "logprob_gap"}

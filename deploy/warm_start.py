@@ -24,11 +24,11 @@ from pathlib import Path
 
 from actors.prompts.shared import build_user_message, is_admissible, prompt_token_ids, response_text
 from common.config import ExperimentConfig
+from common.run_dir import WARM_DIR
 from common.tiny_model import save_model_atomically
 
 log = logging.getLogger("gigpo.warm_start")
 
-WARM_DIR = "warm_model"
 _INFO = "warm_start.json"
 
 

@@ -180,9 +180,9 @@ if _IMPORT_ERROR is None:
                 return super().reset()
 
 
-def make_engine(engine: str = "fast"):
+def make_engine(engine: str = EnvConfig.engine):
     """A TextWorld env for ALFWorld games: the PDDL engine wrapped by ALFWorld's name demangler (which
-    turns `Mug_bar__minus_02...` into `mug 1`). `engine` is "fast" (default) or "upstream"."""
+    turns `Mug_bar__minus_02...` into `mug 1`). `engine`: env.engine, "fast" or "upstream"."""
     if engine not in ENGINES:
         raise ValueError(f"unknown ALFWorld engine {engine!r}; choose one of {ENGINES}")
     require_engine()

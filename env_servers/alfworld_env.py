@@ -93,8 +93,9 @@ def list_data_tasks(game_root: str | os.PathLike, split: str) -> list[str]:
 class ALFWorldEnv:
     """One ALFWorld game instance (TextEnv). Blocking; not thread-safe (one caller at a time)."""
 
-    def __init__(self, data_dir: str | None = None, source: str = "data", engine: str = "fast",
-                 generator: dict | GeneratorOptions | None = None, num_generated_games: int = 64, seed: int = 0):
+    def __init__(self, data_dir: str | None = None, source: str = EnvConfig.source, engine: str = EnvConfig.engine,
+                 generator: dict | GeneratorOptions | None = None,
+                 num_generated_games: int = EnvConfig.num_generated_games, seed: int = 0):
         if source not in choices(EnvConfig, "source"):
             raise ValueError(f"ALFWorld source {source!r}: choose one of {choices(EnvConfig, 'source')}")
         self.source = source

@@ -41,12 +41,12 @@ import numpy as np
 
 from common.config import ExperimentConfig, LearnerConfig
 from common.records import EpisodeGroup
+from common.run_dir import GROUPS_FILE
 from learner.batching import TrainBatch, advantage_rows, known_outcomes, usable_rows
 from learner.gigpo import estimate_grpo, factorize, gigpo_parts_of
 
 log = logging.getLogger(__name__)
 
-GROUPS_FILE = "groups.jsonl"
 MAX_TEXT_CHARS = 2000       # an observation (a WebShop page can be ~10k characters) or action is cut here
 
 
@@ -156,7 +156,7 @@ def _logprob_gaps(g: EpisodeGroup, rows: np.ndarray, where: np.ndarray, batch: T
 
 
 class GroupRecorder:
-    """Learner rank 0's writer of groups.jsonl (a new run starts it anew, a resumed one appends). A record
+    """The writer of groups.jsonl (the driver's; a new run starts it anew, a resumed one appends). A record
     that cannot be built or written is logged and skipped: it never stops the training."""
 
     def __init__(self, cfg: ExperimentConfig, *, resume: bool):

@@ -32,12 +32,12 @@ import numpy as np
 
 from common.config import ExperimentConfig
 from common.records import EpisodeGroup
+from common.run_dir import PUSHED_VERSION, checkpoints_dir, prepare_checkpoint_dir
 from learner.batching import build_batch, check_group
 from learner.group_record import GroupRecorder
 from learner.learner_metrics import LearnerMetrics
 from learner.read_policy import admit
-from learner.trainer import (PUSHED_VERSION, PolicyTrainer, TrainStepResult, checkpoint_dir_of,
-                             prepare_checkpoint_dir, setup_distributed)
+from learner.trainer import PolicyTrainer, TrainStepResult, setup_distributed
 
 if TYPE_CHECKING:
     from common.transport import TrajectorySource, WeightPublisher
@@ -59,14 +59,15 @@ class Learner:
         `common.weight_transfer.create_weight_transfer` over `inference_actors` when given. checkpoint_dir:
         default <run.output_dir>/checkpoints, "" none. resume: load the latest checkpoint there, or
         cfg.run.resume_tag (default cfg.run.resume); without it, existing checkpoints are refused unless
-        cfg.run.overwrite (`learner.trainer.prepare_checkpoint_dir`). consumer_name: the Redis consumer, stable
+        cfg.run.overwrite (`common.run_dir.prepare_checkpoint_dir`). consumer_name: the Redis consumer, stable
         across restarts. read_only: serve a checkpoint without touching the run (`gigpo eval`): nothing
         written, `step` refused, weights pushed under the checkpoint's own policy version.
         """
         self.cfg = cfg
         self.read_only = read_only
         resume = cfg.run.resume if resume is None else resume
-        self.checkpoint_dir = (str(checkpoint_dir_of(cfg)) if checkpoint_dir is None else checkpoint_dir) or None
+        self.checkpoint_dir = (str(checkpoints_dir(cfg.run.output_dir)) if checkpoint_dir is None
+                               else checkpoint_dir) or None
         if self.checkpoint_dir and not read_only:     # before the (slow) engine start: a clear error at once
             prepare_checkpoint_dir(self.checkpoint_dir, resume=resume, overwrite=cfg.run.overwrite,
                                    rank=setup_distributed()[0])

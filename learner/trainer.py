@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import sys
 import time
-import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -35,35 +33,12 @@ import torch.distributed as dist
 
 from common.config import LearnerConfig
 from common.placement import free_port
+from common.run_dir import (LATEST, LEARNER_STATE, checkpoint_tag, checkpoint_tags, complete_checkpoints,
+                            is_complete_checkpoint, tag_update)
 from learner.batching import MicroBatch, MicroBatchPlan, TrainBatch, collate, mini_batches, plan_micro_batches
 from learner.grammar_mask import GrammarMasks, allowed_tokens
 from learner.gigpo import (LossSettings, correction_weights, logprob_gap, policy_loss,
                            token_logprobs_and_entropy)
-
-LEARNER_STATE = "learner_state.json"   # written next to each DeepSpeed checkpoint tag, for humans and tools
-LATEST = "latest"                      # DeepSpeed's file naming the newest checkpoint tag
-PUSHED_VERSION = "pushed_version"      # file beside the checkpoints: highest policy version ever pushed
-RUN_ID_FILE = "run_id"                 # in run.output_dir: the run's id (stream.run_id), for a resume
-_TAG_PREFIX = "update_"
-
-
-def tag_update(name: str) -> int | None:
-    """The update number of a checkpoint directory name (update_0000012 -> 12); None for other names."""
-    digits = name[len(_TAG_PREFIX):]
-    return int(digits) if name.startswith(_TAG_PREFIX) and digits.isdigit() else None
-
-
-def checkpoint_tags(root: str | os.PathLike) -> list[Path]:
-    """The checkpoint directories under `root`, oldest update first (by number: update_10000000 sorts before
-    update_9999999 as a string)."""
-    tags = [p for p in Path(root).glob(_TAG_PREFIX + "*") if p.is_dir() and tag_update(p.name) is not None]
-    return sorted(tags, key=lambda p: tag_update(p.name))
-
-
-def is_complete_checkpoint(tag_dir: str | os.PathLike) -> bool:
-    """Whether `tag_dir` (<checkpoints>/update_*) is a whole checkpoint: its LEARNER_STATE is written last,
-    after DeepSpeed's files."""
-    return (Path(tag_dir) / LEARNER_STATE).is_file()
 
 
 def prune_checkpoints(root: str | os.PathLike, keep: int, just_written: str) -> list[str]:
@@ -79,63 +54,6 @@ def prune_checkpoints(root: str | os.PathLike, keep: int, just_written: str) -> 
     for path in doomed:
         shutil.rmtree(path, ignore_errors=True)
     return [p.name for p in doomed]
-
-
-def checkpoint_dir_of(cfg) -> Path:
-    """Where a run's checkpoints go: <run.output_dir>/checkpoints."""
-    return Path(cfg.run.output_dir) / "checkpoints"
-
-
-def prepare_checkpoint_dir(checkpoint_dir: str | os.PathLike, *, resume: bool, overwrite: bool,
-                           rank: int = 0) -> None:
-    """Before a learner starts: refuse (ValueError) to start a fresh run in a directory holding another run's
-    checkpoints, which it would mix with its own (pruning, `latest`, resume); with `overwrite`, delete them
-    (rank 0). Resuming uses what is there."""
-    if resume and overwrite:
-        raise ValueError("run.resume=true continues the run in run.output_dir, run.overwrite=true deletes its "
-                         "checkpoints: set one of them")
-    root = Path(checkpoint_dir)
-    if resume or not root.is_dir():
-        return
-    tags = checkpoint_tags(root)
-    if not tags and not (root / LATEST).exists():
-        return
-    if not overwrite:
-        raise ValueError(other_runs_checkpoints(root))
-    if rank == 0:
-        for path in tags:
-            shutil.rmtree(path)
-        for name in (LATEST, PUSHED_VERSION, PUSHED_VERSION + ".tmp"):
-            (root / name).unlink(missing_ok=True)
-
-
-def other_runs_checkpoints(checkpoint_dir: str | os.PathLike) -> str:
-    """What a fresh run says of a checkpoint directory that holds another run's checkpoints ("" for none)."""
-    root = Path(checkpoint_dir)
-    tags = checkpoint_tags(root) if root.is_dir() else []
-    if not tags and not (root / LATEST).exists():
-        return ""
-    newest = f" (newest: {tags[-1].name})" if tags else ""
-    return (f"{root} holds another run's checkpoints{newest}: continue that run with run.resume=true, delete "
-            "them with run.overwrite=true, or set another run.output_dir")
-
-
-def prepare_output_dir(cfg) -> str:
-    """`prepare_checkpoint_dir` for the run's checkpoints (before anything of the run starts); returns the
-    run's id, set in the config (stream.run_id): the configured one; else, resuming, the one in
-    <output_dir>/run_id; else a new one (the run name and 8 random hex digits), written there. Stream,
-    consumer-group and control keys and every record carry it, so runs that share a Redis never mix."""
-    prepare_checkpoint_dir(checkpoint_dir_of(cfg), resume=cfg.run.resume, overwrite=cfg.run.overwrite)
-    if not cfg.stream.run_id:
-        path = Path(cfg.run.output_dir) / RUN_ID_FILE
-        known = path.read_text().strip() if cfg.run.resume and path.is_file() else ""
-        if not known:
-            slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", cfg.run.name).strip("-") or "run"
-            known = f"{slug}-{uuid.uuid4().hex[:8]}"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(known + "\n")
-        cfg.stream.run_id = known
-    return cfg.stream.run_id
 
 
 def setup_distributed() -> tuple[int, int]:
@@ -446,13 +364,14 @@ class PolicyTrainer:
             for name, p in module.named_parameters():
                 yield name, p.detach()
 
-    def save_checkpoint(self, root: str | os.PathLike, client_state: dict, keep: int = 2) -> str:
+    def save_checkpoint(self, root: str | os.PathLike, client_state: dict,
+                        keep: int = LearnerConfig.keep_checkpoints) -> str:
         """DeepSpeed checkpoint (model, optimizer, engine state) under root/<tag>, with `client_state` inside it
         and as JSON (LEARNER_STATE, written last) beside it; keeps the `keep` newest (`prune_checkpoints`).
         DeepSpeed rewrites root/latest only once the tag is complete, so a learner killed mid-save resumes from
         the previous one. All processes call it."""
         root = Path(root)
-        tag = f"{_TAG_PREFIX}{self.updates:07d}"
+        tag = checkpoint_tag(self.updates)
         state = dict(client_state, trainer_updates=self.updates)
         if self.rank == 0:
             # A tag of the same number from an abandoned history (see prune_checkpoints) is rewritten in
@@ -473,7 +392,7 @@ class PolicyTrainer:
         client_state, or None when there is no checkpoint at all. A `tag` that is not there raises
         FileNotFoundError: asked for one checkpoint, never silently start from another."""
         root = Path(root)
-        have = lambda: [p.name for p in checkpoint_tags(root) if is_complete_checkpoint(p)] or "none"  # noqa: E731
+        have = lambda: [p.name for p in complete_checkpoints(root)] or "none"  # noqa: E731
         if tag is None:
             if not (root / LATEST).exists():
                 return None

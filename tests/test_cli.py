@@ -132,7 +132,7 @@ def test_a_lost_part_is_said_in_a_few_lines_with_the_newest_checkpoint_and_the_r
     import shlex
 
     from deploy.run_control import RunLost, lost_run_message
-    from learner.trainer import LEARNER_STATE
+    from common.run_dir import LEARNER_STATE
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr("sys.argv", [".venv/bin/gigpo"])

@@ -10,10 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from common.run_dir import LATEST, LEARNER_STATE, checkpoint_tags, prepare_output_dir
 from common.tiny_model import build_tiny_model
 from learner.loop import Learner
 from bench.synthetic import synthetic_groups
-from learner.trainer import LATEST, LEARNER_STATE, checkpoint_tags, prepare_output_dir, prune_checkpoints
+from learner.trainer import prune_checkpoints
 from tests import learner_worker
 
 pytestmark = [pytest.mark.timeout(300)]
@@ -191,7 +192,7 @@ def test_run_id_is_new_for_a_fresh_run_and_kept_on_resume(tmp_path):
     records): a fresh run gets a new one, a resumed run continues with its own."""
     from common.config import ExperimentConfig
     from common.stream import stream_key
-    from learner.trainer import RUN_ID_FILE, prepare_output_dir
+    from common.run_dir import RUN_ID_FILE, prepare_output_dir
 
     def cfg_for(**run):
         cfg = ExperimentConfig()

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from common.config import ExperimentConfig, LearnerConfig
+from common.run_dir import PUSHED_VERSION
 from common.transport import InMemoryTrajectories, InMemoryWeights
 from learner.batching import build_batch
-from learner.loop import PUSHED_VERSION, Learner
+from learner.loop import Learner
 from bench.synthetic import synthetic_groups
 from learner.trainer import PolicyTrainer
 from tests import learner_worker

@@ -25,8 +25,9 @@ from common.config import ConfigError, StreamConfig, load_config, to_dict
 from common.process_env import project_env
 from common.redis_server import (PASSWORD_ENV, EmbeddedRedis, connect, password_file_for, redact, redis_for,
                                  resolve_password, node_for_messages)
+from common.run_dir import JOB_FILE
 from deploy import cli
-from deploy.control import JOB_FILE, job_redis_url, read_job_file, write_job_file
+from deploy.control import job_redis_url, read_job_file, write_job_file
 
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "s3cret-never-written"
@@ -276,7 +277,7 @@ def test_a_training_run_that_loses_its_learner_writes_the_password_nowhere_and_s
     node is still in the cluster, the code path is the same): the run ends with exit status 3 and, on stderr,
     no traceback but three lines: which rank on which node was lost, the newest complete checkpoint, the
     command that resumes."""
-    from learner.trainer import checkpoint_tags, is_complete_checkpoint, tag_update
+    from common.run_dir import checkpoint_tags, is_complete_checkpoint, tag_update
 
     out = tmp_path / "run"
     # The command as a user runs it from the venv, without what the Makefile and env.sh set for the

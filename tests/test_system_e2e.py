@@ -14,13 +14,11 @@ import ray
 
 from common.config import load_config
 from common.metrics import METRICS, exported_name, metrics_url
-from deploy.control import JOB_FILE
+from common.run_dir import JOB_FILE, LEARNER_STATE, PUSHED_VERSION
 from deploy.reports import format_eval
 from deploy import cli
 from deploy.system import System
 from env_servers.data import build_metadata
-from learner.loop import PUSHED_VERSION
-from learner.trainer import LEARNER_STATE
 from tests.alfworld_games import REAL_GAMES, SEEN_GAMES, extract_games
 from tests.scrape import scrape
 

@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from common import shm_cleanup
-from deploy.control import JOB_FILE
+from common.run_dir import JOB_FILE
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -12,9 +12,10 @@ import pytest
 
 from common.config import ExperimentConfig, LearnerConfig
 from common.records import EpisodeGroup, StepRow, Termination, Trajectory
+from common.run_dir import GROUPS_FILE
 from deploy import cli
 from learner.batching import build_batch
-from learner.group_record import GROUPS_FILE, MAX_TEXT_CHARS, GroupRecorder, cut, group_record
+from learner.group_record import MAX_TEXT_CHARS, GroupRecorder, cut, group_record
 from bench.synthetic import synthetic_groups
 
 PENALTY = 0.1

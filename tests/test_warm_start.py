@@ -7,7 +7,8 @@ import pytest
 
 from actors.prompts.shared import action_regex, parse_action
 from common.config import load_config
-from deploy.warm_start import WARM_DIR, collect_examples, warm_start
+from common.run_dir import WARM_DIR
+from deploy.warm_start import collect_examples, warm_start
 
 pytestmark = [pytest.mark.timeout(300)]
 

@@ -13,7 +13,8 @@ import json
 import pytest
 
 from common.config import load_config
-from deploy.reports import EVALS_FILE, eval_line, format_summary
+from common.run_dir import EVALS_FILE
+from deploy.reports import eval_line, format_summary
 from deploy.system import train
 from tests.webshop_catalog import real_catalog
 

@@ -133,7 +133,7 @@ bench: $(STAMP)
 	@for b in bench/bench_*.py; do echo "=== $$b"; $(PY) $$b || exit 1; done
 
 experiment: $(STAMP)
-	$(PY) -m deploy.experiment --tiny
+	$(PY) -m deploy.tools.experiment --tiny
 
 clean:
 	rm -rf $(VENV) .cache build *.egg-info
@@ -153,4 +153,4 @@ chromium:
 # deploy/grafana/gigpo-dashboard.json must return data.
 DASHBOARD_ARGS ?=
 dashboard-check: $(STAMP) prometheus chromium
-	$(PY) deploy/check_dashboard.py $(DASHBOARD_ARGS)
+	$(PY) deploy/tools/check_dashboard.py $(DASHBOARD_ARGS)

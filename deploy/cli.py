@@ -179,7 +179,7 @@ def cmd_config(args) -> int:
 
 
 def cmd_view(args) -> int:
-    from deploy.viewer import ViewError, write_view
+    from deploy.tools.viewer import ViewError, write_view
     try:          # (a note: a partly written last line, skipped)
         path = write_view(args.run_dir, args.out or None,
                           note=lambda message: print(f"gigpo: note: {message}", file=sys.stderr))

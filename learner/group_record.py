@@ -1,5 +1,5 @@
 """A bounded record of each update's training groups, step by step with the credit every step got, for
-`gigpo view` (deploy/viewer.py): one JSON line per update in <run.output_dir>/groups.jsonl.
+`gigpo view` (deploy/tools/viewer.py): one JSON line per update in <run.output_dir>/groups.jsonl.
 
     recorder = GroupRecorder(cfg, resume=resume)
     result = trainer.train_step(batch, update)                   # learner rank 0 (a TrainStepResult)

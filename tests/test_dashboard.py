@@ -1,6 +1,6 @@
 """deploy/grafana/gigpo-dashboard.json and docs/metrics.md: up to date with their builder, every declared
 metric on a panel, every query on a declared metric; and (slow, needs Debian's prometheus: `make prometheus`) every query returns
-data from a real Prometheus scraping a real Ray (deploy/check_dashboard.py)."""
+data from a real Prometheus scraping a real Ray (deploy/tools/check_dashboard.py)."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from common.metrics import METRICS, SECTIONS
-from deploy.dashboard import (DASHBOARD_PATH, METRICS_DOC_PATH, build_dashboard, dashboard_queries,
+from deploy.tools.dashboard import (DASHBOARD_PATH, METRICS_DOC_PATH, build_dashboard, dashboard_queries,
                               render, render_metrics_doc)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,8 +26,8 @@ def metric_names_in(expr: str) -> set[str]:
 
 
 def test_committed_dashboard_and_metrics_page_are_the_builders_output():
-    assert DASHBOARD_PATH.read_text() == render(), "run `python -m deploy.dashboard` and commit the JSON"
-    assert METRICS_DOC_PATH.read_text() == render_metrics_doc(), "run `python -m deploy.dashboard`, commit docs/"
+    assert DASHBOARD_PATH.read_text() == render(), "run `python -m deploy.tools.dashboard` and commit the JSON"
+    assert METRICS_DOC_PATH.read_text() == render_metrics_doc(), "run `python -m deploy.tools.dashboard`, commit docs/"
 
 
 def test_every_metric_has_a_panel_and_every_query_a_declared_metric():
@@ -63,7 +63,7 @@ def test_dashboard_is_importable_into_rays_grafana():
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(shutil.which("prometheus") is None, reason="needs Debian's prometheus (`make prometheus`)")
 def test_every_dashboard_query_returns_data_from_prometheus():
-    proc = subprocess.run([sys.executable, str(ROOT / "deploy" / "check_dashboard.py"), "--seconds", "12",
+    proc = subprocess.run([sys.executable, str(ROOT / "deploy" / "tools" / "check_dashboard.py"), "--seconds", "12",
                            "--no-screenshot"], cwd=ROOT, capture_output=True, text=True, timeout=220)
     n = len(dashboard_queries(build_dashboard()))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -71,8 +71,8 @@ def test_every_dashboard_query_returns_data_from_prometheus():
 
 
 def test_check_dashboard_asks_for_each_variables_values_and_the_scrape_configs_cluster_label():
-    # deploy/check_dashboard.py with a stand-in for Prometheus' label-values API (the real one: the slow test).
-    from deploy.check_dashboard import VARIABLES, check_variables, fill_variables
+    # deploy/tools/check_dashboard.py with a stand-in for Prometheus' label-values API (the real one: the slow test).
+    from deploy.tools.check_dashboard import VARIABLES, check_variables, fill_variables
 
     class LabelValues:
         def __init__(self, values: dict):

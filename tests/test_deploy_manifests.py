@@ -7,7 +7,7 @@ offline against their schemas, against each other, and against what the job's ac
   is a hand-written subset of KubeRay's CRDs (see its $comment); the pod templates inside are checked
   with the Kubernetes schemas. The Prometheus Operator's PodMonitor likewise: tests/schemas/podmonitor_v1_subset.json.
 - Placement: every cluster config (configs/cluster_*.yaml) against every shipped cluster file, with
-  deploy/cluster_check.py (`python -m deploy.cluster_check` runs the same check for users).
+  deploy/tools/cluster_check.py (`python -m deploy.tools.cluster_check` runs the same check for users).
 - Monitoring: the Prometheus scrape config (deploy/prometheus/prometheus.yml) and the PodMonitor set the label
   the dashboard's Cluster variable reads, checked by applying their relabelling to the labels a target has.
 """
@@ -266,12 +266,12 @@ def test_resource_requests_fit_what_the_actors_ask_for():
 # ---------------------------------------------------------------------------------------------------------
 
 def _cluster_files() -> list[Path]:
-    from deploy.cluster_check import shipped_cluster_files
+    from deploy.tools.cluster_check import shipped_cluster_files
     return shipped_cluster_files()
 
 
 def _cluster_configs() -> list[Path]:
-    from deploy.cluster_check import cluster_configs
+    from deploy.tools.cluster_check import cluster_configs
     return cluster_configs()
 
 
@@ -287,7 +287,7 @@ def test_the_check_covers_every_shipped_cluster_file_and_cluster_config():
 def test_every_cluster_config_fits_every_shipped_cluster_with_each_role_on_its_node_kind(config, cluster_file):
     from common.config import load_config
     from common.placement import job_needs
-    from deploy.cluster_check import check, read_clusters
+    from deploy.tools.cluster_check import check, read_clusters
     needs = job_needs(load_config(config))
     clusters = read_clusters(cluster_file)
     assert clusters
@@ -304,7 +304,7 @@ def test_every_cluster_config_fits_every_shipped_cluster_with_each_role_on_its_n
 
 def test_node_types_declare_the_node_kinds_the_docs_and_the_config_name():
     from common.config import load_config
-    from deploy.cluster_check import read_clusters
+    from deploy.tools.cluster_check import read_clusters
     cfg = load_config(CLUSTER_JOB_CONFIG)
     assert cfg.learner.resources == cfg.inference.resources == {"gpu_node": 1}
     assert cfg.rollout.resources == {"cpu_node": 1}
@@ -323,7 +323,7 @@ def test_node_types_declare_the_node_kinds_the_docs_and_the_config_name():
 def test_cluster_check_catches_misplaced_and_unplaceable_roles():
     from common.config import load_config
     from common.placement import job_needs
-    from deploy.cluster_check import check, kuberay_cluster, launcher_cluster, read_clusters
+    from deploy.tools.cluster_check import check, kuberay_cluster, launcher_cluster, read_clusters
 
     def problems(cluster, *overrides) -> str:
         return "\n".join(check(job_needs(load_config(CLUSTER_JOB_CONFIG, list(overrides))), cluster)[0])
@@ -363,7 +363,7 @@ def test_cluster_check_catches_misplaced_and_unplaceable_roles():
 
 
 def test_cluster_check_command(capsys):
-    from deploy.cluster_check import main
+    from deploy.tools.cluster_check import main
     assert main([]) == 0
     out = capsys.readouterr().out
     assert "cluster_alfworld_1.5b.yaml on deploy/ray-cluster.yaml: fits" in out
@@ -379,7 +379,7 @@ def test_cluster_check_command(capsys):
 
 def _dashboard_cluster_label() -> str:
     """The label the dashboard's `Cluster` variable lists (`label_values(metric, label)`)."""
-    from deploy.dashboard import DASHBOARD_PATH
+    from deploy.tools.dashboard import DASHBOARD_PATH
     variables = {v["name"]: v for v in json.loads(DASHBOARD_PATH.read_text())["templating"]["list"]}
     found = re.fullmatch(r"label_values\((\w+),\s*(\w+)\)", variables["Cluster"]["query"]["query"])
     assert found, variables["Cluster"]["query"]
@@ -425,7 +425,7 @@ def test_relabel_helper_follows_prometheus():
 def test_prometheus_config_reads_rays_discovery_file_and_sets_the_dashboards_cluster_label():
     from ray._private.ray_constants import PROMETHEUS_SERVICE_DISCOVERY_FILE
 
-    from deploy.check_dashboard import PROMETHEUS_CONFIG_PATH, render_prometheus_config, set_labels
+    from deploy.tools.check_dashboard import PROMETHEUS_CONFIG_PATH, render_prometheus_config, set_labels
     assert PROMETHEUS_CONFIG_PATH == DEPLOY / "prometheus" / "prometheus.yml"
     config = yaml.safe_load(PROMETHEUS_CONFIG_PATH.read_text())
     assert set(config) <= {"global", "scrape_configs", "rule_files", "alerting", "remote_write", "remote_read"}
@@ -440,7 +440,7 @@ def test_prometheus_config_reads_rays_discovery_file_and_sets_the_dashboards_clu
     cluster_name = yaml.safe_load((DEPLOY / "ray-cluster.yaml").read_text())["cluster_name"]
     target = {"__address__": "10.0.1.7:8080", "job": "ray"}
     assert _relabel(target, job["relabel_configs"])[label] == cluster_name
-    # deploy/check_dashboard.py runs this file, pointed at the local Ray's discovery file, relabelling kept.
+    # deploy/tools/check_dashboard.py runs this file, pointed at the local Ray's discovery file, relabelling kept.
     rendered = render_prometheus_config(config, Path("/tmp/x/ray") / PROMETHEUS_SERVICE_DISCOVERY_FILE, 2)
     [rendered_job] = rendered["scrape_configs"]
     assert rendered_job["file_sd_configs"] == [{"files": [f"/tmp/x/ray/{PROMETHEUS_SERVICE_DISCOVERY_FILE}"],

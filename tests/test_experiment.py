@@ -1,11 +1,11 @@
-"""The learning check's statistics (deploy/experiment.py): per-game measures, paired differences and
+"""The learning check's statistics (deploy/tools/experiment.py): per-game measures, paired differences and
 their intervals, on hand-made evaluations whose answers follow from the arithmetic."""
 import math
 
 import pytest
 
 from common.config import LearnerConfig, choices
-from deploy.experiment import COMPARED, Protocol, mean_ci, paired, per_game, read_evals, summarize, t_quantile_975
+from deploy.tools.experiment import COMPARED, Protocol, mean_ci, paired, per_game, read_evals, summarize, t_quantile_975
 
 
 def ep(task, success, steps):
@@ -64,7 +64,7 @@ def test_report_from_the_records_keeps_the_plan(tmp_path, capsys):
     results below the plan, which it keeps as written; a study without records says so."""
     import json
 
-    from deploy.experiment import RESULTS_MARK, STUDIES, main, record_path
+    from deploy.tools.experiment import RESULTS_MARK, STUDIES, main, record_path
 
     records, doc = tmp_path / "records", tmp_path / "learning-check.md"
     doc.write_text("# Learning check\n\n## Plan\n\nwritten before the runs\n\n" + RESULTS_MARK + "\nold results\n")
@@ -93,7 +93,7 @@ def test_report_from_the_records_keeps_the_plan(tmp_path, capsys):
 
 
 def test_power_follows_the_t_quantiles():
-    from deploy.experiment import min_detectable, seeds_needed
+    from deploy.tools.experiment import min_detectable, seeds_needed
     # sd 5 points over 4 seeds: (3.182 + 0.978) x 5 / 2 = 10.4 points
     assert min_detectable(0.05, 4) == pytest.approx((3.182 + 0.978) * 0.05 / 2)
     assert seeds_needed(0.05, 0.10) == 5 and seeds_needed(0.0, 0.10) == 2

@@ -15,8 +15,8 @@ import pytest
 
 from common.metrics import (ACTOR_KINDS, GAUGE_REFRESH_S, METRICS, ActorMetrics, exported_name, metrics_url,
                             metrics_urls, ray_init_metrics_options)
-from deploy import synthetic_metrics
-from deploy.synthetic_metrics import HISTOGRAM_VALUE_S, label_sets
+from deploy.tools import synthetic_metrics
+from deploy.tools.synthetic_metrics import HISTOGRAM_VALUE_S, label_sets
 from tests.scrape import parse_prometheus_text, scrape
 
 REPO = Path(__file__).resolve().parents[1]

@@ -291,8 +291,8 @@ def test_bad_run_directories_are_one_line_and_exit_2(tmp_path, capsys):
 
 
 def dump_dom(chromium: str, url: str, workdir) -> str:
-    """The DOM of `url` after its scripts ran, from headless Chromium (as deploy/check_dashboard.py runs it)."""
-    from deploy.check_dashboard import headless_chromium
+    """The DOM of `url` after its scripts ran, from headless Chromium (as deploy/tools/check_dashboard.py runs it)."""
+    from deploy.tools.check_dashboard import headless_chromium
 
     code, out, err = headless_chromium(chromium, url, workdir, "--virtual-time-budget=5000", "--dump-dom")
     assert code == 0 and out, err.decode()[-2000:]

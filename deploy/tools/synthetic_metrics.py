@@ -1,6 +1,6 @@
 """A synthetic workload: every declared metric recorded from a Ray actor of each kind that records it, with
 values that follow from the tick alone (a counter adds 1 per label value, a gauge is the tick, a histogram
-observes 0.3 s), so that tests and deploy/check_dashboard.py can check the scrape without the real planes.
+observes 0.3 s), so that tests and deploy/tools/check_dashboard.py can check the scrape without the real planes.
 """
 from __future__ import annotations
 

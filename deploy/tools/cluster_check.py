@@ -1,7 +1,7 @@
 """Does a job fit a cluster, with each role on its node kind? Read offline from the files, before `ray up`.
 
-    python -m deploy.cluster_check              # every configs/cluster_*.yaml x every shipped cluster file
-    python -m deploy.cluster_check configs/my_job.yaml --cluster deploy/ray-cluster.yaml --set rollout.num_actors=32
+    python -m deploy.tools.cluster_check              # every configs/cluster_*.yaml x every shipped cluster file
+    python -m deploy.tools.cluster_check configs/my_job.yaml --cluster deploy/ray-cluster.yaml --set rollout.num_actors=32
 
 What it reads and checks: docs/deploy.md. Exit status 0: every check passed.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:          # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 

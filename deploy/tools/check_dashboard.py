@@ -4,7 +4,7 @@ a local Ray, Debian's `prometheus` with the shipped scrape config, a workload, t
 deploy/grafana/gigpo-dashboard.json asked of Prometheus, and a chromium screenshot of Prometheus' graph page
 (docs/dashboard-check.png). docs/deploy.md ("Check it locally") says more.
 
-    python deploy/check_dashboard.py [--seconds 30] [--workload synthetic] [--command CMD] [--png PATH]
+    python deploy/tools/check_dashboard.py [--seconds 30] [--workload synthetic] [--command CMD] [--png PATH]
 
 Exit status 0 when every query returned data and every variable has values, 1 when not, 2 when a tool is
 missing. Every process it starts is stopped before it exits; ports are free ones.
@@ -30,13 +30,13 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:          # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from common.metrics import exported_name, metrics_urls, ray_init_metrics_options  # noqa: E402
 from common.placement import free_port  # noqa: E402
-from deploy.dashboard import DASHBOARD_PATH, dashboard_queries  # noqa: E402
+from deploy.tools.dashboard import DASHBOARD_PATH, dashboard_queries  # noqa: E402
 
 PROMETHEUS_CONFIG_PATH = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 SCRAPE_INTERVAL_S = 2
@@ -188,7 +188,7 @@ def run_workload(args, ray_address: str) -> None:
         print(f"workload: {args.command}  (RAY_ADDRESS={ray_address})", flush=True)
         subprocess.run(args.command, shell=True, check=True, env=env, cwd=ROOT)
     elif args.workload == "synthetic":
-        from deploy import synthetic_metrics
+        from deploy.tools import synthetic_metrics
         ticks = synthetic_metrics.run(args.seconds, interval_s=1.0)
         print(f"workload: synthetic, {ticks} ticks of every actor kind in {args.seconds:.0f}s", flush=True)
     else:

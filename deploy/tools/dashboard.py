@@ -1,7 +1,7 @@
 """The Grafana dashboard of a GiGPO run and the metrics' reference page, generated from the metric declarations
 in common/metrics.py: a row per section, a panel per metric (and a few derived from two).
 
-    python -m deploy.dashboard            # (re)writes deploy/grafana/gigpo-dashboard.json and docs/metrics.md
+    python -m deploy.tools.dashboard            # (re)writes deploy/grafana/gigpo-dashboard.json and docs/metrics.md
 
 The JSON is committed so that it can be imported as is (docs/deploy.md). Every query names metrics through
 `exported_name`, so a renamed metric cannot leave a panel silently empty: tests compare the file with this builder.
@@ -14,8 +14,8 @@ from pathlib import Path
 from common.metrics import COMMON_LABELS, SECTIONS, MetricSpec
 from common.metrics import exported_name as N
 
-DASHBOARD_PATH = Path(__file__).resolve().parent / "grafana" / "gigpo-dashboard.json"
-METRICS_DOC_PATH = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
+DASHBOARD_PATH = Path(__file__).resolve().parents[1] / "grafana" / "gigpo-dashboard.json"
+METRICS_DOC_PATH = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 UID = "gigpo-rl"
 # Series filter of every query: the chosen Ray session(s) and cluster(s).
 F = 'SessionName=~"$SessionName",ray_io_cluster=~"$Cluster"'
@@ -134,7 +134,7 @@ def render() -> str:
 def render_metrics_doc() -> str:
     """docs/metrics.md: every declared metric, by the section of `gigpo status` that shows it."""
     lines = ["# Metrics", "",
-             "Generated from `common/metrics.py` by `python -m deploy.dashboard`; do not edit by hand. Ray serves",
+             "Generated from `common/metrics.py` by `python -m deploy.tools.dashboard`; do not edit by hand. Ray serves",
              "each metric in Prometheus format under its exported name, with the labels "
              + ", ".join(f"`{label}`" for label in COMMON_LABELS) + " and Ray's own",
              "(`SessionName`, `NodeAddress`, ...). The last column is the key of the figure an update's metrics",

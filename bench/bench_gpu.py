@@ -95,7 +95,7 @@ def build_model(shape: str, folder: str, *, dtype=torch.bfloat16, init_range: fl
 
 def synthetic_batch(cfg, shape: str, group_size: int, seed: int, prompt=(600, 1200), response=(32, 256)):
     """A TrainBatch of cfg.groups_per_batch synthetic ALFWorld-shaped groups (GiGPO advantages by cfg)."""
-    from bench.synthetic import synthetic_groups
+    from tests.support.synthetic import synthetic_groups
     from common.config import RolloutConfig
     from learner.batching import build_batch
 
@@ -255,7 +255,7 @@ def constrained_batch(tokenizer, cfg, num_groups: int, seed: int, group_size: in
     """A TrainBatch of synthetic groups whose responses are what a constrained sampler writes,
     `<think>..</think> <action>A</action>` and the end-of-sequence token, each row carrying its grammar (the
     shape of actors/prompts/shared.py's action_regex)."""
-    from bench.synthetic import synthetic_groups
+    from tests.support.synthetic import synthetic_groups
     from common.config import RolloutConfig
     from learner.batching import build_batch
 

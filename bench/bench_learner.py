@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 import torch  # noqa: E402
 
-from bench.synthetic import synthetic_groups  # noqa: E402
+from tests.support.synthetic import synthetic_groups  # noqa: E402
 from common.config import ExperimentConfig, LearnerConfig  # noqa: E402
 from common.tiny_model import build_tiny_model  # noqa: E402
 from learner.batching import build_batch  # noqa: E402

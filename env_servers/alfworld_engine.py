@@ -9,7 +9,7 @@ deep-copied; the PDDL -> SAS translation (run twice per reset) and the parsed ga
 
 The fast engine swaps upstream module attributes while it builds a state, so engines must not run
 concurrently in threads of one process (env servers run one request at a time per worker process).
-Its output is byte-identical to upstream's (tests/test_env_alfworld.py replays walkthroughs both ways).
+Its output is byte-identical to upstream's (tests/env_servers/test_env_alfworld.py replays walkthroughs both ways).
 """
 from __future__ import annotations
 

@@ -56,7 +56,7 @@ from common.config import LearnerConfig
 
 # ----------------------------------------------------------------------------------------------------------
 # The definition: GiGPO one episode group at a time, with loops (Eqs. 3-8). The tests' oracle: the vectorized
-# `gigpo_advantages` below, which is what runs, equals it to 1e-9 (tests/test_advantages.py).
+# `gigpo_advantages` below, which is what runs, equals it to 1e-9 (tests/learner/test_advantages.py).
 
 def gigpo_readable(group_ids, traj_ids, steps, rewards, anchors, *, gamma=LearnerConfig.gamma,
                    omega=LearnerConfig.omega, normalize_std=LearnerConfig.normalize_std,

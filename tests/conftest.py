@@ -125,6 +125,17 @@ def _size(path: str) -> int:
         return 0
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption("--reverse", action="store_true",
+                     help="run the collected tests last to first (after any shuffle): an order no seed draws")
+
+
+@pytest.hookimpl(trylast=True)      # after pytest-randomly's shuffle, so `-p no:randomly --reverse` is files' order reversed
+def pytest_collection_modifyitems(config, items) -> None:
+    if config.getoption("--reverse"):
+        items.reverse()
+
+
 def pytest_sessionstart(session) -> None:
     session.config.stash[_BASELINE] = leftover_candidates()
 

@@ -1,0 +1,1 @@
+"""Tests of common/: records and their wire format, the stream, config, metrics, weight sync, actor calls."""

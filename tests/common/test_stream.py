@@ -1,0 +1,445 @@
+"""The trajectory stream against a real redis-server (started by EmbeddedRedis): delivery, acks, dead letters,
+backpressure and a consumer killed (SIGKILL) before its ack; and the learner's read policy (duplicates,
+staleness, unpublished versions) on what the Redis and the in-memory sources hand out."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from common.records import SCHEMA_VERSION, encode_group
+from common.config import StreamConfig
+from common.redis_server import connect, redis_for
+from common.stream import TrajectoryStream
+from common.transport import InMemoryTrajectories
+from learner.read_policy import admit
+from tests.support.stream_factory import assert_groups_equal, make_group
+
+pytestmark = pytest.mark.timeout(60)
+ROOT = Path(__file__).resolve().parents[2]
+
+NO_RETRY_S = 1.0         # far below what connect()'s retries would take (see where it is used)
+
+
+@pytest.fixture
+def cfg():
+    # A fresh stream key per test: tests share one server (conftest's redis_server) but never each other's data.
+    return StreamConfig(stream=f"test:{uuid.uuid4().hex[:8]}", max_stream_groups=64, max_policy_lag=4,
+                        reclaim_idle_s=0.3)
+
+
+def admitted(source, max_groups: int = 10, block_ms: int = 100, policy_version: int = 1,
+             trained: set | frozenset = frozenset(), held: set | frozenset = frozenset()) -> list:
+    """A read of `source` as a learner at `policy_version` takes it (learner.read_policy; max_policy_lag 4).
+    The default version is the newest of make_group's steps (they span versions 0 and 1)."""
+    return admit(source, source.read(max_groups, block_ms), trained_ids=trained, held_ids=held,
+                 newest_version=policy_version, max_policy_lag=4)
+
+
+def drain(stream: TrajectoryStream, trained: set | None = None, timeout_s: float = 10.0) -> list[str]:
+    """Read + ack until the stream is empty (or `timeout_s` passed); returns the group ids trained, in order."""
+    trained = set() if trained is None else trained
+    order = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = admitted(stream, max_groups=8, block_ms=50, trained=trained)
+        if not got and stream.depth() == 0:
+            break
+        for r in got:
+            order.append(r.group.group_id)
+            trained.add(r.group.group_id)
+        stream.ack(got)
+    return order
+
+
+def test_embedded_server_url_password_and_connect(redis_server):
+    assert redis_server.url.startswith("redis://:") and "@127.0.0.1:" in redis_server.url
+    r = connect(redis_server.url)
+    assert r.ping()
+    import redis
+    t0 = time.monotonic()
+    with pytest.raises(redis.AuthenticationError):   # a wrong password fails at once, without retries
+        connect(redis_server.url.replace(redis_server.password, "wrong")).ping()
+    # connect()'s retries back off 0.05 s doubling to 2 s: its 12 would take ~17 s, even 4 take 0.75 s;
+    # one refused login is one round trip on loopback (milliseconds).
+    assert time.monotonic() - t0 < NO_RETRY_S
+    url, started = redis_for(StreamConfig(redis_url=redis_server.url))
+    assert (url, started) == (redis_server.url, None)
+
+
+def test_redis_for_starts_a_server_when_no_url(tmp_path):
+    url, srv = redis_for(StreamConfig(redis_url="", embedded_dir=str(tmp_path)))
+    try:
+        assert srv is not None and srv.running
+        r = connect(url)
+        assert r.config_get("appendonly")["appendonly"] == "yes"
+        assert r.config_get("bind")["bind"] == "127.0.0.1"
+    finally:
+        srv.stop()
+    assert not srv.running
+
+
+def test_publish_read_ack_round_trip(redis_server, cfg):
+    stream = TrajectoryStream(redis_server.url, cfg)
+    groups = [make_group(f"g{i}", version=3, seed=i) for i in range(5)]
+    ids = [stream.publish(g) for g in groups]
+    assert len(set(ids)) == 5 and stream.depth() == 5
+    got = stream.read(max_groups=3, block_ms=100)
+    assert [r.entry_id for r in got] == ids[:3]
+    for r, g in zip(got, groups):
+        assert_groups_equal(g, r.group)
+    assert stream.depth() == 5 and stream.pending() == 3     # read but unacked: still held
+    stream.ack(got)
+    assert stream.depth() == 2 and stream.pending() == 0     # acked entries are deleted
+    rest = stream.read(max_groups=10, block_ms=100)
+    assert [r.group.group_id for r in rest] == ["g3", "g4"]
+    stream.ack(rest)
+    assert stream.depth() == 0
+    assert stream.stats["published"] == 5 and stream.stats["consumed"] == 5 and stream.stats["acked"] == 5
+
+
+def test_read_blocks_until_a_group_arrives(redis_server, cfg):
+    consumer = TrajectoryStream(redis_server.url, cfg)
+    producer = TrajectoryStream(redis_server.url, cfg, consumer_name="producer")
+    t0 = time.monotonic()
+    assert consumer.read(4, block_ms=200) == []
+    assert time.monotonic() - t0 >= 0.15
+    timer = threading.Timer(0.2, lambda: producer.publish(make_group("late")))
+    timer.start()
+    got = consumer.read(4, block_ms=5000)
+    timer.join()
+    assert [r.group.group_id for r in got] == ["late"]
+
+
+def test_publish_refuses_bad_groups(redis_server, cfg):
+    stream = TrajectoryStream(redis_server.url, cfg)
+    with pytest.raises(ValueError, match="no steps"):
+        stream.publish(make_group("empty", num_steps=0))
+    group = make_group("miscounted")
+    group.trajectories[0].num_steps += 1
+    with pytest.raises(ValueError, match="its trajectories have 7 steps, its rows 6"):
+        stream.publish(group)
+    assert stream.depth() == 0
+
+
+@pytest.fixture(params=["redis", "memory"])
+def source(request, redis_server, cfg):
+    """The trajectory boundary's two implementations (common.transport): the learner's read policy applies
+    to what either hands out."""
+    if request.param == "redis":
+        return TrajectoryStream(redis_server.url, cfg)
+    return InMemoryTrajectories()
+
+
+def test_trained_and_duplicate_groups_are_skipped_and_acked(source):
+    stream = source
+    for gid in ["a", "b", "b", "c", "a"]:          # a retried publish duplicates an entry
+        stream.publish(make_group(gid))
+    got = admitted(stream, trained={"c"})
+    assert sorted(r.group.group_id for r in got) == ["a", "b"]
+    assert stream.stats["duplicates_skipped"] == 3
+    stream.ack(got)
+    assert stream.depth() == 0
+    if isinstance(stream, TrajectoryStream):
+        assert stream.pending() == 0
+
+
+def test_groups_in_flight_are_not_handed_out_twice(source):
+    stream = source
+    stream.publish(make_group("x"))
+    first = admitted(stream)
+    stream.publish(make_group("x"))                 # the same group again while "x" is being trained
+    assert admitted(stream, held={"x"}) == []
+    assert stream.stats["duplicates_skipped"] == 1
+    stream.ack(first)
+    assert stream.depth() == 0
+
+
+@pytest.mark.fault
+def test_malformed_entries_go_to_dead_letter_and_consumer_keeps_going(redis_server, cfg):
+    stream = TrajectoryStream(redis_server.url, cfg)
+    r = connect(redis_server.url)
+    good = make_group("good")
+    parts = encode_group(good)
+    bad_header = b"\x92\x01\x02"                  # msgpack, but not a group's header
+    r.xadd(cfg.stream, {"v": SCHEMA_VERSION, "g": "m1", "p0": 0, "p1": 0, "h": b"\xc1garbage"})
+    r.xadd(cfg.stream, {"v": SCHEMA_VERSION + 1, "g": "m2", "p0": 0, "p1": 0, **parts})
+    r.xadd(cfg.stream, {"hello": "world"})
+    r.xadd(cfg.stream, {"v": SCHEMA_VERSION, "g": "m4", "p0": 0, "p1": 0, **parts, "h": bad_header})
+    r.xadd(cfg.stream, {"v": SCHEMA_VERSION, "g": "not-good", "p0": 0, "p1": 0, **parts})
+    r.xadd(cfg.stream, {"v": SCHEMA_VERSION, "g": "m6", "p0": "zero", "p1": 0, "h": b""})
+    stream.publish(good)
+    got = stream.read(max_groups=10, block_ms=100)
+    assert [x.group.group_id for x in got] == ["good"]
+    stream.ack(got)
+    assert stream.stats["dead_lettered"] == 6
+    assert stream.depth() == 0 and stream.pending() == 0
+    dead = stream.dead_letters()
+    reasons = [d[b"reason"].decode() for d in dead]
+    assert "missing parts" in reasons[0]
+    assert f"schema version b'{SCHEMA_VERSION + 1}'" in reasons[1]
+    assert "missing schema version" in reasons[2]
+    assert "header: expected a map" in reasons[3]
+    assert "disagrees with payload" in reasons[4]
+    assert "not integers" in reasons[5]
+    assert dead[0][b"orig.h"] == b"\xc1garbage"            # the original bytes are kept
+    assert dead[3][b"orig.h"] == bad_header and dead[2][b"orig.hello"] == b"world"
+    assert dead[4][b"orig.data"] == bytes(parts["data"])
+
+
+def test_stale_groups_are_dropped_acked_and_counted(source):
+    stream = source                                        # max_policy_lag 4
+    for gid, version in [("v0", 0), ("v5", 5), ("v6", 6), ("v9", 9)]:
+        stream.publish(make_group(gid, version=version))   # steps span version and version + 1
+    got = admitted(stream, policy_version=10)
+    assert [r.group.group_id for r in got] == ["v6", "v9"]  # oldest version must be >= 10 - 4
+    assert stream.stats["dropped_stale"] == 2
+    stream.ack(got)
+    assert stream.depth() == 0
+
+
+def test_read_policy_drops_stale_skips_duplicates_and_refuses_unpublished_versions(source):
+    """The learner's rules on either source, in one read: a group claiming a version the learner has not
+    published is dead-lettered, a stale one and a duplicate are acked untrained and counted; a redelivered
+    group (held by a learner that stopped) was judged when first read and is kept however old."""
+    for gid, version in [("future", 7), ("stale", 0), ("fresh", 4), ("fresh", 4), ("old", 0)]:
+        source.publish(make_group(gid, version=version))   # steps span version and version + 1
+    *first, old = source.read(5)
+    old.redelivered = True                                 # as a source hands out a dead learner's group
+    got = admit(source, first + [old], trained_ids=set(), newest_version=5, max_policy_lag=4)
+    assert [r.group.group_id for r in got] == ["fresh", "old"]
+    assert {k: source.stats[k] for k in ("dead_lettered", "dropped_stale", "duplicates_skipped")} == \
+        {"dead_lettered": 1, "dropped_stale": 1, "duplicates_skipped": 1}
+    assert source.depth() == 2
+    source.ack(got)
+    assert source.depth() == 0 and source.stats["acked"] == 2
+
+
+def refusals(stream: TrajectoryStream) -> threading.Semaphore:
+    """Released each time `stream` is refused a slot in the full stream (it then waits and asks again)."""
+    refused = threading.Semaphore(0)
+    reserve = stream._reserve
+
+    def counting_reserve(*args, **kwargs):
+        granted = reserve(*args, **kwargs)
+        if not granted:
+            refused.release()
+        return granted
+
+    stream._reserve = counting_reserve
+    return refused
+
+
+def test_backpressure_blocks_the_producer_and_resumes(redis_server, cfg):
+    cfg.max_stream_groups = 3
+    consumer = TrajectoryStream(redis_server.url, cfg)
+    producer = TrajectoryStream(redis_server.url, cfg, consumer_name="producer")
+    for i in range(3):
+        producer.publish(make_group(f"p{i}"))
+    done = threading.Event()
+    depths = []
+    refused = refusals(producer)
+
+    def publish_more():
+        for i in range(3, 6):
+            producer.publish(make_group(f"p{i}"), timeout_s=20)
+        done.set()
+
+    thread = threading.Thread(target=publish_more)
+    thread.start()
+    assert refused.acquire(timeout=10) and refused.acquire(timeout=10)    # refused, and refused again
+    assert not done.is_set() and consumer.depth() == 3     # blocked, nothing added past the bound
+    trained = []
+    while len(trained) < 6:
+        got = consumer.read(max_groups=1, block_ms=200)
+        depths.append(consumer.depth())
+        trained += [r.group.group_id for r in got]
+        consumer.ack(got)
+    thread.join(10)
+    assert done.is_set()
+    assert trained == [f"p{i}" for i in range(6)]
+    assert max(depths) <= 3
+    assert producer.stats["publish_waits"] >= 1
+
+
+def test_backpressure_timeout_is_a_clear_error_and_adds_nothing(redis_server, cfg):
+    cfg.max_stream_groups = 1
+    stream = TrajectoryStream(redis_server.url, cfg)
+    stream.publish(make_group("first"))
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="still holds >= 1 untrained groups.*'second' was not published"):
+        stream.publish(make_group("second"), timeout_s=0.3)
+    assert time.monotonic() - t0 >= 0.3               # it waited its whole deadline for room
+    assert stream.depth() == 1
+
+
+def test_concurrent_producers_never_overshoot_the_bound(redis_server, cfg):
+    cfg.max_stream_groups = 3
+    consumer = TrajectoryStream(redis_server.url, cfg)
+    producers = [TrajectoryStream(redis_server.url, cfg, consumer_name=f"p{k}") for k in range(4)]
+    refused = [refusals(p) for p in producers]
+    threads = [threading.Thread(target=lambda p=p, k=k: [p.publish(make_group(f"c{k}-{i}"), timeout_s=20)
+                                                         for i in range(5)]) for k, p in enumerate(producers)]
+    for t in threads:
+        t.start()
+    assert all(r.acquire(timeout=10) for r in refused)    # all four are now waiting on a full stream
+    trained, depths = [], [consumer.depth()]
+    while len(trained) < 20:
+        got = consumer.read(max_groups=1, block_ms=200)
+        trained += [r.group.group_id for r in got]
+        consumer.ack(got)
+        depths.append(consumer.depth())
+    for t in threads:
+        t.join(10)
+    assert sorted(trained) == sorted(f"c{k}-{i}" for k in range(4) for i in range(5))
+    assert depths[0] == 3 and max(depths) <= 3
+
+
+@pytest.mark.fault
+def test_a_producer_that_dies_after_reserving_frees_its_slot(redis_server, cfg, monkeypatch):
+    import common.stream as stream_module
+    monkeypatch.setattr(stream_module, "_RESERVATION_TTL_S", 0.5)
+    cfg.max_stream_groups = 1
+    stream = TrajectoryStream(redis_server.url, cfg)
+    # What a producer killed between reserving a slot and appending its group leaves behind:
+    assert stream._reserve(keys=[stream.key, stream.reserved_key], args=[1, "dead-producer", 0.5]) == 1
+    t0 = time.monotonic()
+    stream.publish(make_group("after-expiry"), timeout_s=5)     # (would raise TimeoutError past 5 s)
+    # It waited for the dead reservation to expire (its TTL 0.5 s, less the moment spent reserving it).
+    assert time.monotonic() - t0 >= 0.3 and stream.stats["publish_waits"] >= 1
+    assert stream.depth() == 1 and stream.redis.zcard(stream.reserved_key) == 0
+
+
+def test_a_draining_producer_publishes_over_the_bound(redis_server, cfg):
+    cfg.max_stream_groups = 1
+    stream = TrajectoryStream(redis_server.url, cfg)
+    stream.publish(make_group("first"))
+    stream.publish(make_group("last-of-a-removed-actor"), timeout_s=0.1, over_bound=True)
+    assert stream.depth() == 2
+    with pytest.raises(TimeoutError):                 # ordinary publishes still respect the bound
+        stream.publish(make_group("third"), timeout_s=0.1)
+
+
+def test_restarted_consumer_gets_its_own_pending_groups_back(redis_server, cfg):
+    cfg.reclaim_idle_s = 60                          # no reclaim: this is the same consumer name coming back
+    first = TrajectoryStream(redis_server.url, cfg, consumer_name="learner-0")
+    for i in range(4):
+        first.publish(make_group(f"r{i}"))
+    got = first.read(max_groups=3, block_ms=100)
+    assert len(got) == 3
+    first.close()                                    # "crashed" after committing r0 but before any ack
+    second = TrajectoryStream(redis_server.url, cfg, consumer_name="learner-0")
+    trained = {"r0"}
+    order = drain(second, trained=trained)
+    assert sorted(order) == ["r1", "r2", "r3"]
+    assert second.stats["recovered_own"] == 3 and second.stats["duplicates_skipped"] == 1
+    assert second.depth() == 0 and second.pending() == 0
+
+
+_DOOMED_CONSUMER = """
+import sys, time
+from common.config import StreamConfig
+from common.stream import TrajectoryStream
+cfg = StreamConfig(stream=sys.argv[2], reclaim_idle_s=0.3)
+s = TrajectoryStream(sys.argv[1], cfg, consumer_name="doomed")
+got = s.read(max_groups=3, block_ms=2000)
+print(" ".join(r.group.group_id for r in got), flush=True)
+time.sleep(120)   # "training": killed with SIGKILL before it acks
+"""
+
+
+@pytest.mark.fault
+def test_consumer_killed_before_ack_groups_trained_exactly_once(redis_server, cfg):
+    producer = TrajectoryStream(redis_server.url, cfg, consumer_name="producer")
+    for i in range(6):
+        producer.publish(make_group(f"k{i}"))
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.Popen([sys.executable, "-c", _DOOMED_CONSUMER, redis_server.url, cfg.stream],
+                            stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        taken = proc.stdout.readline().split()
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        proc.stdout.close()
+    assert taken == ["k0", "k1", "k2"]
+    survivor = TrajectoryStream(redis_server.url, cfg, consumer_name="learner-1")
+    trained = Counter()
+    deadline = time.monotonic() + 10
+    while sum(trained.values()) < 6 and time.monotonic() < deadline:
+        got = admitted(survivor, max_groups=4, trained=set(trained))
+        trained.update(r.group.group_id for r in got)
+        survivor.ack(got)
+    assert trained == Counter({f"k{i}": 1 for i in range(6)})
+    assert survivor.stats["reclaimed"] == 3
+    assert survivor.depth() == 0 and survivor.pending() == 0
+
+
+def test_live_consumer_keeps_its_groups_while_it_keeps_reading(redis_server, cfg):
+    # Each loop below reads twice, waiting at most 100 ms each: `a` is idle (in Redis' pending list) for at
+    # most ~0.2 s between reads; 2 s is ten times that, room for a loaded machine's stalls.
+    cfg.reclaim_idle_s = 2.0
+    producer = TrajectoryStream(redis_server.url, cfg, consumer_name="producer")
+    a = TrajectoryStream(redis_server.url, cfg, consumer_name="a")
+    b = TrajectoryStream(redis_server.url, cfg, consumer_name="b")
+    producer.publish(make_group("held"))
+    held = a.read(1, 100)
+    assert len(held) == 1
+    # a trains for longer than reclaim_idle_s but keeps reading (each read waits up to 100 ms for a group)
+    until = time.monotonic() + 2 * cfg.reclaim_idle_s
+    while time.monotonic() < until:
+        assert a.read(1, 100) == []
+        assert b.read(1, 100) == []
+    a.ack(held)
+    assert b.stats["reclaimed"] == 0 and a.depth() == 0
+
+
+def test_acl_user_url_works_and_wrong_permissions_fail_fast(redis_server, cfg):
+    admin = connect(redis_server.url)
+    admin.execute_command("ACL", "SETUSER", "rollout", "on", ">s3cret", "~test:*", "+@all")
+    admin.execute_command("ACL", "SETUSER", "nobody", "on", ">pw", "~other:*", "+@all")
+    url = f"redis://rollout:s3cret@127.0.0.1:{redis_server.port}/0"
+    stream = TrajectoryStream(url, cfg)
+    stream.publish(make_group("acl"))
+    got = stream.read(4, 100)
+    stream.ack(got)
+    assert [r.group.group_id for r in got] == ["acl"]
+    import redis
+    t0 = time.monotonic()
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        TrajectoryStream(f"redis://nobody:pw@127.0.0.1:{redis_server.port}/0", cfg)
+    assert time.monotonic() - t0 < NO_RETRY_S           # (see test_embedded_server_url_password_and_connect)
+
+
+def test_entry_deleted_while_pending_is_cleaned_up(redis_server, cfg):
+    stream = TrajectoryStream(redis_server.url, cfg, consumer_name="a")
+    for gid in ("d0", "d1"):
+        stream.publish(make_group(gid))
+    held = stream.read(2, 100)
+    stream.close()                                    # consumer "a" dies holding both
+    connect(redis_server.url).xdel(cfg.stream, held[0].entry_id)   # someone deletes one of them
+    other = TrajectoryStream(redis_server.url, cfg, consumer_name="b")
+    trained = drain(other)                            # reclaims d1 once idle for reclaim_idle_s
+    assert trained == ["d1"]
+    deadline = time.monotonic() + 5                   # the vanished entry's pending slot is released too
+    while other.pending() and time.monotonic() < deadline:   # (by a later pending-list scan)
+        other.read(2, 50)
+    assert other.pending() == 0 and other.depth() == 0
+
+
+def test_connect_understands_tls_urls_and_refuses_others():
+    # No TLS server here: check that rediss:// selects the TLS connection class (connections are lazy).
+    client = connect("rediss://learner:pw@redis.example:6380/2")
+    assert client.connection_pool.connection_class.__name__ == "SSLConnection"
+    kwargs = client.connection_pool.connection_kwargs
+    assert (kwargs["username"], kwargs["password"], kwargs["port"], kwargs["db"]) == ("learner", "pw", 6380, 2)
+    with pytest.raises(ValueError, match="must start with redis://"):
+        connect("http://localhost:6379")

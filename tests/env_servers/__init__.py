@@ -1,0 +1,1 @@
+"""Tests of env_servers/: ALFWorld, WebShop and the env pool."""

@@ -1,0 +1,1 @@
+"""Tests of learner/: advantages, loss, batching, the DeepSpeed trainer and the loop."""

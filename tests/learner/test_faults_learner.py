@@ -1,0 +1,243 @@
+"""Learner faults from issue #17, caused for real: a second run into a used output directory, and a learner
+that dies between checkpoints while a weight publisher is in place. Real DeepSpeed (CPU, gloo), the tiny
+policy, a real Redis (EmbeddedRedis). Run them alone with `pytest -m fault`."""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from common.run_dir import LATEST, LEARNER_STATE, checkpoint_tags, prepare_output_dir
+from common.tiny_model import build_tiny_model
+from learner.loop import Learner
+from tests.support.synthetic import synthetic_groups
+from learner.trainer import prune_checkpoints
+from tests.support import learner_worker
+
+pytestmark = [pytest.mark.timeout(300)]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    # The tiny policy test_learner_trainer.py uses (built once in the git-ignored cache, then reused).
+    return build_tiny_model(str(REPO / ".cache" / "test-tiny-policy"))
+
+
+def _train(learner: Learner, updates: int, seed: int) -> list[str]:
+    """`updates` updates on fresh synthetic groups (2 per update); the group ids trained."""
+    trained = []
+    for i in range(updates):
+        assert learner.step(synthetic_groups(2, 3, vocab_size=1000, seed=seed + i, max_steps=2)) is not None
+        trained += learner.last_group_ids
+    return trained
+
+
+def _dir_listing(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in root.rglob("*")}
+
+
+@pytest.mark.slow
+def test_a_second_run_into_a_used_output_dir_is_refused_or_starts_fresh(model_path, tmp_path):
+    cfg = learner_worker.learner_experiment("unused")
+    cfg.run.output_dir = str(tmp_path)
+    cfg.learner.checkpoint_every, cfg.learner.keep_checkpoints = 1, 2
+    ckpt = tmp_path / "checkpoints"
+    old = Learner(cfg, model_path)
+    try:
+        _train(old, 1, seed=100)           # the old run leaves update_0000001
+    finally:
+        old.close()
+    before = _dir_listing(ckpt)
+
+    # A fresh run is refused, with one line naming the way out, and nothing there changes.
+    for start in (lambda: prepare_output_dir(cfg), lambda: Learner(cfg, model_path)):
+        with pytest.raises(ValueError, match="update_0000001.*run.resume=true.*run.overwrite=true") as exc:
+            start()
+        assert "\n" not in str(exc.value)
+    cfg.run.resume = cfg.run.overwrite = True
+    with pytest.raises(ValueError, match="set one of them"):
+        prepare_output_dir(cfg)
+    assert _dir_listing(ckpt) == before
+
+    # run.overwrite: the old checkpoints go first; the new run keeps its own newest two.
+    cfg.run.resume = False
+    new = Learner(cfg, model_path)
+    try:
+        new_ids = _train(new, 3, seed=200)
+        assert [p.name for p in checkpoint_tags(ckpt)] == ["update_0000002", "update_0000003"]
+        latest = (ckpt / LATEST).read_text().strip()
+        assert latest == "update_0000003" and (ckpt / latest / LEARNER_STATE).is_file()
+        state = json.loads((ckpt / latest / LEARNER_STATE).read_text())
+        assert state["updates"] == 3 and set(state["trained_group_ids"]) == set(new_ids)
+        # A `latest` naming a deleted checkpoint is a clear error, not an AssertionError inside DeepSpeed.
+        (ckpt / LATEST).write_text("update_0000009")
+        with pytest.raises(FileNotFoundError, match="update_0000009.*update_0000002.*update_0000003"):
+            new.trainer.load_checkpoint(ckpt)
+        (ckpt / LATEST).write_text(latest)
+    finally:
+        new.close()
+
+
+def test_pruning_keeps_the_highest_update_numbers_not_the_last_names(tmp_path):
+    def make(*updates):
+        for u in updates:
+            (tmp_path / f"update_{u:07d}").mkdir()
+
+    # 10000000 has 8 digits: as a string it sorts before update_9999999.
+    make(9999998, 9999999, 10000000)
+    assert prune_checkpoints(tmp_path, 2, "update_10000000") == ["update_9999998"]
+    assert [p.name for p in checkpoint_tags(tmp_path)] == ["update_9999999", "update_10000000"]
+    # The one just written is kept whatever its number; higher ones (a history this run branched off, by
+    # resuming from an older run.resume_tag) are left for the run to overwrite.
+    for p in checkpoint_tags(tmp_path):
+        p.rmdir()
+    make(1, 2, 5)
+    assert prune_checkpoints(tmp_path, 1, "update_0000002") == ["update_0000001"]
+    assert [p.name for p in checkpoint_tags(tmp_path)] == ["update_0000002", "update_0000005"]
+    assert prune_checkpoints(tmp_path, 0, "update_0000002") == []
+
+
+class VersionRecorder:
+    """Stands in for the inference actors: the Learner's publisher interface, push(named_tensors, version).
+    It records the versions; the test's producer tags new groups with the latest, as rollout actors do."""
+
+    def __init__(self):
+        self.versions: list[int] = []
+
+    def push(self, named_tensors, version: int) -> dict:
+        for _ in named_tensors:       # a real push reads every tensor
+            pass
+        self.versions.append(version)
+        return {}
+
+    @property
+    def latest(self) -> int:
+        return self.versions[-1] if self.versions else 0
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+@pytest.mark.parametrize("checkpoint_every, crash_after, second_consumer", [
+    (3, 5, "learner-0"),     # checkpoint at update 3, updates 4 and 5 lost; the same consumer name comes back
+    (100, 3, "learner-1"),   # no checkpoint yet; another consumer name reclaims the dead one's groups
+], ids=["lost-after-checkpoint", "lost-before-first-checkpoint"])
+def test_groups_of_lost_updates_are_retrained_after_a_crash_not_dropped_stale(
+        model_path, tmp_path, checkpoint_every, crash_after, second_consumer):
+    from common.redis_server import EmbeddedRedis
+    from common.stream import TrajectoryStream
+
+    cfg = learner_worker.learner_experiment("test:faults-lost-updates")
+    cfg.run.output_dir = str(tmp_path)
+    cfg.learner.checkpoint_every = checkpoint_every
+    # Lag 1: the lost updates' groups were sampled by versions 2 and more below the resumed learner's.
+    cfg.stream.max_policy_lag = 1
+    cfg.stream.reclaim_idle_s = 0.0          # the dead consumer's groups are reclaimable at once
+    actors = VersionRecorder()
+    published: list[str] = []
+    with EmbeddedRedis() as server:
+        producer = TrajectoryStream(server.url, cfg.stream, consumer_name="producer")
+
+        def produce(seed: int) -> None:
+            for g in synthetic_groups(2, 3, vocab_size=1000, seed=seed, max_steps=2, policy_version=actors.latest):
+                producer.publish(g)
+                published.append(g.group_id)
+
+        # Life 1: sample with the latest weights, train on it, `crash_after` times; then two more groups are
+        # sampled (unread), and the learner dies: no close, no checkpoint, no ack.
+        first = Learner(cfg, model_path, server.url, publisher=actors)
+        life1: list[list[str]] = []
+        for i in range(crash_after):
+            produce(seed=300 + i)
+            assert first.step(timeout_s=30) is not None
+            life1.append(list(first.last_group_ids))
+        produce(seed=400)
+        first_stats = dict(first.stream.stats)
+        first.stream.close()
+        first.trainer.close()
+        del first
+        pushed_before_crash = actors.latest
+        committed = {g for u in life1[:crash_after // checkpoint_every * checkpoint_every] for g in u}
+        lost = {g for u in life1 for g in u} - committed
+
+        # Life 2: resumes on the same Redis and output dir, and drains the stream.
+        second = Learner(cfg, model_path, server.url, publisher=actors, resume=True,
+                         consumer_name=second_consumer)
+        assert second.trained_group_ids == committed
+        # One push of the resumed weights, above every version the dead learner pushed.
+        assert second.policy_version == pushed_before_crash + 1 == actors.latest
+        life2: list[list[str]] = []
+        while second.step(timeout_s=2) is not None:
+            life2.append(list(second.last_group_ids))
+        second_stats = dict(second.stream.stats)
+        second.close()
+        assert producer.depth() == 0 and producer.pending() == 0
+        producer.close()
+
+    trained = Counter(committed) + Counter(g for u in life2 for g in u)
+    assert trained == Counter(published), "a group was dropped or trained twice"
+    assert lost and lost <= {g for u in life2 for g in u}
+    assert first_stats["dropped_stale"] == second_stats["dropped_stale"] == 0
+    assert second_stats["recovered_own" if second_consumer == "learner-0" else "reclaimed"] == len(lost)
+    # A version number never names two different weights: each push took a new one.
+    assert actors.versions == list(range(1, len(actors.versions) + 1))
+
+
+def test_run_id_is_new_for_a_fresh_run_and_kept_on_resume(tmp_path):
+    """Runs sharing one Redis are kept apart by their run id (stream key, consumer group, control keys,
+    records): a fresh run gets a new one, a resumed run continues with its own."""
+    from common.config import ExperimentConfig
+    from common.stream import stream_key
+    from common.run_dir import RUN_ID_FILE, prepare_output_dir
+
+    def cfg_for(**run):
+        cfg = ExperimentConfig()
+        cfg.run.output_dir, cfg.run.name = str(tmp_path / "run"), "my run"
+        for k, v in run.items():
+            setattr(cfg.run, k, v)
+        return cfg
+
+    first = cfg_for()
+    run_id = prepare_output_dir(first)
+    assert run_id.startswith("my-run-") and first.stream.run_id == run_id
+    assert (tmp_path / "run" / RUN_ID_FILE).read_text().strip() == run_id
+    assert run_id in stream_key(first.stream)
+    resumed = cfg_for(resume=True)
+    assert prepare_output_dir(resumed) == run_id
+    fresh = cfg_for(overwrite=True)
+    assert prepare_output_dir(fresh) not in ("", run_id)
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+def test_poison_groups_are_dead_lettered_and_the_rest_of_their_batch_trains(model_path, tmp_path, redis_url):
+    """Groups the learner cannot train on, each published as a producer with a bug would (the stream's
+    publish checks the layout, not the values): token ids past the vocabulary (they would crash the forward
+    pass, and after every restart again), a NaN log-prob, a positive log-prob. Each is dead-lettered with
+    its reason on read and counted; the good groups read between them are trained, and nothing is left."""
+    import uuid
+
+    from common.stream import TrajectoryStream
+    cfg = learner_worker.learner_experiment(f"test:{uuid.uuid4().hex[:8]}")     # 2 groups per batch
+    learner = Learner(cfg, model_path, redis_url, checkpoint_dir="")
+    groups = synthetic_groups(5, 2, vocab_size=200, seed=5, max_steps=2)
+    vocab, nan, positive, good = groups[0], groups[2], groups[3], [groups[1], groups[4]]
+    vocab.rows["response_ids"][0] = learner.trainer.vocab_size + 4000
+    nan.rows["response_logprobs"][1] = np.nan
+    positive.rows["response_logprobs"][0] = 0.5
+    producer = TrajectoryStream(redis_url, cfg.stream, consumer_name="producer")
+    for g in groups:            # a poison group first, read with a good one; the batch ends with the last
+        producer.publish(g)
+    metrics = learner.step(timeout_s=30)
+    assert metrics is not None and set(learner.last_group_ids) == {g.group_id for g in good}
+    reasons = {dead[b"orig.g"].decode(): dead[b"reason"].decode() for dead in learner.stream.dead_letters()}
+    assert set(reasons) == {vocab.group_id, nan.group_id, positive.group_id}, reasons
+    assert "outside the vocabulary" in reasons[vocab.group_id]
+    assert "response_logprobs: NaN" in reasons[nan.group_id]
+    assert "log-probs must be <= 0" in reasons[positive.group_id]
+    assert learner.stream.depth() == 0 and learner.stats["bad_groups"] == 3
+    learner.close()

@@ -1,0 +1,210 @@
+"""Worker processes for the learner tests (not collected: the file name does not start with test_).
+
+    python tests/support/learner_worker.py train  MODEL OUT STAGE          # one train step (train_once), results
+                                                                  # to OUT
+    python tests/support/learner_worker.py learn  MODEL OUT URL STREAM CKPT STEPS   # Learner.step() x STEPS, then
+                                                                  # prints READY and waits to be killed
+    python tests/support/learner_worker.py zero3  MODEL OUT URL STREAM CKPT STEPS   # Learner.step() x STEPS at
+                                      # ZeRO-3; rank 0 writes the pushed weights as buckets under OUT.d/
+Rank and world come from torchrun-style env vars (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+from actors.prompts.shared import action_regex
+from common.config import ExperimentConfig, LearnerConfig, StreamConfig
+from learner.batching import build_batch
+from tests.support.synthetic import synthetic_groups
+from learner.trainer import PolicyTrainer, teardown_distributed
+
+
+# What these tests leave at the config's defaults, passed explicitly: build_batch's invalid-action penalty,
+# PolicyTrainer's settings from outside learner.* (dtype: each test's own).
+DEFAULTS = ExperimentConfig()
+PENALTY = DEFAULTS.rollout.invalid_action_penalty
+TRAINER = {"head_dtype": DEFAULTS.model.head_dtype, "temperature": DEFAULTS.rollout.temperature,
+           "seed": DEFAULTS.run.seed}
+
+# The agreement tests (tests/learner/test_learner_trainer.py) compare one update done in different ways; these
+# settings make the arithmetic of both ways the same up to the order of one sum (the derivation is there).
+ADAM_EPS = 1.0          # with |g| << 1, AdamW's first step lr * g / (|g| + eps) is ~lr * g, 1-Lipschitz in g
+AGREEMENT_LR = 1.0
+
+
+def train_config(stage: int) -> LearnerConfig:
+    """One row per micro-batch (micro_batch_tokens=1: every row exceeds it, so each is a micro-batch of its
+    own), no gradient clipping, the whole batch in one optimizer step."""
+    return LearnerConfig(zero_stage=stage, lr=AGREEMENT_LR, grad_clip=0.0, mini_batch_rows=1024,
+                         micro_batch_tokens=1, recompute_old_logprobs=True)
+
+
+def agreement_batch(model_path: str):
+    """Half the responses sampled under an action grammar (each process builds only its own rows' masks),
+    half random unconstrained ones."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    actions = ["go to cabinet 1", "go to cabinet 2", "take mug 1 from desk 2", "look"]
+    answers = [tokenizer.encode(f"<think></think> <action>{a}</action>", add_special_tokens=False)
+               + [tokenizer.eos_token_id] for a in actions]     # what action_regex(actions, 0) allows
+
+    def respond(rng):
+        if rng.random() < 0.5:
+            return rng.integers(1, 1000, int(rng.integers(4, 24))), ""
+        return np.array(answers[int(rng.integers(len(answers)))]), action_regex(actions, 0)
+    return build_batch(synthetic_groups(6, 4, vocab_size=1000, seed=11, respond=respond), LearnerConfig(),
+                       invalid_action_penalty=PENALTY)
+
+
+def train_once(model_path: str, stage: int, term_sums: bool = False) -> dict:
+    """One update on the fixed synthetic batch with `train_config(stage)` and AdamW's eps = ADAM_EPS.
+    Returns the metrics, the log-probs the update started from (recomputed by the learner), every full
+    weight after the update, the batch's row and token counts, the rows whose grammar masks this process
+    built and, with term_sums (in a world of one, where this process sees every row, at ZeRO stage 1 or 2,
+    where the parameters are whole), per weight:
+      row_sums    sum over rows of |the row's gradient|
+      token_sums  sum over token positions of |each position's term| in the weight's gradient, for the
+                  weights of linear and embedding layers (a linear weight's gradient is sum_t dy_t x_t^T,
+                  its bias's sum_t dy_t, an embedding row's the dy_t of the positions holding its token)."""
+    batch = agreement_batch(model_path)
+    trainer = PolicyTrainer(model_path, train_config(stage), dtype="float32", **TRAINER)
+    for group in trainer.engine.optimizer.param_groups:
+        group["eps"] = ADAM_EPS
+    row_sums: dict[str, torch.Tensor] = {}
+    token_sums: dict[str, torch.Tensor] = {}
+    handles = []
+    if term_sums:
+        handles = _track_gradient_terms(trainer.engine.module, row_sums, token_sums)
+    result = trainer.train_step(batch, update=0)
+    for handle in handles:
+        handle.remove()
+    weights = {n: w.clone() for n, w in trainer.named_weights()}
+    trainer.close()
+    return {"metrics": result.metrics, "before": result.learner_logprobs, "weights": weights, "row_sums": row_sums,
+            "token_sums": token_sums, "rows": batch.num_rows, "tokens": int(batch.row_lengths().sum()),
+            "masked_rows": sum(bits is not None for bits in result.allowed_bits)}
+
+
+def _track_gradient_terms(module: torch.nn.Module, row_sums: dict, token_sums: dict) -> list:
+    """Hooks that add up, in float64, |each row's gradient| (a parameter's tensor hook sees one backward
+    pass's gradient before it is accumulated: here one row's) and |each token position's term|."""
+    names = {id(p): n for n, p in module.named_parameters()}    # tied weights: one name, the first
+    for name, p in module.named_parameters():
+        row_sums[name] = torch.zeros(p.shape, dtype=torch.float64)
+    handles = []
+
+    def token_sum(p: torch.Tensor) -> torch.Tensor:
+        return token_sums.setdefault(names[id(p)], torch.zeros(p.shape, dtype=torch.float64))
+
+    def add_abs(acc: torch.Tensor):
+        def hook(grad: torch.Tensor) -> None:     # returns None: the gradient goes on unchanged
+            acc.add_(grad.detach().abs().double())
+        return hook
+
+    for name, p in module.named_parameters():
+        handles.append(p.register_hook(add_abs(row_sums[name])))
+
+    def on_forward(layer, inputs, output) -> None:
+        if not output.requires_grad:              # log-probs without gradient (compute_logprobs)
+            return
+        x = inputs[0].detach()
+
+        def on_output_grad(grad: torch.Tensor) -> None:
+            dy = grad.detach().abs().double().reshape(-1, grad.shape[-1])
+            if isinstance(layer, torch.nn.Embedding):
+                token_sum(layer.weight).index_add_(0, x.reshape(-1), dy)
+                return
+            token_sum(layer.weight).add_(dy.t() @ x.abs().double().reshape(-1, x.shape[-1]))
+            if layer.bias is not None:
+                token_sum(layer.bias).add_(dy.sum(0))
+
+        output.register_hook(on_output_grad)
+
+    for layer in module.modules():
+        if isinstance(layer, (torch.nn.Linear, torch.nn.Embedding)):
+            handles.append(layer.register_forward_hook(on_forward))
+    return handles
+
+
+def main() -> None:
+    mode, model_path, out = sys.argv[1:4]
+    if mode == "train":
+        import torch.distributed as dist
+        stage = int(sys.argv[4])
+        res = train_once(model_path, stage, term_sums=int(os.environ["WORLD_SIZE"]) == 1 and stage < 3)
+        if dist.get_rank() == 0:
+            torch.save(res, out)
+        teardown_distributed()
+        return
+    url, stream_key, ckpt, steps = sys.argv[4], sys.argv[5], sys.argv[6], int(sys.argv[7])
+    from learner.loop import Learner
+    if mode == "zero3":
+        run_zero3(model_path, out, url, stream_key, ckpt, steps)
+        return
+    cfg = learner_experiment(stream_key)
+    learner = Learner(cfg, model_path, url, checkpoint_dir=ckpt, resume=True)
+    with open(out, "a") as f:
+        for _ in range(steps):
+            m = learner.step(timeout_s=60)
+            f.write(json.dumps({"groups": learner.last_group_ids, "update": learner.updates,
+                                "policy_version": learner.policy_version,
+                                "checkpointed": bool(m["checkpointed"])}) + "\n")
+            f.flush()
+    print("READY", flush=True)
+    time.sleep(600)      # the test kills us here: after an update, before the next checkpoint
+
+
+class BucketFilePublisher:
+    """The learner-side half of `common.weight_transfer.ShmTransfer.push` (gathered weights written as
+    safetensors buckets), without inference actors to load them: the test reads the files instead."""
+
+    def __init__(self, out_dir: str):
+        self.out_dir = out_dir
+
+    def push(self, named_tensors, version: int) -> dict:
+        from common.weight_transfer import write_buckets
+        files = write_buckets(named_tensors, f"{self.out_dir}/v{version}", 64 * 2 ** 20)
+        return {"buckets": len(files), "version": version}
+
+
+def run_zero3(model_path, out, url, stream_key, ckpt, steps) -> None:
+    import torch.distributed as dist
+    from learner.loop import Learner
+    from learner.trainer import teardown_distributed
+
+    cfg = learner_experiment(stream_key)
+    cfg.learner.zero_stage = 3
+    rank = int(os.environ["RANK"])
+    learner = Learner(cfg, model_path, url if rank == 0 else None, checkpoint_dir=ckpt,
+                      publisher=BucketFilePublisher(out + ".d") if rank == 0 else None)
+    log = []
+    for _ in range(steps):
+        m = learner.step(timeout_s=60)
+        log.append({k: m[k] for k in ("train/loss", "train/grad_norm", "policy_version", "checkpointed",
+                                      "time/train_s", "time/push_weights_s", "time/checkpoint_s", "time/wait_data_s")}
+                   | {"groups": learner.last_group_ids})
+    learner.close()
+    with open(f"{out}.rank{rank}.json", "w") as f:
+        json.dump(log, f)
+    dist.barrier()
+    teardown_distributed()
+
+
+def learner_experiment(stream_key: str) -> ExperimentConfig:
+    cfg = ExperimentConfig()
+    cfg.learner = LearnerConfig(groups_per_batch=2, checkpoint_every=2, mini_batch_rows=64,
+                                micro_batch_tokens=1024, lr=1e-4)
+    cfg.stream = StreamConfig(stream=stream_key)
+    cfg.model.dtype = "float32"
+    cfg.run.record_groups = 0      # no run directory here: groups.jsonl would land in ./runs/default
+    return cfg
+
+
+if __name__ == "__main__":
+    main()

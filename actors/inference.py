@@ -29,7 +29,6 @@ Design:
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import itertools
 import logging
 import os
@@ -40,7 +39,7 @@ import ray
 
 from common import shm_cleanup, weight_transfer
 from common.actor_calls import call_all
-from common.config import ExperimentConfig, InferenceConfig, ModelConfig
+from common.config import ExperimentConfig, InferenceConfig, ModelConfig, with_fields
 from common.cpu_placement import place_this_process
 from common.log_files import send_output_to
 from common.metrics import ActorMetrics
@@ -357,7 +356,7 @@ def with_weights_dir(cfg: ExperimentConfig) -> ExperimentConfig:
         weights_dir = weight_transfer.default_weights_dir(f"{_run_tag()}-{uuid.uuid4().hex[:8]}")
         shm_cleanup.claim(weights_dir)
         _MADE_WEIGHTS_DIRS.append(weights_dir)
-    return dataclasses.replace(cfg, inference=dataclasses.replace(cfg.inference, weights_dir=weights_dir))
+    return with_fields(cfg, {"inference.weights_dir": weights_dir})
 
 
 def create_inference_actors(cfg: ExperimentConfig, model: ModelSource | str, num_actors: int | None = None,

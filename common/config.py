@@ -510,6 +510,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return cfg
 
 
+def with_fields(cfg: ExperimentConfig, changes: dict[str, Any]) -> ExperimentConfig:
+    """A copy of `cfg` with `changes` ({"section.field": value}) set; `cfg` itself is left as it is (the
+    driver derives a config for its actors, for an eval split, for `gigpo eval`, without touching the run's)."""
+    sections: dict[str, dict[str, Any]] = {}
+    for dotted, value in changes.items():
+        section, name = dotted.split(".")
+        sections.setdefault(section, {})[name] = value
+    return dataclasses.replace(cfg, **{section: dataclasses.replace(getattr(cfg, section), **fields)
+                                       for section, fields in sections.items()})
+
+
 def to_dict(cfg: Any) -> dict:
     return dataclasses.asdict(cfg)
 

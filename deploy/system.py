@@ -13,7 +13,6 @@ publishes the status for `gigpo status` and applies `gigpo scale` commands.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -32,7 +31,7 @@ from actors.evaluation import evaluate_tasks
 from actors.inference import create_inference_actors, remove_made_weights_dirs, with_weights_dir
 from actors.rollout import create_rollout_actor
 from common import shm_cleanup
-from common.config import ExperimentConfig, to_dict
+from common.config import ExperimentConfig, to_dict, with_fields
 from common.log_files import Terminal, run_output
 from common.metrics import ActorMetrics
 from common.placement import PLACEMENT_TIMEOUT_S, job_needs, node_label, wait_placeable
@@ -109,7 +108,7 @@ class System:
         self.model_path = eval_model(cfg, scratch_dir) if eval_only else initial_model(cfg, progress)
         if eval_only:
             # The actors load exactly this model (the rollout side its tokenizer), whatever model.path says.
-            self.cfg = cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=self.model_path))
+            self.cfg = cfg = with_fields(cfg, {"model.path": self.model_path})
         self.model = ship_model(cfg, self.model_path)
         if not eval_only:
             # The embedded Redis keeps its append-only file in the run's directory: a driver killed mid-run
@@ -342,7 +341,7 @@ class System:
         under that label, with the update and the policy version that played it."""
         cfg = self.cfg
         if split and split != cfg.env.eval_split:
-            cfg = dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, eval_split=split))
+            cfg = with_fields(cfg, {"env.eval_split": split})
         result = evaluate_tasks(cfg, self.inference.serving, log_dir=self.log_dir, model=self.model)
         if result.get("episodes"):
             ActorMetrics("driver", self.cfg.run.name).set("success_rate", float(result["success"]), split="eval")
@@ -415,9 +414,8 @@ def evaluate_only(cfg: ExperimentConfig, checkpoint: str = "", splits: list[str]
     # The run's actors may be reading a configured weights directory: publish to a private one inside it.
     shared_dir = cfg.inference.weights_dir
     own_dir = os.path.join(shared_dir, f"eval-{os.getpid()}-{int(time.time())}") if shared_dir else ""
-    cfg = dataclasses.replace(
-        cfg, run=dataclasses.replace(cfg.run, resume=True, output_dir=output_dir, resume_tag=resume_tag),
-        inference=dataclasses.replace(cfg.inference, weights_dir=own_dir))
+    cfg = with_fields(cfg, {"run.resume": True, "run.output_dir": output_dir, "run.resume_tag": resume_tag,
+                            "inference.weights_dir": own_dir})
     eval_logs = logs_dir(eval_dir(output_dir))
     scratch = tempfile.mkdtemp(prefix="gigpo-eval-")
     try:

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from common.config import ConfigError, ExperimentConfig, describe, load_config
+from common.config import ConfigError, ExperimentConfig, describe, load_config, with_fields
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted(REPO.joinpath("configs").glob("*.yaml"))
@@ -221,3 +221,13 @@ def test_no_import_runs_against_the_flow():
                         plane == "common" or FLOW.index(target) > FLOW.index(plane)):
                     found.append(f"{path.relative_to(REPO)}:{node.lineno}: {plane} imports {name}")
     assert not found, "\n".join(found)
+
+
+def test_with_fields_copies_the_sections_it_changes_and_leaves_the_original():
+    cfg = ExperimentConfig()
+    derived = with_fields(cfg, {"model.path": "/elsewhere", "run.resume": True, "run.output_dir": "out"})
+    assert (derived.model.path, derived.run.resume, derived.run.output_dir) == ("/elsewhere", True, "out")
+    assert (cfg.model.path, cfg.run.resume) == (ExperimentConfig().model.path, False)
+    assert derived.learner is cfg.learner          # sections not named are shared, not copied
+    with pytest.raises(TypeError):
+        with_fields(cfg, {"model.no_such_field": 1})

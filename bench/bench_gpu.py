@@ -11,7 +11,9 @@ Parts (each runs on its own; one that fails prints its error and the others go o
 - learner: `learner.trainer.PolicyTrainer` (DeepSpeed ZeRO-`--zero-stage`, bf16, NCCL world of one, the
   reference model on for the KL term as in the paper's configs) trains synthetic ALFWorld-shaped batches
   with GiGPO advantages (`--head-dtype float32`: the final projection in fp32); median step time over
-  `--steps` after one warm-up, tokens/s (every token of every row, the log-prob recompute included), peak
+  `--steps` after one warm-up, tokens/s (every token of every row, the log-prob recompute included), the
+  step's model FLOP/s as a share of the bf16 matmul peak measured in the same process (learner/utilization.py)
+  and the padding share of the computed tokens, peak
   GPU memory against docs/deploy.md's arithmetic for ZeRO-2 on one GPU (2P bf16 weights + 14P master
   weights, gradients and AdamW moments + 2P reference = 18P bytes, P parameters; activations on top).
   `--threads N` sets the process's compute threads as the learner actor does (with `--offload` the
@@ -137,9 +139,13 @@ def part_learner(args) -> None:
             torch.cuda.synchronize()
         dt = time.perf_counter() - t0
         say(f"learner: step {i}{' (warm-up)' if i == 0 else ''}: {batch.num_rows} rows, {tokens} tokens, "
-            f"{dt:.2f} s, {tokens / dt:,.0f} tokens/s, loss {metrics.get('train/loss', float('nan')):.4f}")
+            f"{dt:.2f} s, {tokens / dt:,.0f} tokens/s, loss {metrics.get('train/loss', float('nan')):.4f}, "
+            f"{metrics['perf/model_flops_per_s'] / 1e12:.1f} model TFLOP/s = {metrics['perf/matmul_peak_share']:.2f} "
+            f"of the {metrics['perf/matmul_peak_flops_per_s'] / 1e12:.0f} TFLOP/s matmul peak measured here, "
+            f"padding {metrics['perf/padding_share']:.1%}")
         if i:
-            steps.append((dt, tokens, batch.num_rows))
+            steps.append((dt, tokens, batch.num_rows, metrics["perf/matmul_peak_share"],
+                          metrics["perf/padding_share"]))
     median = sorted(steps)[len(steps) // 2]
     peak = torch.cuda.max_memory_allocated() / 1e9 if torch.cuda.is_available() else float("nan")
     arithmetic = 18 * params / 1e9
@@ -149,9 +155,11 @@ def part_learner(args) -> None:
         "offload": cfg.offload, "micro_batch_tokens": cfg.micro_batch_tokens,
         "device": str(trainer.device), "step_s_median": median[0], "tokens": median[1], "rows": median[2],
         "tokens_per_s": median[1] / median[0], "peak_gpu_gb": peak, "arithmetic_18P_gb": arithmetic,
-        "steps": steps}
+        "matmul_peak_share": median[3], "padding_share": median[4], "steps": steps}
     say(f"learner: median step {median[0]:.2f} s on {median[1]} tokens ({median[1] / median[0]:,.0f} tokens/s); "
-        f"peak GPU memory {peak:.1f} GB against 18P = {arithmetic:.1f} GB of weights and optimizer state")
+        f"peak GPU memory {peak:.1f} GB against 18P = {arithmetic:.1f} GB of weights and optimizer state; "
+        f"{median[3]:.2f} of the same run's bf16 matmul peak (learner/utilization.py; goal >= 0.35), "
+        f"padding {median[4]:.1%} of the computed tokens")
     part_push_and_resume(trainer, batch)
     trainer.close()
     del trainer

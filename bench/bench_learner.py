@@ -7,6 +7,9 @@ learner's tokens/s inside a real run. < ~3 minutes on 2 cores (+ ~8 minutes for 
   GiGPO / GRPO (target <= 1.02: the paper reports GRPO's cost; anchor grouping is the only extra work);
 - peak memory: the RSS high-water mark above the pre-step RSS (after malloc_trim), sampled every 2 ms
   (torch's CPU tensors are invisible to tracemalloc), and tracemalloc's peak of building the batch;
+- utilization (issue 48): the step's model FLOP/s (real tokens only) against the fp32 matrix-product peak
+  measured in this process with the same thread count, and the share of computed tokens that were padding
+  (learner/utilization.py; the learner reports the same per update, and so does the in-run part below);
 - weight push, learner side: gathering `named_weights()` and writing them as safetensors buckets into shared
   memory (`common.weight_transfer.write_buckets`) per update, against the bare gather;
 - in a real run (`--system-updates`, default 6; 0 skips it): a short `gigpo train` of configs/embedded.yaml
@@ -42,6 +45,8 @@ REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 DEFAULTS = ExperimentConfig()      # the settings this bench does not choose, at the config's defaults
 ROUNDS = int(os.environ.get("BENCH_LEARNER_ROUNDS", "6"))
 GROUPS, GROUP_SIZE = 8, 8
+# The learner's utilization figures (learner/utilization.py), per update
+UTILIZATION = ("model_flops_per_s", "matmul_peak_flops_per_s", "matmul_peak_share", "padding_share")
 
 
 class PeakRSS:
@@ -88,7 +93,8 @@ def one_step(trainer, groups, cfg, update):
         step_s = time.perf_counter() - t0
         cpu_s = time.process_time() - c0
     return {"step_s": step_s, "cpu_s": cpu_s, "build_s": build_s, "build_peak_mb": build_peak / 2 ** 20,
-            "rss_peak_mb": (rss.peak - rss.base) / 2 ** 20, "tokens": metrics["train/response_tokens"]}
+            "rss_peak_mb": (rss.peak - rss.base) / 2 ** 20, "tokens": metrics["train/response_tokens"],
+            **{k: metrics[f"perf/{k}"] for k in UTILIZATION}}
 
 
 class StreamTap:
@@ -139,6 +145,8 @@ def in_system(updates: int, sync: bool) -> None:
                 tap.close()
             model_path = system.model_path
         in_run = [m["perf/tokens_per_s"] for m in history[1:]]       # the first update warms up
+        shares = [m["perf/matmul_peak_share"] for m in history[1:]]
+        padding = [m["perf/padding_share"] for m in history[1:]]
         size = cfg.learner.groups_per_batch
         batches = [tap.groups[i:i + size] for i in range(0, len(tap.groups) - size + 1, size)][:len(history)]
         threads = compute_threads(cfg.run.learner_cpus)
@@ -150,6 +158,8 @@ def in_system(updates: int, sync: bool) -> None:
     print(f"learner in a real run (configs/embedded.yaml, {schedule}, {threads} torch threads, {len(in_run)} updates "
           f"after a warm-up, ~{np.mean(rows):.0f} rows each): {np.median(in_run):.0f} tokens/s "
           f"(per update: {' '.join(f'{v:.0f}' for v in in_run)})")
+    print(f"  its share of the learner's own matmul peak (same dtype, measured in the run): {np.median(shares):.2f}; "
+          f"padding {np.median(padding):.1%} of the computed tokens")
     for n, rates in alone.items():
         print(f"this bench on the same groups, alone, {n} thread(s): {np.median(rates):.0f} tokens/s "
               f"(per update: {' '.join(f'{v:.0f}' for v in rates)})")
@@ -227,6 +237,10 @@ def main() -> None:
     print(f"GiGPO / GRPO step time  {ratio_t:.3f}  (median of per-batch CPU-time ratios; target <= 1.02)   "
           f"wall-clock {ratio_w:.3f} (noisy on a shared machine)")
     print(f"GiGPO / GRPO peak RSS   {ratio_m:.3f}  (target <= 1.02)")
+    u = med["gigpo"]
+    print(f"utilization (GiGPO steps, one thread): {u['model_flops_per_s'] / 1e9:.2f} model GFLOP/s against this "
+          f"process's fp32 matmul peak of {u['matmul_peak_flops_per_s'] / 1e9:.2f} GFLOP/s: "
+          f"{u['matmul_peak_share']:.2f} of it; {u['padding_share']:.1%} of the computed tokens were padding")
     build_g, build_r = med["gigpo"]["build_peak_mb"], med["grpo"]["build_peak_mb"]
     print(f"GiGPO / GRPO build peak {build_g / build_r:.3f}  (advantage bookkeeping only; absolute: "
           f"{build_g - build_r:+.2f} MB)")

@@ -95,6 +95,15 @@ SECTIONS: dict[str, list[MetricSpec]] = {
                    update_key={"stale": "stream/dropped_stale", "duplicate": "stream/duplicates_skipped",
                                "dead_letter": "stream/dead_lettered",
                                "dynamic_sampling": "learner/groups_skipped_equal_returns"}),
+        MetricSpec("learner_model_flops", "gauge", ("learner",),
+                   "model FLOP/s of the last update's training (real tokens only; learner/utilization.py)",
+                   unit="/s", update_key="perf/model_flops_per_s"),
+        MetricSpec("learner_matmul_peak_share", "gauge", ("learner",),
+                   "the last update's model FLOP/s over the matrix-product peak of the same dtype measured on "
+                   "the learner's own devices (1 = every cycle a matmul at its best)",
+                   update_key="perf/matmul_peak_share"),
+        MetricSpec("learner_padding_share", "gauge", ("learner",),
+                   "share of the tokens the last update computed that were padding", update_key="perf/padding_share"),
     ],
     "waits": [     # who waits on whom
         MetricSpec("learner_seconds", "counter", ("learner",),

@@ -37,6 +37,7 @@ from common.run_dir import (LATEST, LEARNER_STATE, checkpoint_tag, checkpoint_ta
                             is_complete_checkpoint, tag_update)
 from learner.batching import MicroBatch, MicroBatchPlan, TrainBatch, collate, mini_batches, plan_micro_batches
 from learner.grammar_mask import GrammarMasks, allowed_tokens
+from learner.utilization import ModelShape, matmul_peak
 from learner.gigpo import (LossSettings, correction_weights, logprob_gap, policy_loss,
                            token_logprobs_and_entropy)
 
@@ -159,6 +160,8 @@ class PolicyTrainer:
                                       weight_decay=cfg.weight_decay)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                     config=_ds_config(cfg, bf16))
+        self.shape = ModelShape.of(model)          # for the step's model FLOPs (learner/utilization.py)
+        self.compute_dtype = torch.bfloat16 if bf16 else torch.float32
         self.updates = 0   # optimizer-update calls (train_step) done by this trainer, restored on load
         self.model_path = model_path
         self._grammar_masks: GrammarMasks | None = None     # built for the first row with a grammar
@@ -276,6 +279,7 @@ class PolicyTrainer:
         sums: dict[str, float] = {}
         grad_norms: list[float] = []
         tokens_seen = 0.0
+        flops = computed_tokens = 0.0           # this process's model FLOPs, and the tokens it computed
         steps = 0
         for rows, plan in passes:
             # Loss x world_size: DeepSpeed averages gradients over processes, we want their sum.
@@ -288,6 +292,11 @@ class PolicyTrainer:
                     for k, v in ms.items():
                         sums[k] = sums.get(k, 0.0) + v
                     tokens_seen += float(mb.attention_mask.sum())
+                    computed_tokens += float(mb.input_ids.numel())
+                    lengths, response = self._row_sizes(trained, rows_mb)
+                    flops += self.shape.train_flops(lengths, response)
+                    if self.ref_model is not None:
+                        flops += self.shape.forward_flops(lengths, response)
                     if measure:
                         kept = mb.loss_mask.bool()
                         gap = logprob_gap(logp[kept].numpy(), mb.old_logprobs[kept].numpy())
@@ -302,13 +311,16 @@ class PolicyTrainer:
         self.updates = update + 1
 
         keys = sorted(sums)
-        total = torch.tensor([sums[k] for k in keys] + list(gap_sums) + [tokens_seen], dtype=torch.float64)
+        total = torch.tensor([sums[k] for k in keys] + list(gap_sums) + [flops, computed_tokens, tokens_seen],
+                             dtype=torch.float64)
         peak = torch.tensor([gap_max], dtype=torch.float64)
         if self.world_size > 1:
             dist.all_reduce(total)
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         sums = dict(zip(keys, total[:len(keys)].tolist()))
-        gap_sums, tokens_seen = total[len(keys):-1].tolist(), float(total[-1])
+        gap_sums, (flops, computed_tokens, tokens_seen) = total[len(keys):-3].tolist(), total[-3:].tolist()
+        if not gap_in_first_mini_batch:      # the recompute: one forward pass over every row, on all processes
+            flops += self.shape.forward_flops(*self._row_sizes(batch, np.arange(batch.num_rows)))
         if gap_in_first_mini_batch:
             n = max(gap_sums[3], 1.0)
             metrics.update({"train/logprob_gap_mean": gap_sums[0] / n, "train/logprob_gap_kl": gap_sums[1] / n,
@@ -326,9 +338,27 @@ class PolicyTrainer:
             "train/lr": float(self.engine.get_lr()[0]),
             "time/train_s": elapsed,
             "perf/tokens_per_s": tokens_seen / elapsed if elapsed > 0 else 0.0,
+            "perf/padding_share": 1.0 - tokens_seen / computed_tokens if computed_tokens else 0.0,
+            **self._utilization(flops, elapsed),
         })
         return TrainStepResult(metrics, learner_logprobs=learner_logprobs, weights=weights,
                                allowed_bits=trained.allowed_bits)
+
+    @staticmethod
+    def _row_sizes(batch: TrainBatch, rows) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, response tokens) of each of `rows`: what their model FLOPs depend on."""
+        response = np.array([len(batch.response_ids[r]) for r in rows], dtype=np.float64)
+        return np.array([len(batch.prompt_ids[r]) for r in rows], dtype=np.float64) + response, response
+
+    def _utilization(self, flops: float, elapsed: float) -> dict[str, float]:
+        """The step's model FLOP/s (all processes), and their share of the same dtype's matmul peak measured
+        here (once per process and thread count: ~0.5 s) times the number of processes."""
+        if elapsed <= 0:
+            return {}
+        peak = matmul_peak(self.compute_dtype, str(self.device), torch.get_num_threads())
+        rate = flops / elapsed
+        return {"perf/model_flops_per_s": rate, "perf/matmul_peak_flops_per_s": peak,
+                "perf/matmul_peak_share": rate / (peak * self.world_size)}
 
     def _train_micro(self, mb: MicroBatch, scale: float) -> tuple[dict[str, float], torch.Tensor]:
         """Forward + backward of one micro-batch; `scale` turns its token sum into its share of the mini-batch

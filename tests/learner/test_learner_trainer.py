@@ -125,6 +125,14 @@ def test_loss_on_fixed_batch_equals_plain_torch(tiny_model_path, fixed_batch):
     assert m["train/entropy"] == pytest.approx(entropy, rel=1e-5)
     assert 0 < m["train/clip_frac"] < 1           # random behaviour log-probs: the clip is active
     assert m["train/response_tokens"] == fixed_batch.response_lengths().sum()
+    # Utilization: one pass, one process, no recompute: the FLOPs credited are one training pass over every
+    # row and the reference model's forward pass (learner.kl_coef > 0 by default; learner/utilization.py),
+    # and the share is of the same process's peak.
+    sizes = PolicyTrainer._row_sizes(fixed_batch, np.arange(fixed_batch.num_rows))
+    flops = trainer.shape.train_flops(*sizes) + (trainer.shape.forward_flops(*sizes) if cfg.kl_coef > 0 else 0)
+    assert m["perf/model_flops_per_s"] * m["time/train_s"] == pytest.approx(flops, rel=1e-12)
+    assert m["perf/matmul_peak_share"] == pytest.approx(m["perf/model_flops_per_s"] / m["perf/matmul_peak_flops_per_s"])
+    assert 0 <= m["perf/padding_share"] < 1
 
 
 def test_the_kl_term_weighs_into_the_loss_as_in_plain_torch(tiny_model_path, fixed_batch):

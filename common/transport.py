@@ -30,19 +30,9 @@ class Received:
 
 
 class TrajectorySink(Protocol):
-    def admit(self, timeout_s: float | None = None, group_id: str = "") -> str:
-        """A slot for a group about to be played; waits up to timeout_s while groups admitted and not yet
-        trained are at the bound (`common.config.admission_bound`), then raises TimeoutError."""
-
-    def renew(self, slots: list[str]) -> None:
-        """Keep admitted slots alive while their groups are played (a dead producer's lapse)."""
-
-    def release(self, slot: str) -> None:
-        """Give back a slot whose group will not be published."""
-
-    def publish(self, group: EpisodeGroup, timeout_s: float | None = None, admitted: str = "") -> str:
-        """Append a finished group in its admitted slot (at once), or admit it first (waits as `admit`).
-        Returns the entry id."""
+    def publish(self, group: EpisodeGroup, timeout_s: float | None = None, over_bound: bool = False) -> str:
+        """Append a finished group; waits up to timeout_s (None: forever) while the stream is at its bound
+        (raises TimeoutError), unless over_bound (a draining actor's last groups). Returns the entry id."""
 
     def close(self) -> None: ...
 
@@ -92,16 +82,7 @@ class InMemoryTrajectories:
         self.stats = {"published": 0, "read": 0, "acked": 0, "dropped_stale": 0, "duplicates_skipped": 0,
                       "dead_lettered": 0}
 
-    def admit(self, timeout_s: float | None = None, group_id: str = "") -> str:
-        return f"slot-{next(self._ids)}"
-
-    def renew(self, slots: list[str]) -> None:
-        pass
-
-    def release(self, slot: str) -> None:
-        pass
-
-    def publish(self, group: EpisodeGroup, timeout_s: float | None = None, admitted: str = "") -> str:
+    def publish(self, group: EpisodeGroup, timeout_s: float | None = None, over_bound: bool = False) -> str:
         entry_id = f"{next(self._ids)}-0"
         self._entries[entry_id] = group
         self.stats["published"] += 1

@@ -15,7 +15,7 @@ checkpoint stores that set and the policy version with the DeepSpeed state. With
 are acked only once a checkpoint containing their update is written: a learner killed between checkpoints
 loses those updates, but their groups are still pending in the stream and the resumed learner trains on
 them again (no gap), while groups inside the checkpoint are acked untrained by the read policy (no
-duplicate). Unacked groups occupy the stream's bound (common.config.admission_bound), so a checkpoint is forced
+duplicate). Unacked groups occupy the stream's bound (stream.max_stream_groups), so a checkpoint is forced
 whenever they would leave the producers no room for the next batch. Without a checkpoint directory, or with
 learner.ack_on_checkpoint=false, groups are acked right after their update (a crash then loses them with
 the updates since the last checkpoint). Versions and policy lag after a crash: `Learner._resume`.
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from common.config import ExperimentConfig, admission_bound
+from common.config import ExperimentConfig
 from common.records import EpisodeGroup
 from common.run_dir import PUSHED_VERSION, checkpoints_dir, prepare_checkpoint_dir
 from learner.batching import build_batch, check_group
@@ -295,7 +295,7 @@ class Learner:
             due = every > 0 and self.updates % every == 0
             # Unacked groups still count against the stream's bound; checkpoint (and ack) early rather than
             # leave the producers no room for the next batch.
-            room = admission_bound(self.cfg) - self.cfg.learner.groups_per_batch
+            room = self.cfg.stream.max_stream_groups - self.cfg.learner.groups_per_batch
             crowded = self.cfg.learner.ack_on_checkpoint and self._broadcast(
                 len(self._unacked) + len(self._pending) > room if self.rank == 0 else None)
             checkpointed = due or crowded

@@ -318,40 +318,14 @@ def test_a_producer_that_dies_after_reserving_frees_its_slot(redis_server, cfg, 
     assert stream.depth() == 1 and stream.redis.zcard(stream.reserved_key) == 0
 
 
-def test_an_admitted_group_is_published_at_once_on_a_full_stream(redis_server, cfg):
-    # A producer takes its slot before playing; the group then never waits, also when the actor is being
-    # removed (its last groups go in while the stream is full: scaling down loses nothing, waits for nothing).
-    cfg.max_stream_groups = 2
-    stream = TrajectoryStream(redis_server.url, cfg)
-    slot = stream.admit(timeout_s=0.1)
-    stream.publish(make_group("first"))
-    with pytest.raises(TimeoutError, match="no group was started"):     # first + the admitted one: full
-        stream.admit(timeout_s=0.1)
-    stream.publish(make_group("admitted-before-it-was-played"), timeout_s=0.1, admitted=slot)
-    assert stream.depth() == 2 and stream.redis.zcard(stream.reserved_key) == 0
-    with pytest.raises(TimeoutError):                 # ordinary publishes still respect the bound
-        stream.publish(make_group("third"), timeout_s=0.1)
-    released = TrajectoryStream(redis_server.url, cfg, consumer_name="p2")
-    stream.ack(stream.read(max_groups=1))
-    slot = released.admit(timeout_s=1)
-    released.release(slot)                            # a discarded group gives its slot back
-    assert released.redis.zcard(released.reserved_key) == 0
-
-
-def test_a_renewed_slot_outlives_its_ttl_and_a_lapsed_one_frees_it(redis_server, cfg, monkeypatch):
-    import common.stream as stream_module
-    ttl = 2.0       # renewed every ~0.2 s (one refused admit): a stall of 1.8 s would fail it, not a slow machine
-    monkeypatch.setattr(stream_module, "_RESERVATION_TTL_S", ttl)
+def test_a_draining_producer_publishes_over_the_bound(redis_server, cfg):
     cfg.max_stream_groups = 1
     stream = TrajectoryStream(redis_server.url, cfg)
-    slot = stream.admit(timeout_s=0.1)
-    deadline = time.monotonic() + 1.5 * ttl
-    while time.monotonic() < deadline:
-        stream.renew([slot])
-        with pytest.raises(TimeoutError):
-            stream.admit(timeout_s=0.2)
-    # No longer renewed (its producer died): the slot lapses within its TTL and another producer gets it.
-    assert stream.admit(timeout_s=5 * ttl)
+    stream.publish(make_group("first"))
+    stream.publish(make_group("last-of-a-removed-actor"), timeout_s=0.1, over_bound=True)
+    assert stream.depth() == 2
+    with pytest.raises(TimeoutError):                 # ordinary publishes still respect the bound
+        stream.publish(make_group("third"), timeout_s=0.1)
 
 
 def test_restarted_consumer_gets_its_own_pending_groups_back(redis_server, cfg):

@@ -45,20 +45,24 @@ class ModelShape:
                    trainable_layers=trainable,
                    head_trains=bool(head.requires_grad))
 
+    def _layer_flops(self, lengths: np.ndarray) -> float:
+        """One layer's forward over rows of `lengths` tokens: its weights once per token, causal attention."""
+        return 2.0 * self.layer_params * lengths.sum() + 2.0 * self.hidden * (lengths * (lengths + 1)).sum()
+
+    def _head_flops(self, response: np.ndarray) -> float:
+        """The head's forward on the response positions."""
+        return 2.0 * self.hidden * self.vocab * float(np.sum(response))
+
     def forward_flops(self, lengths: np.ndarray, response: np.ndarray) -> float:
         """One forward pass over rows of `lengths` tokens, the head on `response` positions of each."""
-        lengths = np.asarray(lengths, dtype=np.float64)
-        per_layer = 2.0 * self.layer_params * lengths.sum() + 2.0 * self.hidden * (lengths * (lengths + 1)).sum()
-        return self.layers * per_layer + 2.0 * self.hidden * self.vocab * float(np.sum(response))
+        return self.layers * self._layer_flops(np.asarray(lengths, dtype=np.float64)) + self._head_flops(response)
 
     def train_flops(self, lengths: np.ndarray, response: np.ndarray) -> float:
         """Forward and backward of one training pass over these rows (see the module)."""
         lengths = np.asarray(lengths, dtype=np.float64)
-        per_layer = 2.0 * self.layer_params * lengths.sum() + 2.0 * self.hidden * (lengths * (lengths + 1)).sum()
-        head = 2.0 * self.hidden * self.vocab * float(np.sum(response))
-        backward = 2.0 * self.trainable_layers * per_layer
+        backward = 2.0 * self.trainable_layers * self._layer_flops(lengths)
         if self.trainable_layers or self.head_trains:
-            backward += head * (1 + int(self.head_trains))
+            backward += self._head_flops(response) * (1 + int(self.head_trains))
         return self.forward_flops(lengths, response) + backward
 
 

@@ -68,6 +68,17 @@ def machines_here():
         pytest.fail("the venv is older than the Makefile, setup.cfg or a lock file: run `make install` first")
 
 
+def job_output_after_loss(job: subprocess.Popen) -> str:
+    """What the submitted job printed, once it ends; an error with its output if it has not ended within 300 s
+    of its node's loss."""
+    try:
+        return job.communicate(timeout=300)[0]
+    except subprocess.TimeoutExpired:
+        job.kill()
+        out, _ = job.communicate()
+        raise AssertionError(f"the job did not end within 300 s of its node's loss:\n{out[-8000:]}")
+
+
 # -- cheap: every cluster file --------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("path", CLUSTER_FILES, ids=lambda p: p.name)
@@ -181,12 +192,7 @@ def test_ray_cluster_yaml_as_written_trains_then_loses_its_gpu_node(machines_her
         monitor = head.read_text("/tmp/ray/session_latest/logs/monitor.log")
         assert "requires the AWS SDK" not in monitor and "No module named" not in monitor, monitor[-3000:]
         ms["gpu"].lose()
-        try:
-            out, _ = job.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            job.kill()
-            out, _ = job.communicate()
-            raise AssertionError(f"the job did not end within 300 s of its node's loss:\n{out[-8000:]}")
+        out = job_output_after_loss(job)
     print(f"cluster up in {t_up:.0f} s; all {time.monotonic() - t0:.0f} s")
     assert "Traceback" not in out, out[-8000:]
     lines = out.splitlines()
@@ -458,12 +464,7 @@ def test_onprem_file_as_written_trains_without_a_shared_filesystem(machines_here
         where = login_command(head, f"gigpo status --output-dir {run_dir}", timeout_s=120)
         head_checkpoints = head.exists(checkpoint)
         gpu.lose()
-        try:
-            out, _ = job.communicate(timeout=300)
-        except subprocess.TimeoutExpired:
-            job.kill()
-            out, _ = job.communicate()
-            raise AssertionError(f"the job did not end within 300 s of its node's loss:\n{out[-8000:]}")
+        out = job_output_after_loss(job)
     print(f"all {time.monotonic() - t0:.0f} s")
     # groups.jsonl is on the head, written by the driver from learner rank 0's records: a line per update.
     assert [g["update"] for g in groups][:2] == [1, 2] and all(g["groups"] for g in groups)

@@ -223,7 +223,7 @@ class Machine:
         try:
             out, err = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            _stop([proc])
+            stop_process_groups([proc])
             out, err = proc.communicate()
             raise subprocess.TimeoutExpired(proc.args, timeout_s, out, err) from None
         done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
@@ -277,7 +277,7 @@ def _namespace_pids(ns: str) -> list[int]:
     return [int(p) for p in out if p.isdigit()]
 
 
-def _stop(procs: list[subprocess.Popen], stop_s: float = DRIVER_STOP_S) -> None:
+def stop_process_groups(procs: list[subprocess.Popen], stop_s: float = DRIVER_STOP_S) -> None:
     """SIGTERM to each process group; SIGKILL to those still running `stop_s` later."""
     for proc in procs:
         if proc.poll() is None:
@@ -385,7 +385,7 @@ def machines(specs: list[MachineSpec], shared: dict[str, Path] | None = None, ke
                     for src in log_dirs:
                         with contextlib.suppress(Exception):
                             machine.copy_out(src, Path(keep_logs) / machine.name / src.strip("/").replace("/", "_"))
-        _stop([p for m in result.values() for p in m._procs])
+        stop_process_groups([p for m in result.values() for p in m._procs])
         for machine in result.values():
             with contextlib.suppress(Exception):
                 machine.lose()

@@ -76,6 +76,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.support.machines import stop_process_groups
+
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = REPO / ".venv" / "bin"
 HEAD_RESOURCE = "head"
@@ -91,7 +93,6 @@ PRIVATE_MOUNTS = {              # the worker's own tmpfs mounts: mount point -> 
 START_TIMEOUT_S = 180.0         # both nodes up (2 busy cores: a Ray node takes ~5-20 s)
 STOP_TIMEOUT_S = 5.0            # SIGTERM to SIGKILL for Ray's processes (`ray start --block` and the
                                 # GCS ignore SIGTERM for longer: nothing of theirs needs a clean exit)
-DRIVER_STOP_S = 120.0          # a driver given SIGTERM closes its run (learner checkpoint, Redis)
 
 _counter = itertools.count()
 
@@ -206,13 +207,13 @@ class TwoNodeCluster:
         """Run `argv` in the head's namespace (from `cwd`, the checkout by default) and wait; its output is
         captured as text. `env` adds to `cluster.env`. Past `timeout_s` (or when the test is interrupted)
         it gets SIGTERM, as a driver stopped by a scheduler does, so that a run closes itself (its embedded
-        Redis and that Redis's directory included); SIGKILL only if it has not ended DRIVER_STOP_S later."""
+        Redis and that Redis's directory included); SIGKILL only if it has not ended machines.DRIVER_STOP_S later."""
         proc = self.popen_on_head(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True)
         try:
             out, err = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            _stop_drivers([proc])
+            stop_process_groups([proc])
             out, err = proc.communicate()
             raise subprocess.TimeoutExpired(proc.args, timeout_s, out, err) from None
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
@@ -368,21 +369,6 @@ def _remove_unused(paths: set[str]) -> None:
                 os.unlink(path)
 
 
-def _stop_drivers(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM to each driver's process group; SIGKILL to those still running DRIVER_STOP_S later."""
-    for proc in procs:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + DRIVER_STOP_S
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-
-
 def _reap(proc: subprocess.Popen | None) -> None:
     if proc is not None:
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -473,7 +459,7 @@ def two_node_cluster(head_cpus: float = 1, worker_cpus: float = 4, extra_env: di
         # Drivers first, with time to close their runs (a run stops its embedded Redis and removes its
         # directory); then the worker while the head's GCS still answers; then the head.
         host_files = _host_files_of(_namespace_pids(cluster.head_ns)) if cluster.head_ns in made else set()
-        _stop_drivers(cluster._drivers)
+        stop_process_groups(cluster._drivers)
         left = []
         for ns in reversed(made):
             left += _kill_namespace(ns, STOP_TIMEOUT_S)

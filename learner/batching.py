@@ -7,9 +7,11 @@
             mb = collate(batch, idx, pad_id)
 
 Every step row is one training row (one prompt, one response). Advantages are computed over the kept
-groups only (nothing padded or duplicated before the statistics). Micro-batches are packed by a token budget
-on the *padded* size (rows x longest row), rows sorted by length so that little of it is padding, and
-left-padded so that only the response window's logits are computed (`MicroBatch`).
+groups only (nothing padded or duplicated before the statistics). Micro-batches are filled by a token budget,
+rows sorted by length, in one of two layouts (learner.pack_rows): padded (`collate`: the budget bounds rows x
+longest row, so that little of it is padding; left-padded so that only the response window's logits are
+computed) or packed (`collate_packed`: the rows one after the other in one sequence, nothing padded; the budget
+bounds their sum; learner/packing.py keeps the attention inside each row).
 """
 from __future__ import annotations
 
@@ -265,31 +267,35 @@ class MicroBatchPlan:
     response_tokens: int
 
 
-def pack_by_tokens(rows: np.ndarray, lengths: np.ndarray, budget: int) -> list[np.ndarray]:
-    """Pack rows, longest first (similar lengths together), into micro-batches whose padded size (rows x
-    longest) stays within `budget` tokens; a longer row gets one of its own (the budget is a target)."""
+def pack_by_tokens(rows: np.ndarray, lengths: np.ndarray, budget: int, *, packed: bool = False
+                   ) -> list[np.ndarray]:
+    """Pack rows, longest first (similar lengths together), into micro-batches whose computed size stays within
+    `budget` tokens: rows x longest in the padded layout, the rows' sum in the packed one (`collate_packed`);
+    a longer row gets one of its own (the budget is a target)."""
     if budget < 1:
         raise ValueError(f"micro_batch_tokens must be >= 1, got {budget}")
     order = rows[np.argsort(-lengths[rows], kind="stable")]
     out: list[np.ndarray] = []
     current: list[int] = []
-    longest = 0
+    longest = total = 0
     for r in order:
         n = int(lengths[r])
-        if current and (len(current) + 1) * max(longest, n) > budget:
+        size = total + n if packed else (len(current) + 1) * max(longest, n)
+        if current and size > budget:
             out.append(np.array(current, dtype=np.int64))
-            current, longest = [], 0
+            current, longest, total = [], 0, 0
         current.append(int(r))
-        longest = max(longest, n)
+        longest, total = max(longest, n), total + n
     if current:
         out.append(np.array(current, dtype=np.int64))
     return out
 
 
-def plan_micro_batches(batch: TrainBatch, rows: np.ndarray, micro_batch_tokens: int, world_size: int = 1
-                       ) -> MicroBatchPlan:
+def plan_micro_batches(batch: TrainBatch, rows: np.ndarray, micro_batch_tokens: int, world_size: int = 1, *,
+                       packed: bool = False) -> MicroBatchPlan:
     """Split a mini-batch across processes (longest rows first, each to the one with the fewest tokens so far)
-    and pack each share by the token budget; deterministic, so every process computes the same plan."""
+    and pack each share by the token budget (`pack_by_tokens`, for the padded or the packed layout);
+    deterministic, so every process computes the same plan."""
     lengths = batch.row_lengths()
     shares: list[list[int]] = [[] for _ in range(world_size)]
     load = np.zeros(world_size, dtype=np.int64)
@@ -297,7 +303,8 @@ def plan_micro_batches(batch: TrainBatch, rows: np.ndarray, micro_batch_tokens: 
         k = int(np.argmin(load))
         shares[k].append(int(r))
         load[k] += lengths[r]
-    per_rank = [pack_by_tokens(np.array(s, dtype=np.int64), lengths, micro_batch_tokens) for s in shares]
+    per_rank = [pack_by_tokens(np.array(s, dtype=np.int64), lengths, micro_batch_tokens, packed=packed)
+                for s in shares]
     most = max(len(p) for p in per_rank)
     for p in per_rank:
         p.extend(np.zeros(0, dtype=np.int64) for _ in range(most - len(p)))
@@ -307,16 +314,19 @@ def plan_micro_batches(batch: TrainBatch, rows: np.ndarray, micro_batch_tokens: 
 
 @dataclass
 class MicroBatch:
-    """Padded model inputs of some rows, and flat per-response-token tensors in row-major order. Rows are
-    LEFT-padded, so every response's logits lie in the last `window` positions, the only ones the model is
-    asked for (`logits_to_keep`). `target_mask[r, j]`: logits position L - window + j of row r predicts a
-    response token; logits[:, :-1] of the window, masked, line up with the flat tensors."""
+    """Model inputs of some rows, and flat per-response-token tensors in row-major order, in one of two layouts.
 
-    input_ids: torch.Tensor        # long [R, L], left-padded
-    attention_mask: torch.Tensor   # long [R, L]
-    position_ids: torch.Tensor     # long [R, L], counted from each row's first real token
-    window: int                    # logits_to_keep: longest response + 1
-    target_mask: torch.Tensor      # bool [R, window - 1]
+    Padded (`collate`): rows LEFT-padded to [R, L], so every response's logits lie in the last `window`
+    positions, the only ones the model is asked for (`logits_to_keep`). `target_mask[r, j]`: logits position
+    L - window + j of row r predicts a response token; logits[:, :-1] of the window, masked, line up with the
+    flat tensors.
+    Packed (`collate_packed`): the rows one after the other in one sequence [1, T], nothing padded; `row_bounds`
+    where each row starts (and T at the end); `logit_positions` the N positions whose logits predict the
+    response tokens, in the flat tensors' order (learner/packing.py's `packed_logits`)."""
+
+    input_ids: torch.Tensor        # long [R, L] left-padded, or [1, T] packed
+    attention_mask: torch.Tensor   # long, as input_ids: 1 on real tokens (all of a pack)
+    position_ids: torch.Tensor     # long, as input_ids: counted from each row's first real token
     targets: torch.Tensor          # long [N] response token ids
     old_logprobs: torch.Tensor     # float32 [N]
     advantages: torch.Tensor       # float32 [N]
@@ -324,6 +334,34 @@ class MicroBatch:
     loss_mask: torch.Tensor        # float32 [N]: 1 for tokens in the loss, 0 for forced ones
     weights: torch.Tensor          # float32 [N]: each token's policy-gradient weight (1 without a correction)
     allowed_bits: torch.Tensor | None = None   # int32 [N, words]: tokens the sampler could pick; None: any
+    # Padded layout only:
+    window: int = 0                              # logits_to_keep: longest response + 1
+    target_mask: torch.Tensor | None = None      # bool [R, window - 1]
+    # Packed layout only (None: padded):
+    row_bounds: torch.Tensor | None = None       # int32 [R + 1]: cu_seqlens
+    logit_positions: torch.Tensor | None = None  # long [N]
+    longest_row: int = 0                         # tokens of the longest row
+
+    @property
+    def packed(self) -> bool:
+        return self.row_bounds is not None
+
+
+def _per_token(batch: TrainBatch, rows: np.ndarray) -> dict:
+    """The flat per-response-token fields of `MicroBatch` for `rows`, in row-major order (both layouts)."""
+    as_tensor = lambda values, dtype: torch.from_numpy(_concat(values, dtype))  # noqa: E731
+    sizes = [len(batch.response_ids[r]) for r in rows]
+    return dict(
+        targets=as_tensor([batch.response_ids[r] for r in rows], np.int64),
+        old_logprobs=as_tensor([batch.old_logprobs[r] for r in rows], np.float32),
+        advantages=as_tensor([np.full(n, batch.advantages[r]) for n, r in zip(sizes, rows)], np.float32),
+        rows=np.asarray(rows, dtype=np.int64),
+        loss_mask=as_tensor([batch.token_mask(r) for r in rows], np.float32),
+        weights=as_tensor([np.ones(n) if batch.weights is None else batch.weights[r] for n, r in zip(sizes, rows)],
+                          np.float32),
+        allowed_bits=(torch.from_numpy(np.concatenate([batch.allowed_bits[r] for r in rows]))
+                      if batch.allowed_bits is not None and len(rows) else None),
+    )
 
 
 def collate(batch: TrainBatch, rows: np.ndarray, pad_id: int = 0) -> MicroBatch:
@@ -343,18 +381,23 @@ def collate(batch: TrainBatch, rows: np.ndarray, pad_id: int = 0) -> MicroBatch:
         att[i, width - n:] = 1
         pos[i, width - n:] = np.arange(n)
         tmask[i, longest - len(a):] = True
-    per_token = lambda values, dtype: torch.from_numpy(_concat(values, dtype))  # noqa: E731
-    sizes = [len(batch.response_ids[r]) for r in rows]
-    return MicroBatch(
-        input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(att),
-        position_ids=torch.from_numpy(pos), window=longest + 1, target_mask=torch.from_numpy(tmask),
-        targets=per_token([batch.response_ids[r] for r in rows], np.int64),
-        old_logprobs=per_token([batch.old_logprobs[r] for r in rows], np.float32),
-        advantages=per_token([np.full(n, batch.advantages[r]) for n, r in zip(sizes, rows)], np.float32),
-        rows=np.asarray(rows, dtype=np.int64),
-        loss_mask=per_token([batch.token_mask(r) for r in rows], np.float32),
-        weights=per_token([np.ones(n) if batch.weights is None else batch.weights[r] for n, r in zip(sizes, rows)],
-                          np.float32),
-        allowed_bits=(torch.from_numpy(np.concatenate([batch.allowed_bits[r] for r in rows]))
-                      if batch.allowed_bits is not None and len(rows) else None),
-    )
+    return MicroBatch(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(att),
+                      position_ids=torch.from_numpy(pos), window=longest + 1, target_mask=torch.from_numpy(tmask),
+                      **_per_token(batch, rows))
+
+
+def collate_packed(batch: TrainBatch, rows: np.ndarray) -> MicroBatch:
+    """Prompt+response of the given rows (at least one) one after the other in one sequence: nothing padded,
+    position ids restarting at 0 in each row. Position i predicts token i + 1, so a row starting at s with a
+    prompt of p tokens and a response of a has its response predicted at s + p - 1 ... s + p + a - 2."""
+    prompts = [batch.prompt_ids[r] for r in rows]
+    responses = [batch.response_ids[r] for r in rows]
+    lens = np.array([len(p) + len(a) for p, a in zip(prompts, responses)], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lens)])
+    ids = np.concatenate([np.concatenate([p, a]) for p, a in zip(prompts, responses)]).astype(np.int64)
+    positions = np.concatenate([np.arange(s + len(p) - 1, s + n - 1) for s, p, n in zip(starts, prompts, lens)])
+    return MicroBatch(input_ids=torch.from_numpy(ids)[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                      position_ids=torch.from_numpy(np.concatenate([np.arange(n) for n in lens]))[None],
+                      row_bounds=torch.from_numpy(starts.astype(np.int32)),
+                      logit_positions=torch.from_numpy(positions.astype(np.int64)), longest_row=int(lens.max()),
+                      **_per_token(batch, rows))

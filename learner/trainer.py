@@ -35,11 +35,13 @@ from common.config import LearnerConfig
 from common.placement import free_port
 from common.run_dir import (LATEST, LEARNER_STATE, checkpoint_tag, checkpoint_tags, complete_checkpoints,
                             is_complete_checkpoint, tag_update)
-from learner.batching import MicroBatch, MicroBatchPlan, TrainBatch, collate, mini_batches, plan_micro_batches
+from learner.batching import (MicroBatch, MicroBatchPlan, TrainBatch, collate, collate_packed, mini_batches,
+                              plan_micro_batches)
 from learner.grammar_mask import GrammarMasks, allowed_tokens
 from learner.utilization import ModelShape, matmul_peak
 from learner.gigpo import (LossSettings, correction_weights, logprob_gap, policy_loss,
                            token_logprobs_and_entropy)
+from learner.packing import packed_logits, use_packed_attention
 
 
 def prune_checkpoints(root: str | os.PathLike, keep: int, just_written: str) -> list[str]:
@@ -155,6 +157,10 @@ class PolicyTrainer:
             for m in (model, self.ref_model):
                 if m is not None:
                     project_head_in_float32(m)
+        if cfg.pack_rows:
+            for m in (model, self.ref_model):
+                if m is not None:
+                    use_packed_attention(m)
         train_only_last_layers(model, cfg.trainable_layers)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                                       weight_decay=cfg.weight_decay)
@@ -170,14 +176,16 @@ class PolicyTrainer:
         return response_logprobs(model, mb, self.temperature, self.device, with_entropy)
 
     def _plan(self, batch: TrainBatch, rows: np.ndarray):
-        return plan_micro_batches(batch, rows, self.cfg.micro_batch_tokens, self.world_size)
+        return plan_micro_batches(batch, rows, self.cfg.micro_batch_tokens, self.world_size,
+                                  packed=self.cfg.pack_rows)
 
     def _micro(self, batch: TrainBatch, rows: np.ndarray, fallback_row: int) -> tuple[MicroBatch, float]:
-        """The micro-batch of `rows` and weight 1, or for a process with nothing left a one-row stand-in with
-        weight 0 that keeps the collectives in step."""
-        if len(rows):
-            return collate(batch, rows, self.pad_id), 1.0
-        return collate(batch, np.array([fallback_row]), self.pad_id), 0.0
+        """The micro-batch of `rows` (in learner.pack_rows' layout) and weight 1, or for a process with nothing
+        left a one-row stand-in with weight 0 that keeps the collectives in step."""
+        chosen, weight = (rows, 1.0) if len(rows) else (np.array([fallback_row]), 0.0)
+        if self.cfg.pack_rows:
+            return collate_packed(batch, chosen), weight
+        return collate(batch, chosen, self.pad_id), weight
 
     def _own_rows(self, plan: MicroBatchPlan, fallback_row: int) -> list[int]:
         """The rows this process feeds the model in `plan` (and the stand-in of an empty share)."""
@@ -484,10 +492,14 @@ def project_head_in_float32(model) -> None:
 def response_logprobs(model, mb: MicroBatch, temperature: float, device="cpu", with_entropy: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p and entropy of `mb`'s response tokens under softmax(logits / temperature), flat [N] in row-major
-    order; logits of the response window only (the trainer's forward pass, and the warm start's)."""
-    logits = model(input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device),
-                   position_ids=mb.position_ids.to(device), logits_to_keep=mb.window, use_cache=False).logits
-    picked = logits[:, :-1][mb.target_mask.to(device)]
+    order; logits of the response tokens only (the padded layout's window, the packed one's positions: see
+    batching.MicroBatch), in the trainer's forward pass and the warm start's."""
+    if mb.packed:
+        picked = packed_logits(model, mb, device)
+    else:
+        logits = model(input_ids=mb.input_ids.to(device), attention_mask=mb.attention_mask.to(device),
+                       position_ids=mb.position_ids.to(device), logits_to_keep=mb.window, use_cache=False).logits
+        picked = logits[:, :-1][mb.target_mask.to(device)]
     if temperature != 1.0:
         picked = picked.float() / temperature
     allowed = None if mb.allowed_bits is None else allowed_tokens(mb.allowed_bits.to(device), picked.shape[-1])

@@ -55,21 +55,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-# Model shapes by name (Hugging Face config fields); random weights are enough for speed and memory.
-SHAPES = {
-    "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
-                         tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1e6),
-    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
-                       tie_word_embeddings=False, max_position_embeddings=32768, rope_theta=1e6),
-    "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
-                         tie_word_embeddings=True, max_position_embeddings=8192, rope_theta=1e5),
-    "tiny": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=True,
-                 max_position_embeddings=4096),
-}
+from tests.support.model_shapes import SHAPES  # noqa: E402
+
 RESULTS: dict = {}
 
 

@@ -1,13 +1,27 @@
 """Models of a real shape with random weights, for tests and benches that need the shape but not the weights:
-built from the config's fields, nothing downloaded (bench/bench_gpu.py keeps its own table of shapes)."""
+built from the config's fields, nothing downloaded."""
 from __future__ import annotations
 
 import torch
 
-# SmolLM2-135M-Instruct's config.json (the fields that set its shape and arithmetic).
-SMOLLM2_135M = dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
-                    tie_word_embeddings=True, max_position_embeddings=8192, rope_theta=1e5, rms_norm_eps=1e-5)
+# Model shapes by name: the Hugging Face config fields that set a model's shape and arithmetic.
+SHAPES = {
+    "qwen2.5-1.5b": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                         tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1e6),
+    "qwen2.5-7b": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                       tie_word_embeddings=False, max_position_embeddings=32768, rope_theta=1e6),
+    # SmolLM2-135M-Instruct's config.json.
+    "smollm2-135m": dict(model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, vocab_size=49152,
+                         tie_word_embeddings=True, max_position_embeddings=8192, rope_theta=1e5,
+                         rms_norm_eps=1e-5),
+    "tiny": dict(model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=1024, tie_word_embeddings=True,
+                 max_position_embeddings=4096),
+}
+SMOLLM2_135M = SHAPES["smollm2-135m"]
 
 
 def random_causal_lm(fields: dict, *, seed: int, dtype: torch.dtype = torch.float32):

@@ -25,7 +25,7 @@ from collections import Counter
 import ray
 
 from actors.prompts.shared import build_user_message, parse_action, prompt_token_ids, response_regex
-from common.config import ExperimentConfig, RolloutConfig
+from common.config import ExperimentConfig, RolloutConfig, policy_lag_bound
 from common.cpu_placement import place_this_process
 from common.log_files import send_output_to
 from common.metrics import ActorMetrics
@@ -75,18 +75,20 @@ class Rollout:
 
         if isinstance(trajectories, str) and trajectories:
             from common.stream import TrajectoryStream
-            trajectories = TrajectoryStream(trajectories, self.cfg.stream, consumer_name=f"producer-{actor_id}")
+            trajectories = TrajectoryStream(trajectories, self.cfg.stream, consumer_name=f"producer-{actor_id}",
+                                            lag_bound=policy_lag_bound(self.cfg))
         self.stream: TrajectorySink = trajectories or InMemoryTrajectories()
         self._rng = random.Random(_stable_seed(self.cfg.run.seed, actor_id))
         self._stopping, self._drain = False, True
         self._running: asyncio.Future | None = None
         self._group_tasks: set[asyncio.Task] = set()
+        self._admitted: set[str] = set()        # the stream's slots of the groups being played (renewed)
         self._started = 0.0
         self.counters: Counter = Counter()
         self.terminations: Counter = Counter()
         # Summed over concurrent trajectories (so they can exceed wall_s); weight_wait_s is the part of
         # gen_wait_s spent paused by weight updates.
-        self.timers = {"gen_wait_s": 0.0, "weight_wait_s": 0.0, "publish_wait_s": 0.0, "env_wait_s": 0.0}
+        self.timers = {"gen_wait_s": 0.0, "weight_wait_s": 0.0, "admission_wait_s": 0.0, "env_wait_s": 0.0}
         self._wall_total = 0.0
         self.metrics = ActorMetrics("rollout", actor_id)
         # Series that may stay at 0 for a whole run exist from the start (the dashboard shows 0, not no data).
@@ -120,6 +122,7 @@ class Rollout:
         self._started = time.perf_counter()
         self._max_groups = max_groups
         self._run_started = 0
+        renewing = loop.create_task(self._renew_admitted())
         try:
             slots = [loop.create_task(self._slot_loop(s)) for s in range(self.cfg.rollout.groups_per_actor)]
             await asyncio.gather(*slots, return_exceptions=True)
@@ -127,6 +130,7 @@ class Rollout:
                 if not t.cancelled() and t.exception() is not None:
                     raise t.exception()
         finally:
+            renewing.cancel()
             self._wall_total += time.perf_counter() - self._started
             self._running.set_result(True)
             self._running = None
@@ -191,6 +195,9 @@ class Rollout:
             if self._max_groups is not None and self._run_started >= self._max_groups:
                 return
             self._run_started += 1         # per run() call: sync mode calls run(max_groups=k) repeatedly
+            admitted = await self._admit()
+            if admitted is None:           # stopped while waiting: nothing started
+                return
             self.counters["groups_started"] += 1
             task_id = self._rng.choice(self.task_ids)
             env_seed = self._rng.randrange(2**31)
@@ -202,32 +209,59 @@ class Rollout:
                 group = await play
             except asyncio.CancelledError:
                 self.counters["groups_discarded"] += 1
+                await self._give_back(admitted)
                 return
             finally:
                 self._group_tasks.discard(play)
             self.counters["groups_completed"] += 1
-            await self._publish(group)
+            await self._publish(group, admitted)
 
-    async def _publish(self, group: EpisodeGroup) -> None:
-        if group.num_rows == 0:          # e.g. every reset failed: nothing to train on
-            self.counters["groups_empty"] += 1
-            return
+    async def _admit(self) -> str | None:
+        """The stream's slot for the next group (`common.config.policy_lag_bound`: no more groups are started
+        than the learner trains before they would go stale); None once stopping. Short waits, so that a stop
+        is honoured while the bound is reached."""
         t0 = time.perf_counter()
         try:
-            while True:
-                if self._stopping and not self._drain:
-                    self.counters["groups_discarded"] += 1
-                    return
+            while not self._stopping:
                 try:
-                    # Short waits so that stop(drain=False) is honoured while the stream is full. A draining
-                    # actor (stopping here means draining: being removed) publishes its last groups over the
-                    # bound: scaling down never waits on the learner, and nothing is lost.
-                    await asyncio.to_thread(self.stream.publish, group, 1.0, self._stopping)
-                    break
+                    admitted = await asyncio.to_thread(self.stream.admit, 1.0)
                 except TimeoutError:
-                    self.counters["publish_backpressure_waits"] += 1
+                    self.counters["admission_waits"] += 1
+                    continue
+                self._admitted.add(admitted)
+                return admitted
+            return None
         finally:
-            self.timers["publish_wait_s"] += time.perf_counter() - t0
+            self.timers["admission_wait_s"] += time.perf_counter() - t0
+
+    async def _renew_admitted(self) -> None:
+        """Keeps the slots of the groups being played alive (a killed actor's lapse within the slot's TTL)."""
+        from common.stream import RENEW_EVERY_S
+        while True:
+            await asyncio.sleep(RENEW_EVERY_S)
+            if self._admitted:
+                try:
+                    await asyncio.to_thread(self.stream.renew, list(self._admitted))
+                except Exception as exc:    # noqa: BLE001 - Redis away for a moment: the next round renews
+                    log.warning("renewing the stream's admitted slots failed: %s", exc)
+
+    async def _give_back(self, admitted: str) -> None:
+        self._admitted.discard(admitted)
+        await asyncio.to_thread(self.stream.release, admitted)
+
+    async def _publish(self, group: EpisodeGroup, admitted: str) -> None:
+        if group.num_rows == 0:          # e.g. every reset failed: nothing to train on
+            self.counters["groups_empty"] += 1
+            await self._give_back(admitted)
+            return
+        if self._stopping and not self._drain:
+            self.counters["groups_discarded"] += 1
+            await self._give_back(admitted)
+            return
+        # Admitted before it was played: appended at once, also by an actor being removed (draining), so
+        # scaling down never waits on the learner and loses nothing.
+        await asyncio.to_thread(self.stream.publish, group, None, admitted)
+        self._admitted.discard(admitted)
         self.counters["groups_published"] += 1
         self.metrics.inc("groups_published")
 

@@ -37,12 +37,12 @@ def measure(sync: bool, updates: int, overrides: list[str], out_dir: str) -> dic
         history = system.train()
         wall = time.perf_counter() - t0
         after = system.rollouts.stats()
-    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("env_steps", "publish_wait_s", "weight_wait_s")}
+    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("env_steps", "admission_wait_s", "weight_wait_s")}
     slots = cfg.rollout.num_actors * cfg.rollout.groups_per_actor
     mean = lambda key: sum(m.get(key, 0.0) for m in history) / max(len(history), 1)  # noqa: E731
     return {"steps_per_s": delta["env_steps"] / wall,
             # the share of rollout slot time spent waiting for room in the stream (learner-bound when high)
-            "blocked": delta["publish_wait_s"] / (slots * wall), "weight_wait_s": delta["weight_wait_s"] / slots,
+            "blocked": delta["admission_wait_s"] / (slots * wall), "weight_wait_s": delta["weight_wait_s"] / slots,
             "waits": [round(m.get("time/wait_data_s", 0.0), 1) for m in history],
             "wall_s": wall, "updates": len(history),
             # rows = env steps; the played steps of groups dropped as stale are not trained on

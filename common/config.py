@@ -137,11 +137,16 @@ class StreamConfig:
     run_id: str = F("", "the run's id, written into every record and the stream, consumer-group and control keys "
                         "(runs sharing one Redis never see each other's groups or commands); \"\": generated at "
                         "a run's first start and kept in <output_dir>/run_id, so that a resume continues it")
-    max_stream_groups: int = F(64, "backpressure: producers wait while the stream holds more groups", AT_LEAST_1)
-    max_policy_lag: int = F(4, "the learner drops groups from weights more than this many versions old", AT_LEAST_0)
+    max_stream_groups: int = F(64, "at most this many groups in Redis or being played (untrained, or trained and "
+                                   "awaiting their ack: learner.ack_on_checkpoint): producers wait to start one",
+                               AT_LEAST_1)
+    max_policy_lag: int = F(4, "the learner drops groups from weights more than this many versions old; producers "
+                               "start no more groups than it trains within that many updates "
+                               "(common.config.policy_lag_bound)", AT_LEAST_0)
     reclaim_idle_s: float = F(60.0, "pending groups of a consumer idle this long are reclaimed by another "
                                     "(must exceed the longest read-to-ack time of a live learner)", POSITIVE)
-    publish_timeout_s: float = F(600.0, "a producer blocked by backpressure this long raises TimeoutError", POSITIVE)
+    publish_timeout_s: float = F(600.0, "a publish() waiting this long for a slot raises TimeoutError (rollout "
+                                        "actors wait on, a second at a time, until stopped)", POSITIVE)
     embedded_dir: str = F("", 'data dir of the embedded redis-server; "": <run.output_dir>/redis, removed when the '
                               "run finishes (a run that ends early keeps it: its resume continues the stream)")
     embedded_aof: bool = F(True, "embedded redis-server keeps an append-only file (survives a restart)")
@@ -512,6 +517,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     except ConfigError as exc:
         raise _located(exc, locations) from None
     return cfg
+
+
+def policy_lag_bound(cfg: ExperimentConfig) -> int:
+    """The admission rule's lag bound (after SkyRL's staleness manager): a producer starts a group only while
+    fewer than this many groups are admitted and not yet trained (in the stream unread or read, or being
+    played; groups trained and awaiting their ack are not counted). A group admitted when the learner stands
+    at version v has at most (max_policy_lag + 1) * groups_per_batch - 1 groups ahead of it, all trained
+    (groups_per_batch per update) by the time the learner stands at v + max_policy_lag, so none is played only
+    to be dropped as stale. stream.max_stream_groups bounds all the groups Redis holds, trained-unacked ones
+    included (common/stream.py)."""
+    return (cfg.stream.max_policy_lag + 1) * cfg.learner.groups_per_batch
 
 
 def with_fields(cfg: ExperimentConfig, changes: dict[str, Any]) -> ExperimentConfig:

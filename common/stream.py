@@ -8,9 +8,14 @@ incarnation (same consumer name) re-reads them, or another consumer reclaims the
 policy versions ago, is the learner's read policy (`learner.read_policy`), not the stream's.
 
 Acked entries are deleted (XACK + XDEL in one transaction) and nothing unacked is trimmed, so the stream
-length is exactly "groups not yet trained", and backpressure is simple: `publish()` reserves a slot
-atomically (a Lua script over the stream length and `<stream>:reserved`) only while the stream holds fewer
-than `cfg.max_stream_groups` entries, and otherwise waits.
+length is exactly "groups not yet trained" plus the learner's trained-but-unacked ones (learner.ack_on_checkpoint
+acks with the next checkpoint; it marks them `trained()`, in `<stream>:trained`, until then). Admission is one
+rule over two bounds (after SkyRL's staleness manager): a producer takes a slot (`admit()`, atomically, a Lua
+script over the stream, `<stream>:reserved` and `<stream>:trained`) before it starts playing a group, only
+while what Redis holds or will hold (entries + slots) is under `stream.max_stream_groups` and the groups
+admitted and not yet trained (those minus the trained ones) are under the stream's `lag_bound`
+(`common.config.policy_lag_bound`), and otherwise waits; it keeps the slot alive while it plays (`renew`),
+then `publish(group, admitted=slot)` appends at once, or `release(slot)` gives it back.
 
 Entry fields: v (schema version), r (run id), g (group id), p0 / p1 (oldest / newest policy version), then
 the group's parts (`common.records.encode_group`). Version and run sit beside the group so that other
@@ -35,21 +40,27 @@ from common.records import HEADER, SCHEMA_VERSION, CodecError, EpisodeGroup, dec
 from common.redis_server import connect
 from common.transport import Received
 
-# Backpressure with an exact bound and without sending the payload through Lua (a script argument of ~1 MB
+# Admission with exact bounds and without sending the payload through Lua (a script argument of ~1 MB
 # costs Redis two extra copies, ~0.4 ms per group on one core): a producer first reserves a slot, atomically,
-# while (untrained groups + reservations) < bound, then appends the group and releases its reservation in
-# one round trip. A reservation expires after ARGV[3] seconds: a producer that dies in between frees its slot.
+# while entries + slots < ARGV[1] (what Redis holds) and entries + slots - trained < ARGV[4] (untrained: the
+# policy lag; 0: no such bound), then plays, then appends the group and releases its slot in one round trip.
+# A slot expires after ARGV[3] seconds unless renewed: a producer that dies frees its slots.
 _RESERVE_LUA = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-if redis.call('XLEN', KEYS[1]) + redis.call('ZCARD', KEYS[2]) >= tonumber(ARGV[1]) then return 0 end
+local held = redis.call('XLEN', KEYS[1]) + redis.call('ZCARD', KEYS[2])
+if held >= tonumber(ARGV[1]) then return 0 end
+local lag_bound = tonumber(ARGV[4])
+if lag_bound > 0 and held - redis.call('SCARD', KEYS[3]) >= lag_bound then return 0 end
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[2])
 return 1
 """
 
-# A reservation lives this long; appending after it is reserved takes one network send of the group.
+# A reservation lives this long unless renewed (a playing producer renews every _RENEW_EVERY_S): a killed
+# producer's slots come back within this time.
 _RESERVATION_TTL_S = 30
+RENEW_EVERY_S = 5
 
 # (consumed: handed to the learner; acked, duplicates_skipped, dropped_stale: acked as the learner says, see ack)
 _STAT_NAMES = ("published", "publish_waits", "consumed", "acked", "duplicates_skipped", "dropped_stale",
@@ -72,9 +83,14 @@ class TrajectoryStream:
     among live consumers; a restarted learner reuses its name to get its own pending groups back at once."""
 
     def __init__(self, url: str, cfg: StreamConfig, consumer_name: str = "learner-0",
-                 consumer_group: str | None = None, client: redis.Redis | None = None):
+                 consumer_group: str | None = None, client: redis.Redis | None = None, lag_bound: int = 0):
+        """lag_bound: a producer's admission waits while this many groups are admitted and not yet trained
+        (`common.config.policy_lag_bound`; 0: only stream.max_stream_groups bounds them)."""
         if cfg.max_stream_groups < 1:
             raise ValueError(f"stream.max_stream_groups must be >= 1, got {cfg.max_stream_groups}")
+        if lag_bound < 0:
+            raise ValueError(f"the stream's lag bound must be >= 0, got {lag_bound}")
+        self.lag_bound = lag_bound
         self.cfg = cfg
         self.run_id = cfg.run_id
         self.key = stream_key(cfg)
@@ -84,7 +100,8 @@ class TrajectoryStream:
         self.consumer_group = consumer_group
         self.consumer_name = consumer_name
         self.redis = client or connect(url)
-        self.reserved_key = f"{self.key}:reserved"     # producers' slots being filled (backpressure)
+        self.reserved_key = f"{self.key}:reserved"     # producers' slots: groups admitted, being played
+        self.trained_key = f"{self.key}:trained"       # entry ids trained on, their ack awaiting a checkpoint
         self._reserve = self.redis.register_script(_RESERVE_LUA)
         self.stats: dict[str, int] = {name: 0 for name in _STAT_NAMES}
         self._inflight: set[str] = set()        # entry ids read but not yet acked
@@ -97,12 +114,49 @@ class TrajectoryStream:
 
     # -- Producer side
 
-    def publish(self, group: EpisodeGroup, timeout_s: float | None = None, over_bound: bool = False) -> str:
-        """Append `group` (complete: all its trajectories ended) and return its entry id. Waits while the
-        stream holds `max_stream_groups` untrained groups; raises TimeoutError after `timeout_s` (default
-        `cfg.publish_timeout_s`), CodecError for an inconsistent group, ValueError for one without steps.
-        `over_bound=True` appends even when the stream is full: the last in-flight groups of a producer being
-        removed, so that scaling down never waits on the learner and loses nothing."""
+    def admit(self, timeout_s: float | None = None, group_id: str = "") -> str:
+        """A slot for one group about to be played: waits while the stream holds (or its producers' slots will
+        add) stream.max_stream_groups groups, or `lag_bound` groups are admitted and not yet trained; raises TimeoutError after `timeout_s` (default `cfg.publish_timeout_s`). Renew it while playing
+        (`renew`), then hand it to `publish`, or `release` it. group_id: names the group in errors."""
+        timeout_s = self.cfg.publish_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        pause = 0.005
+        slot = uuid.uuid4().hex
+        def reserve():
+            return self._reserve(keys=[self.key, self.reserved_key, self.trained_key],
+                                 args=[self.cfg.max_stream_groups, slot, _RESERVATION_TTL_S, self.lag_bound])
+
+        waited = False
+        while not self._unless_full(reserve, deadline, group_id or "(next)", timeout_s):
+            waited = True
+            now = time.monotonic()
+            if now >= deadline:
+                raise TimeoutError(
+                    f"stream {self.key!r} is still at its bound after {timeout_s:.1f} s (stream.max_stream_groups "
+                    f"= {self.cfg.max_stream_groups} groups held, or {self.lag_bound or 'no'} admitted and not yet "
+                    f"trained: common.config.policy_lag_bound); is the learner consuming? "
+                    + (f"group {group_id!r} was not published" if group_id else "no group was started"))
+            time.sleep(min(pause, deadline - now))
+            pause = min(pause * 2, 0.1)
+        self.stats["publish_waits"] += int(waited)
+        return slot
+
+    def renew(self, slots: list[str]) -> None:
+        """Keep these admitted slots alive (their groups are still being played)."""
+        if slots:
+            seconds, micros = self.redis.time()           # the server's clock, as the script's
+            expiry = seconds + micros / 1e6 + _RESERVATION_TTL_S
+            self.redis.zadd(self.reserved_key, {slot: expiry for slot in slots}, xx=True)
+
+    def release(self, slot: str) -> None:
+        """Give back an admitted slot whose group will not be published (discarded, or without steps)."""
+        self.redis.zrem(self.reserved_key, slot)
+
+    def publish(self, group: EpisodeGroup, timeout_s: float | None = None, admitted: str = "") -> str:
+        """Append `group` (complete: all its trajectories ended) and return its entry id. admitted: the slot
+        `admit()` gave for it (appended at once, the slot released); without one, admits it first (waits,
+        raises TimeoutError after `timeout_s` as `admit` does). CodecError for an inconsistent group,
+        ValueError for one without steps."""
         if group.num_rows == 0:
             raise ValueError(f"group {group.group_id!r} has no steps: nothing to publish")
         if not group.group_id:
@@ -113,36 +167,17 @@ class TrajectoryStream:
                   **encode_group(group)}
         timeout_s = self.cfg.publish_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
-        pause = 0.005
-        waited = False
-        token = uuid.uuid4().hex
-        def reserve():
-            return self._reserve(keys=[self.key, self.reserved_key],
-                                 args=[self.cfg.max_stream_groups, token, _RESERVATION_TTL_S])
-
-        while not over_bound and not self._unless_full(reserve, deadline, group.group_id, timeout_s):
-            waited = True
-            now = time.monotonic()
-            if now >= deadline:
-                raise TimeoutError(
-                    f"stream {self.key!r} still holds >= {self.cfg.max_stream_groups} untrained groups "
-                    f"after {timeout_s:.1f} s (stream.max_stream_groups); is the learner consuming? "
-                    f"group {group.group_id!r} was not published"
-                )
-            time.sleep(min(pause, deadline - now))
-            pause = min(pause * 2, 0.1)
+        slot = admitted or self.admit(timeout_s, group.group_id)
         # One round trip, no MULTI needed: between the two commands the group is counted twice (entry and
         # reservation), which errs on the side of the bound.
         def append():
             pipe = self.redis.pipeline(transaction=False)
             pipe.xadd(self.key, fields)
-            if not over_bound:
-                pipe.zrem(self.reserved_key, token)
+            pipe.zrem(self.reserved_key, slot)
             return pipe.execute()[0]
 
         entry_id = self._unless_full(append, deadline, group.group_id, timeout_s)
         self.stats["published"] += 1
-        self.stats["publish_waits"] += int(waited)
         return entry_id.decode()
 
     def _unless_full(self, command, deadline: float, group_id: str, timeout_s: float):
@@ -204,6 +239,14 @@ class TrajectoryStream:
         self._ack_delete(ids)
         self._inflight.difference_update(ids)
         self.stats[counted_as] += len(ids)
+
+    def trained(self, received: list[Received]) -> None:
+        """These groups are trained on, their ack waits for the checkpoint that holds their update
+        (learner.ack_on_checkpoint): they still fill the stream, but no longer count as untrained against the
+        producers' lag bound. Their ack (or dead letter) unmarks them."""
+        ids = [r.entry_id for r in received]
+        if ids:
+            self.redis.sadd(self.trained_key, *ids)
 
     def dead_letter(self, received: list[Received], reason: str) -> None:
         """Move groups the learner read but cannot train on (the reason says why) to the dead-letter stream,
@@ -335,6 +378,7 @@ class TrajectoryStream:
         pipe = self.redis.pipeline(transaction=True)
         pipe.xack(self.key, self.consumer_group, *ids)
         pipe.xdel(self.key, *ids)
+        pipe.srem(self.trained_key, *ids)
         pipe.execute()
 
     def _dead_letter(self, entry_id: bytes, fields: dict, reason: str) -> None:
@@ -347,6 +391,7 @@ class TrajectoryStream:
         pipe.xadd(self.dead_key, record, maxlen=self.cfg.dead_letter_max, approximate=False)
         pipe.xack(self.key, self.consumer_group, entry_id)
         pipe.xdel(self.key, entry_id)
+        pipe.srem(self.trained_key, entry_id)
         pipe.execute()
         self.stats["dead_lettered"] += 1
 

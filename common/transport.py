@@ -30,9 +30,20 @@ class Received:
 
 
 class TrajectorySink(Protocol):
-    def publish(self, group: EpisodeGroup, timeout_s: float | None = None, over_bound: bool = False) -> str:
-        """Append a finished group; waits up to timeout_s (None: forever) while the stream is at its bound
-        (raises TimeoutError), unless over_bound (a draining actor's last groups). Returns the entry id."""
+    def admit(self, timeout_s: float | None = None, group_id: str = "") -> str:
+        """A slot for a group about to be played; waits up to timeout_s while groups admitted and not yet
+        trained are at the bound (stream.max_stream_groups, `common.config.policy_lag_bound`), then raises
+        TimeoutError."""
+
+    def renew(self, slots: list[str]) -> None:
+        """Keep admitted slots alive while their groups are played (a dead producer's lapse)."""
+
+    def release(self, slot: str) -> None:
+        """Give back a slot whose group will not be published."""
+
+    def publish(self, group: EpisodeGroup, timeout_s: float | None = None, admitted: str = "") -> str:
+        """Append a finished group in its admitted slot (at once), or admit it first (waits as `admit`).
+        Returns the entry id."""
 
     def close(self) -> None: ...
 
@@ -48,6 +59,10 @@ class TrajectorySource(Protocol):
     def ack(self, received: list[Received], counted_as: str = "acked") -> None:
         """Done with these groups: the update that used them is committed (counted as "acked"), or the
         learner dropped them untrained (counted as its reason: "dropped_stale", "duplicates_skipped")."""
+
+    def trained(self, received: list[Received]) -> None:
+        """These groups are trained on, their ack awaits a checkpoint (learner.ack_on_checkpoint): no longer
+        counted as untrained by the producers' admission (`common.config.policy_lag_bound`)."""
 
     def dead_letter(self, received: list[Received], reason: str) -> None:
         """Set aside groups that cannot be trained on, with the reason; never handed out again."""
@@ -82,7 +97,16 @@ class InMemoryTrajectories:
         self.stats = {"published": 0, "read": 0, "acked": 0, "dropped_stale": 0, "duplicates_skipped": 0,
                       "dead_lettered": 0}
 
-    def publish(self, group: EpisodeGroup, timeout_s: float | None = None, over_bound: bool = False) -> str:
+    def admit(self, timeout_s: float | None = None, group_id: str = "") -> str:
+        return f"slot-{next(self._ids)}"
+
+    def renew(self, slots: list[str]) -> None:
+        pass
+
+    def release(self, slot: str) -> None:
+        pass
+
+    def publish(self, group: EpisodeGroup, timeout_s: float | None = None, admitted: str = "") -> str:
         entry_id = f"{next(self._ids)}-0"
         self._entries[entry_id] = group
         self.stats["published"] += 1
@@ -99,6 +123,9 @@ class InMemoryTrajectories:
         for r in received:
             self._inflight.discard(r.entry_id)
             self.stats[counted_as] += self._entries.pop(r.entry_id, None) is not None
+
+    def trained(self, received: list[Received]) -> None:
+        pass        # no admission bound to free
 
     def dead_letter(self, received: list[Received], reason: str) -> None:
         for r in received:

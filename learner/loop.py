@@ -289,6 +289,8 @@ class Learner:
         whether a checkpoint was taken."""
         if received is not None:
             self._unacked.extend(received)
+            if self.stream is not None and self.checkpoint_dir and self.cfg.learner.ack_on_checkpoint:
+                self.stream.trained(received)     # no longer untrained: the producers' lag bound leaves them out
         checkpointed = False
         if self.checkpoint_dir:
             every = self.cfg.learner.checkpoint_every

@@ -275,7 +275,7 @@ def test_backpressure_timeout_is_a_clear_error_and_adds_nothing(redis_server, cf
     stream = TrajectoryStream(redis_server.url, cfg)
     stream.publish(make_group("first"))
     t0 = time.monotonic()
-    with pytest.raises(TimeoutError, match="still holds >= 1 untrained groups.*'second' was not published"):
+    with pytest.raises(TimeoutError, match="still at its bound.*max_stream_groups = 1.*.second. was not published"):
         stream.publish(make_group("second"), timeout_s=0.3)
     assert time.monotonic() - t0 >= 0.3               # it waited its whole deadline for room
     assert stream.depth() == 1
@@ -304,13 +304,13 @@ def test_concurrent_producers_never_overshoot_the_bound(redis_server, cfg):
 
 
 @pytest.mark.fault
-def test_a_producer_that_dies_after_reserving_frees_its_slot(redis_server, cfg, monkeypatch):
+def test_a_producer_that_dies_after_admission_frees_its_slot(redis_server, cfg, monkeypatch):
     import common.stream as stream_module
     monkeypatch.setattr(stream_module, "_RESERVATION_TTL_S", 0.5)
     cfg.max_stream_groups = 1
     stream = TrajectoryStream(redis_server.url, cfg)
-    # What a producer killed between reserving a slot and appending its group leaves behind:
-    assert stream._reserve(keys=[stream.key, stream.reserved_key], args=[1, "dead-producer", 0.5]) == 1
+    # What a producer killed between taking a slot and appending its group leaves behind (never renewed):
+    assert TrajectoryStream(redis_server.url, cfg, consumer_name="dead-producer").admit(timeout_s=0.1)
     t0 = time.monotonic()
     stream.publish(make_group("after-expiry"), timeout_s=5)     # (would raise TimeoutError past 5 s)
     # It waited for the dead reservation to expire (its TTL 0.5 s, less the moment spent reserving it).
@@ -318,14 +318,64 @@ def test_a_producer_that_dies_after_reserving_frees_its_slot(redis_server, cfg, 
     assert stream.depth() == 1 and stream.redis.zcard(stream.reserved_key) == 0
 
 
-def test_a_draining_producer_publishes_over_the_bound(redis_server, cfg):
-    cfg.max_stream_groups = 1
+def test_an_admitted_group_is_published_at_once_on_a_full_stream(redis_server, cfg):
+    # A producer takes its slot before playing; the group then never waits, also when the actor is being
+    # removed (its last groups go in while the stream is full: scaling down loses nothing, waits for nothing).
+    cfg.max_stream_groups = 2
     stream = TrajectoryStream(redis_server.url, cfg)
+    slot = stream.admit(timeout_s=0.1)
     stream.publish(make_group("first"))
-    stream.publish(make_group("last-of-a-removed-actor"), timeout_s=0.1, over_bound=True)
-    assert stream.depth() == 2
+    with pytest.raises(TimeoutError, match="no group was started"):     # first + the admitted one: full
+        stream.admit(timeout_s=0.1)
+    stream.publish(make_group("admitted-before-it-was-played"), timeout_s=0.1, admitted=slot)
+    assert stream.depth() == 2 and stream.redis.zcard(stream.reserved_key) == 0
     with pytest.raises(TimeoutError):                 # ordinary publishes still respect the bound
         stream.publish(make_group("third"), timeout_s=0.1)
+    released = TrajectoryStream(redis_server.url, cfg, consumer_name="p2")
+    stream.ack(stream.read(max_groups=1))
+    slot = released.admit(timeout_s=1)
+    released.release(slot)                            # a discarded group gives its slot back
+    assert released.redis.zcard(released.reserved_key) == 0
+
+
+def test_the_lag_bound_counts_untrained_groups_and_the_stream_bound_counts_all(redis_server, cfg):
+    # policy_lag_bound: groups admitted and not yet trained; stream.max_stream_groups: all Redis holds, groups
+    # trained and awaiting their checkpoint's ack (learner.ack_on_checkpoint) included. Counting those against
+    # the lag bound would force a checkpoint every max_policy_lag + 1 updates.
+    cfg.max_stream_groups = 3
+    stream = TrajectoryStream(redis_server.url, cfg, lag_bound=2)
+    for name in ("a", "b"):
+        stream.publish(make_group(name), admitted=stream.admit(timeout_s=0.1))
+    with pytest.raises(TimeoutError, match="2 admitted and not yet trained"):
+        stream.admit(timeout_s=0.1)
+    learner = TrajectoryStream(redis_server.url, cfg, consumer_name="learner-0")
+    got = learner.read(max_groups=2)
+    learner.trained(got)                              # trained, acked with the next checkpoint
+    slot = stream.admit(timeout_s=0.1)                # untrained: 0 + this slot
+    with pytest.raises(TimeoutError, match="max_stream_groups = 3"):     # 2 entries + 1 slot fill Redis's share
+        stream.admit(timeout_s=0.1)
+    learner.ack(got)                                  # the checkpoint: acked, no longer marked trained
+    assert stream.redis.scard(stream.trained_key) == 0 and stream.depth() == 0
+    stream.release(slot)
+    assert len({stream.admit(timeout_s=0.1), stream.admit(timeout_s=0.1)}) == 2
+    with pytest.raises(TimeoutError):
+        stream.admit(timeout_s=0.1)
+
+
+def test_a_renewed_slot_outlives_its_ttl_and_a_lapsed_one_frees_it(redis_server, cfg, monkeypatch):
+    import common.stream as stream_module
+    ttl = 2.0       # renewed every ~0.2 s (one refused admit): a stall of 1.8 s would fail it, not a slow machine
+    monkeypatch.setattr(stream_module, "_RESERVATION_TTL_S", ttl)
+    cfg.max_stream_groups = 1
+    stream = TrajectoryStream(redis_server.url, cfg)
+    slot = stream.admit(timeout_s=0.1)
+    deadline = time.monotonic() + 1.5 * ttl
+    while time.monotonic() < deadline:
+        stream.renew([slot])
+        with pytest.raises(TimeoutError):
+            stream.admit(timeout_s=0.2)
+    # No longer renewed (its producer died): the slot lapses within its TTL and another producer gets it.
+    assert stream.admit(timeout_s=5 * ttl)
 
 
 def test_restarted_consumer_gets_its_own_pending_groups_back(redis_server, cfg):

@@ -170,8 +170,9 @@ class Rollout:
         # Counters add up over run() calls, and so does the wall time the rates divide by.
         running = self._running is not None
         wall = self._wall_total + (time.perf_counter() - self._started if running else 0.0)
-        out = {key: 0 for key in ("env_steps", "generated_tokens", "groups_published", "groups_completed",
-                                  "groups_discarded", "trajectories", "invalid_actions", "successes", "env_calls")}
+        out = {key: 0 for key in ("env_steps", "generated_tokens", "groups_started", "groups_published",
+                                  "groups_completed", "groups_discarded", "admission_waits", "trajectories",
+                                  "invalid_actions", "successes", "env_calls")}
         out.update(self.counters, **self.timers, terminations=dict(self.terminations), wall_s=wall, running=running,
                    actor_id=self.actor_id)
         if wall > 0:
@@ -228,6 +229,9 @@ class Rollout:
                 except TimeoutError:
                     self.counters["admission_waits"] += 1
                     continue
+                if self._stopping:        # stopped while it waited (the slot may be one a stop just freed)
+                    await asyncio.to_thread(self.stream.release, admitted)
+                    break
                 self._admitted.add(admitted)
                 return admitted
             return None

@@ -209,6 +209,39 @@ def test_add_and_remove_rollout_actors_during_a_run(setup):
         ray.kill(actor)
 
 
+def test_an_actor_starts_no_group_past_the_lag_bound(setup):
+    # common.config.policy_lag_bound: (max_policy_lag + 1) x groups_per_batch = 2 groups admitted and not yet
+    # trained. The actor's two slots play one group each, then wait for the learner before starting more.
+    from actors.rollout import create_rollout_actor
+    from common.stream import TrajectoryStream
+
+    path, inference, url = setup
+    cfg = _cfg(path, "test:admission")
+    cfg.stream.max_policy_lag, cfg.learner.groups_per_batch = 0, 2
+    actor = create_rollout_actor(cfg, "ro-lag", inference, url)
+    run = actor.run.remote()
+
+    def wait_for(what, deadline_s=120):
+        deadline = time.monotonic() + deadline_s
+        while not what(stats := ray.get(actor.stats.remote())):
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.2)
+        return stats
+
+    # Both groups in the stream, and an admission refused since (each wait is 1 s): no third group started.
+    stats = wait_for(lambda s: s["groups_published"] == 2 and s["admission_waits"] >= 2)
+    assert stats["groups_started"] == 2
+    learner = TrajectoryStream(url, cfg.stream, consumer_name="test-learner")
+    got = learner.read(max_groups=1, block_ms=1000)
+    learner.trained(got)            # trained, its ack awaiting a checkpoint: a slot opens
+    stats = wait_for(lambda s: s["groups_started"] == 3)
+    ray.get(actor.stop.remote(drain=False), timeout=60)
+    assert ray.get(run, timeout=60)["groups_started"] == 3
+    learner.ack(got + learner.read(max_groups=10, block_ms=200))
+    ray.get(actor.close.remote())
+    ray.kill(actor)
+
+
 @ray.remote
 class NaNInference:
     """A stand-in for an inference actor whose engine returns a NaN log-prob: a mock, for a fault not caused

@@ -180,9 +180,8 @@ class LearnerConfig:
     ppo_epochs: int = F(1, "passes over each batch", AT_LEAST_1)
     micro_batch_tokens: int = F(16384, "token budget of one micro-batch (rows are packed by tokens)", AT_LEAST_1)
     pack_rows: bool = F(True, "micro-batches without padding: rows one after the other in one sequence, each "
-                              "attending to itself only (learner/packing.py; 1.3-1.5x the tokens/s of padded ones "
-                              "on a CPU: bench/bench_packing.py); false: rows left-padded to the longest of their "
-                              "micro-batch")
+                              "attending to itself only (learner/packing.py); false: rows left-padded to the "
+                              "longest of their micro-batch (bench/bench_packing.py compares the two)")
     mini_batch_rows: int = F(256, "rows per optimizer step (paper: 256 ALFWorld, 64 WebShop)", AT_LEAST_1)
     recompute_old_logprobs: bool = F(False, "recompute old log-probs with the learner instead of using "
                                             "the rollout's (implied by a logprob_correction)")

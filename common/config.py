@@ -194,6 +194,14 @@ class LearnerConfig:
                               ((lambda v: v > 1), "must be > 1"))
     trainable_layers: int = F(0, "0: train every parameter; N: only the last N transformer blocks and the final "
                                  "norm (the backward pass stops there: ~2x faster on CPU for 6 of 30)", AT_LEAST_0)
+    lora_rank: int = F(0, "0: train the weights (full fine-tuning); r > 0: train LoRA adapters of rank r on "
+                          "lora_target_modules instead (learner/lora.py; peft), the base model frozen and the KL's "
+                          "reference (no second copy kept). Adapters usually want a larger lr than 1e-6", AT_LEAST_0)
+    lora_alpha: float = F(32.0, "LoRA's alpha: an adapter's product B A x is scaled by lora_alpha / lora_rank",
+                          POSITIVE)
+    lora_target_modules: str = F("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                                 "the linear layers that get adapters, by their name in a transformer block "
+                                 "(comma-separated; these are Llama's and Qwen2's)", NAMED)
     zero_stage: Literal[1, 2, 3] = F(2, "DeepSpeed ZeRO stage (1, 2 or 3)")
     offload: bool = F(False, "ZeRO CPU offload of optimizer state (and params at stage 3)")
     num_processes: int = F(1, "learner processes (one per device)", AT_LEAST_1)
@@ -333,6 +341,11 @@ def validate(cfg: ExperimentConfig) -> None:
             f"stop at {bound} groups in the stream while the learner waits for {batch}; set "
             f"stream.max_stream_groups >= {batch} or learner.groups_per_batch <= {bound}",
             "learner.groups_per_batch", "stream.max_stream_groups")
+    if cfg.learner.lora_rank and cfg.learner.trainable_layers:
+        raise ConfigError(
+            f"learner.lora_rank ({cfg.learner.lora_rank}) and learner.trainable_layers "
+            f"({cfg.learner.trainable_layers}) are two ways of choosing what trains; set one of them to 0",
+            "learner.lora_rank", "learner.trainable_layers")
     if cfg.run.resume_tag and not cfg.run.resume:
         raise ConfigError("run.resume_tag is set but run.resume is false; add run.resume=true, or drop the tag",
                           "run.resume_tag", "run.resume")

@@ -41,6 +41,7 @@ from learner.grammar_mask import GrammarMasks, allowed_tokens
 from learner.utilization import ModelShape, matmul_peak
 from learner.gigpo import (LossSettings, correction_weights, logprob_gap, policy_loss,
                            token_logprobs_and_entropy)
+from learner.lora import merged_weights, reference_policy, with_lora
 from learner.packing import packed_logits, use_packed_attention
 
 
@@ -148,8 +149,9 @@ class PolicyTrainer:
                                      entropy_coef=cfg.entropy_coef)
         # Frozen reference for the KL term: a full copy in the compute dtype on every process (not partitioned
         # at ZeRO-3: simpler and faster for the models this repo trains on one box).
+        # With LoRA the reference is the base model, the policy's own with its adapters off (learner/lora.py).
         self.ref_model = None
-        if cfg.kl_coef > 0:
+        if cfg.kl_coef > 0 and not cfg.lora_rank:
             self.ref_model = AutoModelForCausalLM.from_pretrained(
                 model_path, dtype=torch.bfloat16 if bf16 else torch.float32).to(self.device).eval()
             self.ref_model.requires_grad_(False)
@@ -162,11 +164,14 @@ class PolicyTrainer:
                 if m is not None:
                     use_packed_attention(m)
         train_only_last_layers(model, cfg.trainable_layers)
+        if cfg.lora_rank:
+            model = with_lora(model, cfg)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                                       weight_decay=cfg.weight_decay)
         self.engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                                     config=_ds_config(cfg, bf16))
-        self.shape = ModelShape.of(model)          # for the step's model FLOPs (learner/utilization.py)
+        # For the step's model FLOPs (learner/utilization.py).
+        self.shape = ModelShape.of(model.get_base_model() if cfg.lora_rank else model)
         self.compute_dtype = torch.bfloat16 if bf16 else torch.float32
         self.updates = 0   # optimizer-update calls (train_step) done by this trainer, restored on load
         self.model_path = model_path
@@ -303,7 +308,7 @@ class PolicyTrainer:
                     computed_tokens += float(mb.input_ids.numel())
                     lengths, response = self._row_sizes(trained, rows_mb)
                     flops += self.shape.train_flops(lengths, response)
-                    if self.ref_model is not None:
+                    if self.settings.kl_coef > 0:     # the reference's forward
                         flops += self.shape.forward_flops(lengths, response)
                     if measure:
                         kept = mb.loss_mask.bool()
@@ -380,6 +385,9 @@ class PolicyTrainer:
         if self.ref_model is not None:
             with torch.no_grad():
                 ref_logp, _ = self._logprobs(self.ref_model, mb, with_entropy=False)
+        elif self.settings.kl_coef > 0:        # LoRA: the base model is the policy with its adapters off
+            with torch.no_grad(), reference_policy(self.engine):
+                ref_logp, _ = self._logprobs(self.engine, mb, with_entropy=False)
         loss, ms = policy_loss(logp, mb.old_logprobs.to(self.device), mb.advantages.to(self.device),
                                mb.loss_mask.to(self.device), self.settings, token_normalizer=1.0,
                                ref_logp=ref_logp, entropy=entropy, weights=mb.weights.to(self.device))
@@ -392,7 +400,13 @@ class PolicyTrainer:
         push. Every process must iterate it to the end (ZeRO-3 gathers are collective). Stage 1/2: the live
         parameters; stage 3: each gathered, copied and released again."""
         module = self.engine.module
-        if self.cfg.zero_stage == 3:
+        if self.cfg.lora_rank:       # the adapters merged into the weights, under the plain model's names
+            gather = None
+            if self.cfg.zero_stage == 3:
+                import deepspeed
+                gather = lambda params: deepspeed.zero.GatheredParameters(params, modifier_rank=None)  # noqa: E731
+            yield from merged_weights(module, gather)
+        elif self.cfg.zero_stage == 3:
             import deepspeed
 
             for name, p in module.named_parameters():
@@ -410,12 +424,14 @@ class PolicyTrainer:
         the previous one. All processes call it."""
         root = Path(root)
         tag = checkpoint_tag(self.updates)
-        state = dict(client_state, trainer_updates=self.updates)
+        state = dict(client_state, trainer_updates=self.updates, trains=self._what_trains())
         if self.rank == 0:
             # A tag of the same number from an abandoned history (see prune_checkpoints) is rewritten in
             # place: unmark it first, so that it never looks complete with half of its files replaced.
             (root / tag / LEARNER_STATE).unlink(missing_ok=True)
-        self.engine.save_checkpoint(str(root), tag=tag, client_state={"learner": state})
+        # With LoRA the frozen base weights are the model's files: the checkpoint holds the adapters alone.
+        self.engine.save_checkpoint(str(root), tag=tag, client_state={"learner": state},
+                                    exclude_frozen_parameters=bool(self.cfg.lora_rank))
         if self.rank == 0:
             tmp = root / tag / (LEARNER_STATE + ".tmp")
             tmp.write_text(json.dumps(state))
@@ -440,13 +456,27 @@ class PolicyTrainer:
                                         f"checkpoints: {have()}); pick one with run.resume_tag")
         elif not is_complete_checkpoint(root / tag):
             raise FileNotFoundError(f"no checkpoint {tag!r} under {root} (complete ones there: {have()})")
+        saved = root / (tag or latest) / LEARNER_STATE
+        trained = json.loads(saved.read_text()).get("trains", {"lora_rank": 0}) if saved.exists() else None
+        if trained is not None and trained != self._what_trains():
+            # A LoRA checkpoint holds the adapters alone, loaded non-strictly: the wrong kind would load nothing.
+            said = lambda fields: ", ".join(f"learner.{k}={v}" for k, v in fields.items())  # noqa: E731
+            raise ValueError(f"{saved.parent} was trained with {said(trained)}, this learner has "
+                             f"{said(self._what_trains())}: resume with the checkpoint's settings")
         path, client = self.engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
-                                                   load_lr_scheduler_states=True)
+                                                   load_lr_scheduler_states=True,
+                                                   load_module_strict=not self.cfg.lora_rank)
         if path is None:
             return None
         state = (client or {}).get("learner", {})
         self.updates = int(state.get("trainer_updates", 0))
         return state
+
+    def _what_trains(self) -> dict:
+        """The settings that make a checkpoint's module state: which parameters it holds and under what names."""
+        if not self.cfg.lora_rank:
+            return {"lora_rank": 0}
+        return {"lora_rank": self.cfg.lora_rank, "lora_target_modules": self.cfg.lora_target_modules}
 
     def close(self) -> None:
         """Free the engine (before the process group is destroyed: stage 3 can abort otherwise)."""

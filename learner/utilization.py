@@ -11,7 +11,9 @@ FLOPs of a decoder-only transformer, counting multiply-adds as 2 and only the ma
 - the head on the R response positions only (logits_to_keep): 2 * d * V * R;
 - backward = twice the forward of what gradients flow through: the trainable layers (the frozen ones below
   the lowest trainable layer need none), the head's input gradient (2 * d * V * R) whenever anything trains,
-  and its weight gradient (another 2 * d * V * R) when the head trains.
+  and its weight gradient (another 2 * d * V * R) when the head trains. With LoRA adapters (learner/lora.py)
+  the layers' weights get no gradient: their products once (the inputs' gradients), attention's twice; the
+  adapters' own products are counted with the layer's weights, their weight gradients (r / d of it) not.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ class ModelShape:
     layer_params: int           # matrix weights of one decoder layer (biases and norms do no products)
     trainable_layers: int       # the last this many layers get gradients
     head_trains: bool
+    weights_train: bool = True  # the layers' weights get gradients (False: LoRA, the adapters' only)
 
     @classmethod
     def of(cls, model) -> "ModelShape":
@@ -40,14 +43,18 @@ class ModelShape:
         layers = model.get_decoder().layers
         head = model.get_output_embeddings().weight
         trainable = sum(any(p.requires_grad for p in layer.parameters()) for layer in layers)
+        weights_train = any(p.requires_grad for layer in layers for name, p in layer.named_parameters()
+                            if p.dim() == 2 and ".lora_" not in name)
         return cls(layers=len(layers), hidden=int(model.config.hidden_size), vocab=int(head.shape[0]),
                    layer_params=sum(p.numel() for p in layers[0].parameters() if p.dim() == 2),
                    trainable_layers=trainable,
-                   head_trains=bool(head.requires_grad))
+                   head_trains=bool(head.requires_grad), weights_train=weights_train)
 
-    def _layer_flops(self, lengths: np.ndarray) -> float:
-        """One layer's forward over rows of `lengths` tokens: its weights once per token, causal attention."""
-        return 2.0 * self.layer_params * lengths.sum() + 2.0 * self.hidden * (lengths * (lengths + 1)).sum()
+    def _layer_flops(self, lengths: np.ndarray, weights: float = 1.0, attention: float = 1.0) -> float:
+        """One layer's forward over rows of `lengths` tokens, its weights once per token and causal attention
+        (each part scaled by its factor: the backward's counts)."""
+        return (weights * 2.0 * self.layer_params * lengths.sum()
+                + attention * 2.0 * self.hidden * (lengths * (lengths + 1)).sum())
 
     def _head_flops(self, response: np.ndarray) -> float:
         """The head's forward on the response positions."""
@@ -60,7 +67,8 @@ class ModelShape:
     def train_flops(self, lengths: np.ndarray, response: np.ndarray) -> float:
         """Forward and backward of one training pass over these rows (see the module)."""
         lengths = np.asarray(lengths, dtype=np.float64)
-        backward = 2.0 * self.trainable_layers * self._layer_flops(lengths)
+        backward = self.trainable_layers * self._layer_flops(lengths, weights=1.0 + self.weights_train,
+                                                             attention=2.0)
         if self.trainable_layers or self.head_trains:
             backward += self._head_flops(response) * (1 + int(self.head_trains))
         return self.forward_flops(lengths, response) + backward

@@ -195,6 +195,52 @@ def test_trainable_layers_train_only_the_last_blocks_and_the_norm(tiny_model_pat
         PolicyTrainer(tiny_model_path, LearnerConfig(trainable_layers=3), dtype="float32", **TRAINER)
 
 
+def test_lora_trains_the_adapters_against_the_base_model_and_checkpoints_them(tiny_model_path, fixed_batch,
+                                                                              tmp_path):
+    """learner.lora_rank=4: no reference copy; the first loss is the base model's (B starts at 0), the second
+    is plain torch's with the merged weights the push sends and the KL to the initial model (as the full
+    fine-tune's KL test, same tolerance; the adapted layers compute W x + s B A x, plain torch (W + s B A) x:
+    ~1e-7 relative apart in float32); only the adapted layers' weights move; a checkpoint holds the
+    adapters alone and brings them back, and a learner of other settings refuses it."""
+    cfg = LearnerConfig(zero_stage=2, mini_batch_rows=1024, micro_batch_tokens=300, lr=1e-2, kl_coef=0.5,
+                        lora_rank=4, lora_target_modules="q_proj,v_proj,down_proj")
+    trainer = PolicyTrainer(tiny_model_path, cfg, dtype="float32", **TRAINER)
+    try:
+        assert trainer.ref_model is None
+        initial = {name: t.clone() for name, t in trainer.named_weights()}
+        first = trainer.train_step(fixed_batch, update=0).metrics
+        weights = {name: t.clone() for name, t in trainer.named_weights()}
+        second = trainer.train_step(fixed_batch, update=1).metrics
+        path = trainer.save_checkpoint(tmp_path, {"policy_version": 2})
+        final = {name: t.clone() for name, t in trainer.named_weights()}
+    finally:
+        trainer.close()
+    assert first["train/loss"] == pytest.approx(_reference_loss(tiny_model_path, fixed_batch, cfg)[0],
+                                                rel=1e-5, abs=1e-6)
+    loss, _ = _reference_loss(tiny_model_path, fixed_batch, cfg, weights=weights)
+    assert second["train/kl"] > 0 and second["train/loss"] == pytest.approx(loss, rel=1e-5, abs=1e-6)
+    moved = {name for name in initial if not torch.equal(initial[name], weights[name])}
+    adapted = {name for name in initial if name.endswith(("q_proj.weight", "v_proj.weight", "down_proj.weight"))}
+    assert list(weights) == list(initial) and moved == adapted
+    model_bytes = sum(t.numel() * t.element_size() for t in initial.values())
+    saved = sum(f.stat().st_size for f in Path(path).rglob("*model_states.pt"))
+    assert saved < model_bytes / 4, (saved, model_bytes)          # the adapters, not the base weights
+    trainer = PolicyTrainer(tiny_model_path, cfg, dtype="float32", **TRAINER)
+    try:
+        assert trainer.load_checkpoint(tmp_path)["policy_version"] == 2
+        for name, t in trainer.named_weights():
+            assert torch.equal(t, final[name]), name
+    finally:
+        trainer.close()
+    trainer = PolicyTrainer(tiny_model_path, LearnerConfig(**{**cfg.__dict__, "lora_rank": 0}), dtype="float32",
+                            **TRAINER)
+    try:
+        with pytest.raises(ValueError, match="was trained with learner.lora_rank=4.*learner.lora_rank=0"):
+            trainer.load_checkpoint(tmp_path)
+    finally:
+        trainer.close()
+
+
 @pytest.mark.parametrize("recompute", [False, True], ids=["from-the-training-pass", "from-the-recompute"])
 def test_the_log_prob_gap_is_measured_every_update_and_corrected(tiny_model_path, recompute):
     """A sampler that differs from the learner by a known amount: its log-probs are the learner's own minus

@@ -1,0 +1,91 @@
+"""LoRA adapters for the learner (learner.lora_rank > 0): peft's low-rank adapters on the linear layers named
+by learner.lora_target_modules, trained instead of the weights.
+
+    model = with_lora(model, cfg)                  # before DeepSpeed wraps it: only the adapters train
+    with reference_policy(engine): ...             # the adapters off: the base model, the KL's reference
+    for name, tensor in merged_weights(engine.module, gather): ...   # the base model's names, W + (alpha/r) B A
+
+What an adapter changes: a target layer computes W x + (alpha / r) B (A x), A of [r, in] (random at start),
+B of [out, r] (zero at start, so training starts from the base model exactly). The optimizer holds A and B
+only: its state is 2 x 2 x r x (in + out) floats per layer instead of 2 x in x out, and the backward pass
+computes the inputs' gradients through every layer but no base weight's gradient.
+
+The reference policy of the KL term is the base model, which the adapters leave untouched: the same module
+with its adapters disabled, so no second copy of the weights is kept (at 7B, 14 GB less per learner process).
+
+The weight push sends the merged weights under the base model's names (`merged_weights`), so the inference
+engines load them as they load a full fine-tune's.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager, Iterator
+
+import torch
+
+from common.config import LearnerConfig
+
+ADAPTER = "default"      # peft's name for a model's one adapter
+
+
+def target_modules(cfg: LearnerConfig) -> list[str]:
+    return [name.strip() for name in cfg.lora_target_modules.split(",") if name.strip()]
+
+
+def with_lora(model, cfg: LearnerConfig):
+    """`model` (a transformers causal LM) with LoRA adapters of cfg.lora_rank on cfg.lora_target_modules,
+    every other parameter frozen (a peft PeftModel around it)."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = target_modules(cfg)
+    present = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+               if isinstance(module, torch.nn.Linear)}
+    missing = sorted(set(targets) - present)
+    if missing:
+        raise ValueError(f"learner.lora_target_modules: {type(model).__name__} has no linear layer named "
+                         f"{', '.join(missing)} (its linear layers: {', '.join(sorted(present))})")
+    config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=targets, lora_dropout=0.0,
+                        bias="none", task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def reference_policy(model) -> ContextManager:
+    """A context in which `model` (a PeftModel, or a DeepSpeed engine around one) computes the base model: the
+    KL term's reference."""
+    module = getattr(model, "module", model)
+    return module.disable_adapter()
+
+
+def _adapted_layers(base_model) -> dict[str, torch.nn.Module]:
+    """{the base layer's parameter prefix in the plain model: the peft layer} of every adapted linear layer."""
+    from peft.tuners.lora import LoraLayer
+
+    return {name: module for name, module in base_model.named_modules()
+            if isinstance(module, LoraLayer) and ADAPTER in module.lora_A}
+
+
+def merged_weights(peft_model, gather: Callable[[list], ContextManager] | None = None
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every weight of the model the adapters make, under the plain model's names and in its
+    parameter order: an adapted layer's weight merged, W + (alpha / r) B A (computed in float32, returned in
+    W's dtype), every other parameter as it is. `gather(params)`: a context that makes those parameters whole
+    (ZeRO-3's GatheredParameters), each then copied before it is released; None: the parameters are whole
+    (stages 1 and 2). Every process must iterate to the end (ZeRO-3's gathers are collective)."""
+    whole = gather or (lambda params: contextlib.nullcontext())
+    base = peft_model.get_base_model()
+    layers = _adapted_layers(base)
+    for name, p in base.named_parameters():
+        if ".lora_" in name:
+            continue
+        prefix, _, leaf = name.rpartition(".base_layer.")
+        layer = layers.get(prefix) if prefix else None
+        if layer is None or leaf != "weight":        # not adapted, or an adapted layer's bias
+            with whole([p]):
+                yield (f"{prefix}.{leaf}" if prefix else name), (p.detach().clone() if gather else p.detach())
+            continue
+        a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
+        with whole([p, a, b]):
+            delta = (b.detach().float() @ a.detach().float()) * layer.scaling[ADAPTER]
+            if getattr(layer, "fan_in_fan_out", False):
+                delta = delta.T
+            yield f"{prefix}.{leaf}", (p.detach().float() + delta).to(p.dtype)

@@ -57,7 +57,7 @@ redis.call('ZADD', KEYS[2], now + tonumber(ARGV[3]), ARGV[2])
 return 1
 """
 
-# A reservation lives this long unless renewed (a playing producer renews every _RENEW_EVERY_S): a killed
+# A reservation lives this long unless renewed (a playing producer renews every RENEW_EVERY_S): a killed
 # producer's slots come back within this time.
 _RESERVATION_TTL_S = 30
 RENEW_EVERY_S = 5
@@ -116,8 +116,9 @@ class TrajectoryStream:
 
     def admit(self, timeout_s: float | None = None, group_id: str = "") -> str:
         """A slot for one group about to be played: waits while the stream holds (or its producers' slots will
-        add) stream.max_stream_groups groups, or `lag_bound` groups are admitted and not yet trained; raises TimeoutError after `timeout_s` (default `cfg.publish_timeout_s`). Renew it while playing
-        (`renew`), then hand it to `publish`, or `release` it. group_id: names the group in errors."""
+        add) stream.max_stream_groups groups, or `lag_bound` groups are admitted and not yet trained; raises
+        TimeoutError after `timeout_s` (default `cfg.publish_timeout_s`). Renew it while playing (`renew`),
+        then hand it to `publish`, or `release` it. group_id: names the group in errors."""
         timeout_s = self.cfg.publish_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         pause = 0.005

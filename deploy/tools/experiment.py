@@ -390,7 +390,9 @@ def study_markdown(study: Study, summary: dict, diags: dict, runs: dict, plot_na
             if row.get(f"{when}_seeds"):
                 cells = [_fmt(row[when][k], scale, unit) for k, _, scale, unit in MEASURES]
                 lines.append(f"| {algo} | {row[f'{when}_seeds']} | {when} | " + " | ".join(cells) + " |")
-    if summary["paired"]:
+    if not (summary["paired"] and summary["paired"]["success"]["seeds"]):
+        lines += ["", "No seed has both arms finished: no paired comparison yet."]
+    else:
         lines += ["", "**GiGPO minus GRPO after training, paired by held-out game within a seed.** Each cell: the "
                   "difference, its 95% interval over seeds (the decision) and over games:", "",
                   "| measure | difference | 95% interval over seeds | 95% interval over games | per seed |",
@@ -415,6 +417,7 @@ def study_markdown(study: Study, summary: dict, diags: dict, runs: dict, plot_na
         if row["change"]["success"]["seeds"]:
             lines.append(f"| {algo} | " + " | ".join(_fmt_paired(row["change"][k], scale, unit)
                                                       for k, _, scale, unit in MEASURES) + " |")
+    diags = {algo: d for algo, d in diags.items() if d}
     if diags:
         lines += ["", "Advantage diagnostics, mean over every update of every seed (`diag/*` in metrics.jsonl):", "",
                   "| algorithm | " + " | ".join(title for _, title, _ in DIAGNOSTICS) + " |",

@@ -440,8 +440,10 @@ def write_report(records: Path = RECORDS, doc: Path = REPORT) -> dict[str, dict]
     sections, summaries = [], {}
     for name, study in STUDIES.items():
         evals, curves, runs = read_records(name, records)
-        if not runs:
-            sections.append(f"### {name}: {study.title}\n\nNo finished runs yet.\n")
+        if not any(r.get("ok") for r in runs.values()):
+            unfinished = ", ".join(f"{run} (rc {r.get('rc')})" for run, r in runs.items())
+            sections.append(f"### {name}: {study.title}\n\nNo finished runs yet."
+                            + (f" Runs that did not finish: {unfinished}." if unfinished else "") + "\n")
             continue
         summary = summaries[name] = summarize(evals, study.protocol)
         plot_path = doc.parent / f"learning-check-{name}.png"

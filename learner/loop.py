@@ -287,9 +287,10 @@ class Learner:
         """Ack the update's stream entries at once, or (learner.ack_on_checkpoint) with the checkpoint covering
         them, taken every learner.checkpoint_every updates or when unacked groups crowd the stream. Returns
         whether a checkpoint was taken."""
+        deferred = bool(self.checkpoint_dir) and self.cfg.learner.ack_on_checkpoint
         if received is not None:
             self._unacked.extend(received)
-            if self.stream is not None and self.checkpoint_dir and self.cfg.learner.ack_on_checkpoint:
+            if deferred and self.stream is not None:
                 self.stream.trained(received)     # no longer untrained: the producers' lag bound leaves them out
         checkpointed = False
         if self.checkpoint_dir:
@@ -298,12 +299,12 @@ class Learner:
             # Unacked groups still count against the stream's bound; checkpoint (and ack) early rather than
             # leave the producers no room for the next batch.
             room = self.cfg.stream.max_stream_groups - self.cfg.learner.groups_per_batch
-            crowded = self.cfg.learner.ack_on_checkpoint and self._broadcast(
+            crowded = deferred and self._broadcast(
                 len(self._unacked) + len(self._pending) > room if self.rank == 0 else None)
             checkpointed = due or crowded
             if checkpointed:
                 self.save_checkpoint()
-        if not self.checkpoint_dir or not self.cfg.learner.ack_on_checkpoint:
+        if not deferred:
             self._ack()
         return checkpointed
 

@@ -56,14 +56,6 @@ def reference_policy(model) -> ContextManager:
     return module.disable_adapter()
 
 
-def _adapted_layers(base_model) -> dict[str, torch.nn.Module]:
-    """{the base layer's parameter prefix in the plain model: the peft layer} of every adapted linear layer."""
-    from peft.tuners.lora import LoraLayer
-
-    return {name: module for name, module in base_model.named_modules()
-            if isinstance(module, LoraLayer) and ADAPTER in module.lora_A}
-
-
 def merged_weights(peft_model, gather: Callable[[list], ContextManager] | None = None
                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every weight of the model the adapters make, under the plain model's names and in its
@@ -73,16 +65,16 @@ def merged_weights(peft_model, gather: Callable[[list], ContextManager] | None =
     (stages 1 and 2). Every process must iterate to the end (ZeRO-3's gathers are collective)."""
     whole = gather or (lambda params: contextlib.nullcontext())
     base = peft_model.get_base_model()
-    layers = _adapted_layers(base)
     for name, p in base.named_parameters():
         if ".lora_" in name:
             continue
+        # An adapted layer's own weight and bias are its base_layer's: "<layer>.base_layer.weight".
         prefix, _, leaf = name.rpartition(".base_layer.")
-        layer = layers.get(prefix) if prefix else None
-        if layer is None or leaf != "weight":        # not adapted, or an adapted layer's bias
+        if not prefix or leaf != "weight":           # not adapted, or an adapted layer's bias
             with whole([p]):
                 yield (f"{prefix}.{leaf}" if prefix else name), (p.detach().clone() if gather else p.detach())
             continue
+        layer = base.get_submodule(prefix)           # the peft layer holding the adapter
         a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
         with whole([p, a, b]):
             delta = (b.detach().float() @ a.detach().float()) * layer.scaling[ADAPTER]

@@ -400,17 +400,15 @@ class PolicyTrainer:
         push. Every process must iterate it to the end (ZeRO-3 gathers are collective). Stage 1/2: the live
         parameters; stage 3: each gathered, copied and released again."""
         module = self.engine.module
-        if self.cfg.lora_rank:       # the adapters merged into the weights, under the plain model's names
-            gather = None
-            if self.cfg.zero_stage == 3:
-                import deepspeed
-                gather = lambda params: deepspeed.zero.GatheredParameters(params, modifier_rank=None)  # noqa: E731
-            yield from merged_weights(module, gather)
-        elif self.cfg.zero_stage == 3:
+        gather = None
+        if self.cfg.zero_stage == 3:
             import deepspeed
-
+            gather = lambda params: deepspeed.zero.GatheredParameters(params, modifier_rank=None)  # noqa: E731
+        if self.cfg.lora_rank:       # the adapters merged into the weights, under the plain model's names
+            yield from merged_weights(module, gather)
+        elif gather is not None:
             for name, p in module.named_parameters():
-                with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                with gather([p]):
                     yield name, p.data.detach().clone()
         else:
             for name, p in module.named_parameters():

@@ -57,6 +57,15 @@ def _read_all(url: str, cfg: ExperimentConfig, expect: int | None = None, timeou
     return [r.group for r in got], stream.depth()
 
 
+def _wait_for_stats(actor, what, timeout_s: float = 120) -> dict:
+    """The actor's stats once `what(stats)` holds; fails with the last stats past `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not what(stats := ray.get(actor.stats.remote())):
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.2)
+    return stats
+
+
 def _served_version(inference) -> int:
     """The weight version the module's inference actor serves now (a test may have pushed one: the groups
     of a later test are sampled by it, whatever the order the tests run in)."""
@@ -162,11 +171,8 @@ def test_add_and_remove_rollout_actors_during_a_run(setup):
     path, inference, url = setup
     cfg = _cfg(path, "test:scale")
 
-    def wait_published(actor, n, timeout_s=120):
-        deadline = time.monotonic() + timeout_s
-        while ray.get(actor.stats.remote())["groups_published"] < n:
-            assert time.monotonic() < deadline, "no group published in time"
-            time.sleep(0.2)
+    def wait_published(actor, n):
+        _wait_for_stats(actor, lambda s: s["groups_published"] >= n)
 
     v0 = _served_version(inference)
     a = create_rollout_actor(cfg, "ro-1", inference, url)
@@ -221,20 +227,13 @@ def test_an_actor_starts_no_group_past_the_lag_bound(setup):
     actor = create_rollout_actor(cfg, "ro-lag", inference, url)
     run = actor.run.remote()
 
-    def wait_for(what, deadline_s=120):
-        deadline = time.monotonic() + deadline_s
-        while not what(stats := ray.get(actor.stats.remote())):
-            assert time.monotonic() < deadline, stats
-            time.sleep(0.2)
-        return stats
-
     # Both groups in the stream, and an admission refused since (each wait is 1 s): no third group started.
-    stats = wait_for(lambda s: s["groups_published"] == 2 and s["admission_waits"] >= 2)
+    stats = _wait_for_stats(actor, lambda s: s["groups_published"] == 2 and s["admission_waits"] >= 2)
     assert stats["groups_started"] == 2
     learner = TrajectoryStream(url, cfg.stream, consumer_name="test-learner")
     got = learner.read(max_groups=1, block_ms=1000)
     learner.trained(got)            # trained, its ack awaiting a checkpoint: a slot opens
-    stats = wait_for(lambda s: s["groups_started"] == 3)
+    _wait_for_stats(actor, lambda s: s["groups_started"] == 3)
     ray.get(actor.stop.remote(drain=False), timeout=60)
     assert ray.get(run, timeout=60)["groups_started"] == 3
     learner.ack(got + learner.read(max_groups=10, block_ms=200))

@@ -220,16 +220,10 @@ class Machine:
         """Run a command inside the machine and wait; output captured as text. Past timeout_s it gets SIGTERM
         (a driver closes its run), SIGKILL DRIVER_STOP_S later."""
         proc = self.popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        try:
-            out, err = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            stop_process_groups([proc])
-            out, err = proc.communicate()
-            raise subprocess.TimeoutExpired(proc.args, timeout_s, out, err) from None
-        done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        done = wait_or_stop(proc, timeout_s)
         if check and done.returncode != 0:
             raise AssertionError(f"on {self.name}: {command!r} exited with {done.returncode}:\n"
-                                 f"{out[-3000:]}\n{err[-3000:]}")
+                                 f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
         return done
 
     def write_text(self, path: str, text: str, mode: int | None = None) -> None:
@@ -275,6 +269,19 @@ class Machine:
 def _namespace_pids(ns: str) -> list[int]:
     out = _sh("ip", "netns", "pids", ns, check=False).stdout.split()
     return [int(p) for p in out if p.isdigit()]
+
+
+def wait_or_stop(proc: subprocess.Popen, timeout_s: float) -> subprocess.CompletedProcess:
+    """Wait for `proc` (started with its output piped) and return what it printed. Past `timeout_s` its process
+    group gets SIGTERM (a driver closes its run), SIGKILL DRIVER_STOP_S later, then TimeoutExpired with the
+    output."""
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        stop_process_groups([proc])
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(proc.args, timeout_s, out, err) from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def stop_process_groups(procs: list[subprocess.Popen], stop_s: float = DRIVER_STOP_S) -> None:

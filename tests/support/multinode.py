@@ -76,7 +76,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.support.machines import stop_process_groups
+from tests.support.machines import stop_process_groups, wait_or_stop
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = REPO / ".venv" / "bin"
@@ -207,16 +207,11 @@ class TwoNodeCluster:
         """Run `argv` in the head's namespace (from `cwd`, the checkout by default) and wait; its output is
         captured as text. `env` adds to `cluster.env`. Past `timeout_s` (or when the test is interrupted)
         it gets SIGTERM, as a driver stopped by a scheduler does, so that a run closes itself (its embedded
-        Redis and that Redis's directory included); SIGKILL only if it has not ended machines.DRIVER_STOP_S later."""
+        Redis and that Redis's directory included); SIGKILL only if it has not ended
+        machines.DRIVER_STOP_S later (`machines.wait_or_stop`)."""
         proc = self.popen_on_head(argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   text=True)
-        try:
-            out, err = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            stop_process_groups([proc])
-            out, err = proc.communicate()
-            raise subprocess.TimeoutExpired(proc.args, timeout_s, out, err) from None
-        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+        return wait_or_stop(proc, timeout_s)
 
     def popen_on_head(self, argv: list[str], env: dict | None = None, cwd: str | Path = REPO,
                       **kwargs) -> subprocess.Popen:

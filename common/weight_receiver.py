@@ -21,13 +21,21 @@ is common/weight_transfer.py; the gloo backend both halves use is common/gloo_we
   and the engine keeps serving. An update not finished within the transfer timeout + 60 s exits the same way.
 - A restarted actor first loads the newest shm manifest in `weights_dir` (`load_pending_manifest`, before it
   serves anything); without one it holds every request at the gate until the learner pushes.
+- LoRA (`serves_lora`: the engine started with enable_lora, learner.lora_push=adapter): a push is the adapters
+  alone (`update_adapter`, through Ray's object store: megabytes), written to this actor's own folder under
+  `weights_dir` and swapped in through the gate as a new LoRARequest that every request from then on carries.
+  Whole weights pushed to such an engine are the base model the adapters apply to (an engine started with
+  dummy weights gets them once, `has_base`); the gate stays closed after them until the adapter follows.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import json
 import logging
 import os
+import shutil
 import time
 
 from common import weight_transfer
@@ -110,9 +118,11 @@ class WeightReceiver:
     `version` and `has_weights` say what is served; `metrics` gets its policy_version."""
 
     def __init__(self, engine, gate: RequestGate, metrics, *, backend: str | None, timeout_s: float,
-                 weights_dir: str, has_weights: bool):
+                 weights_dir: str, has_weights: bool, serves_lora: bool = False, has_base: bool = True):
         """has_weights: the engine serves the initial policy (version 0) from the start; else every request
-        waits at the gate until a push (or the newest manifest in `weights_dir`) arrives."""
+        waits at the gate until a push (or the newest manifest in `weights_dir`) arrives. serves_lora: the
+        learner pushes adapters (see the module docstring); has_base: the engine holds the base model's
+        weights (not vLLM's dummy ones)."""
         self.engine = engine
         self.gate = gate
         self.metrics = metrics
@@ -128,6 +138,10 @@ class WeightReceiver:
         self._update: dict | None = None     # the collective update in progress (start .. finish)
         self._exiting = False                # a load failed half-way: the process exits (_give_up)
         self._update_lock = asyncio.Lock()
+        self.serves_lora = serves_lora
+        self.has_base = has_base
+        self.lora_request = None             # the adapter every request carries (None: the base model alone)
+        self._lora_ids = itertools.count(1)  # vLLM caches an adapter by its id: each push gets a new one
         if has_weights:
             gate.open()
             metrics.set("policy_version", self.version)     # served from the start, before any push
@@ -160,7 +174,12 @@ class WeightReceiver:
 
     def _serving(self, version: int, wait: float, load: float) -> dict:
         """Weights of `version` are loaded (after `wait` s at the gate, `load` s loading): serve them. Returns
-        the update's timings."""
+        the update's timings. With LoRA they are the base model: the gate stays closed until the adapter."""
+        if self.serves_lora:
+            self.has_base = True
+            self.has_weights = False
+            self.lora_request = None
+            return {"wait_s": wait, "load_s": load, "version": int(version), "base": True}
         self.version = int(version)
         self.has_weights = True
         self.metrics.set("policy_version", self.version)
@@ -205,6 +224,58 @@ class WeightReceiver:
                 await self.engine.reset_prefix_cache()   # cached KV was computed by the old weights
             self._files = list(files)
             return self._serving(version, wait, time.perf_counter() - t0)
+
+    # -- LoRA: the adapters alone ----------------------------------------------------------------------
+
+    async def update_adapter(self, adapter: dict, version: int) -> dict:
+        """Serve the base model with `adapter` ({"config": adapter_config.json's content, "tensors": {peft's
+        names: tensors}}, learner.lora.adapter_weights) as policy `version`; returns timings. A failed load
+        leaves the model and the adapter in use untouched (vLLM loads an adapter beside the one serving)."""
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        self._refuse_if_exiting()
+        if not self.serves_lora:
+            raise RuntimeError("an adapter was pushed to an engine started without LoRA (learner.lora_push="
+                               "adapter needs the inference actors created from the same config)")
+        if not self.has_base:
+            raise RuntimeError("an adapter was pushed before the base model's weights (this engine started "
+                               "with dummy weights): push the whole weights first")
+        async with self._update_lock:
+            if self.has_weights and int(version) == self.version and self.lora_request is not None:
+                return {"skipped": True, "version": self.version}     # a retried push
+            t0 = time.perf_counter()
+            folder = os.path.join(self.weights_dir, f"adapter-{os.getpid()}", f"v{int(version):08d}")
+            os.makedirs(folder, exist_ok=True)
+            save_file(adapter["tensors"], os.path.join(folder, "adapter_model.safetensors"))
+            with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+                json.dump(adapter["config"], f)
+            request = LoRARequest(f"policy-v{int(version)}", next(self._lora_ids), folder)
+            t_write = time.perf_counter()
+            wait = await self.gate.drain(reopen_if_cancelled=self.has_weights)
+            t1 = time.perf_counter()
+            try:
+                if not await self.engine.add_lora(request):
+                    raise RuntimeError(f"vLLM did not load the adapter in {folder}")
+            except BaseException:
+                if self.has_weights:
+                    self.gate.open()            # the adapter in use is untouched: serve it on
+                shutil.rmtree(folder, ignore_errors=True)
+                raise
+            old, self.lora_request = self.lora_request, request
+            if old is not None:
+                await self.engine.remove_lora(old.lora_int_id)
+                shutil.rmtree(old.lora_path, ignore_errors=True)
+            await self.engine.reset_prefix_cache()     # (cached KV was computed under the old adapter)
+            self.has_weights = True
+            self.version = int(version)
+            self.metrics.set("policy_version", self.version)
+            self.gate.open()
+            self.stats["updates"] += 1
+            self.stats["update_wait_s"] += wait
+            self.stats["update_load_s"] += time.perf_counter() - t1
+            return {"wait_s": wait, "load_s": time.perf_counter() - t1, "write_s": t_write - t0,
+                    "version": self.version}
 
     # -- the collective / ipc way: vLLM's weight-transfer protocol, called by common.weight_transfer's client
     # in this order: init (once per group), then start, update_weights (concurrently with the learner's
@@ -313,6 +384,7 @@ class WeightReceiver:
         await self.load_pending_manifest()
         config = self.engine.vllm_config
         return {"has_weights": self.has_weights, "version": self.version, "group": self._group,
+                "serves_lora": self.serves_lora, "has_base": self.has_base,
                 "backend": self.backend, "pid": os.getpid(), "node": this_node(),
                 "workers": config.parallel_config.world_size * config.parallel_config.data_parallel_size,
                 "aliases": weight_transfer.tied_aliases(config.model_config.hf_config),

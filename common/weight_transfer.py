@@ -2,6 +2,7 @@
 
     transfer = create_weight_transfer(cfg, inference_actors)    # learner rank 0; cfg.inference.weight_transfer
     timings = transfer.push(trainer.named_weights(), version=7)  # {"transfer": "shm", "total_s", "bytes", "gbps", ...}
+    timings = transfer.push_adapter(adapter, version=7, base_weights=...)  # LoRA adapters alone (learner.lora_push)
     if transfer.needs_push(version): ...                        # an actor without the current weights
     transfer.close()
 
@@ -21,6 +22,10 @@ The ways (`inference.weight_transfer`):
   share one GPU (the actors must be created with inference.weight_transfer=ipc). Needs CUDA; untested here.
 - "auto": shm when learner rank 0 and every inference actor share one Ray node, else collective; logged with
   its reason, named in every push's timings ("transfer"), and made again when an actor comes back elsewhere.
+
+LoRA (learner.lora_push=adapter): `push_adapter` sends the adapters alone through Ray's object store to every
+actor, whatever the way; the way above carries only the base model's weights, once, to an engine started with
+dummy weights (`needs_base`).
 
 Deadlines: every call to an actor (inference.transfer_timeout_s, per push), and the gloo group's rendezvous
 and broadcasts, time out, so a peer that never joins or dies half-way gives an error naming it, not a hang.
@@ -592,6 +597,45 @@ class WeightTransfer:
         """Whether some inference actor lacks weights or serves another version than `version`."""
         states = actor_states(self.actors, self.timeout_s)
         return any(not s["has_weights"] or s["version"] != int(version) for s in states)
+
+    def needs_base(self) -> bool:
+        """Whether some inference actor serving adapters lacks the base model's weights (dummy weights)."""
+        return any(s["serves_lora"] and not s["has_base"] for s in actor_states(self.actors, self.timeout_s))
+
+    def push_adapter(self, adapter: dict, version: int, base_weights: Iterable | None = None,
+                     retry: bool = True) -> dict:
+        """Send LoRA adapters (learner.lora.adapter_weights) as policy `version` to every inference actor,
+        through Ray's object store (any node; megabytes). An actor without the base model's weights (started
+        with dummy ones) gets `base_weights` first, by the configured way (`push`); without them it is an
+        error. Returns timings, bytes ("base_bytes" too when the base went out) and "transfer": "adapter"."""
+        import ray
+
+        t0 = time.perf_counter()
+        states = actor_states(self.actors, self.timeout_s)
+        base = {}
+        if any(not s["has_base"] for s in states):
+            if base_weights is None:
+                raise RuntimeError("an inference actor lacks the base model's weights (dummy weights) and this "
+                                   "adapter push has none to send")
+            base = self.push(base_weights, version)
+            log.info("pushed the base model's weights (%.0f MB, %s) to inference actors that started without "
+                     "them", base["bytes"] / 1e6, base["transfer"])
+        nbytes = sum(t.numel() * t.element_size() for t in adapter["tensors"].values())
+        ref = ray.put(adapter)
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            answers = call_actors(self.actors, "update_adapter", lambda i: (ref, int(version)), deadline,
+                                  f"load adapter version {version}", states)
+        except ActorLost as first:       # back without the adapter: once more (with the base if still unsent)
+            if not retry:
+                raise
+            log.warning("%s; trying again once the actor is back", first)
+            return self.push_adapter(adapter, version, None if base else base_weights, retry=False)
+        total = time.perf_counter() - t0
+        return {"transfer": "adapter", "version": int(version), "bytes": nbytes, "total_s": total,
+                "load_s": max(a["load_s"] for a in answers if "load_s" in a) if answers else 0.0,
+                "gbps": nbytes / max(total, 1e-9) / 1e9,
+                **({"base_bytes": base["bytes"], "base_s": base["total_s"]} if base else {})}
 
     def push(self, named_tensors: Iterable, version: int) -> dict:
         """Send the weights as policy `version` to every inference actor. Returns the timings (seconds),

@@ -84,6 +84,9 @@ class Learner:
             from common.weight_transfer import create_weight_transfer
             publisher = create_weight_transfer(cfg, inference_actors)
         self.publisher = publisher if self.rank == 0 else None
+        if self.publisher is not None and self.trainer.pushes_adapter and not hasattr(self.publisher, "push_adapter"):
+            raise ValueError(f"learner.lora_push=adapter, but the weight publisher {type(self.publisher).__name__} "
+                             "cannot push adapters (no push_adapter); set learner.lora_push=merged")
         # Every rank must know whether rank 0 pushes (ZeRO-3 gathers need all ranks).
         self._pushes = bool(self._broadcast(self.publisher is not None))
 
@@ -375,7 +378,18 @@ class Learner:
 
     def _push(self, version: int) -> dict:
         """Rank 0 pushes the weights as `version` (returns the publisher's timings); at ZeRO-3 the other ranks
-        join its collective gathers."""
+        join its collective gathers. LoRA with learner.lora_push=adapter: the adapters, after the base model's
+        weights where an inference actor lacks them (every rank learns whether, for the gathers)."""
+        if self.trainer.pushes_adapter:
+            need_base = bool(self._broadcast(self.rank == 0 and self.publisher.needs_base()))
+            adapter = self.trainer.adapter_weights()
+            base = self.trainer.named_weights(base=True) if need_base else None
+            if self.rank == 0:
+                return self.publisher.push_adapter(adapter, version, base) or {}
+            if base is not None and self.cfg.learner.zero_stage == 3:
+                for _ in base:
+                    pass
+            return {}
         if self.rank == 0:
             return self.publisher.push(self.trainer.named_weights(), version) or {}
         if self.cfg.learner.zero_stage == 3:

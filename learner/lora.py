@@ -4,6 +4,7 @@ by learner.lora_target_modules, trained instead of the weights.
     model = with_lora(model, cfg)                  # before DeepSpeed wraps it: only the adapters train
     with reference_policy(engine): ...             # the adapters off: the base model, the KL's reference
     for name, tensor in merged_weights(engine.module, gather): ...   # the base model's names, W + (alpha/r) B A
+    adapter = adapter_weights(engine.module, gather)                 # A and B alone: what vLLM serves as a LoRA
 
 What an adapter changes: a target layer computes W x + (alpha / r) B (A x), A of [r, in] (random at start),
 B of [out, r] (zero at start, so training starts from the base model exactly). The optimizer holds A and B
@@ -13,8 +14,11 @@ computes the inputs' gradients through every layer but no base weight's gradient
 The reference policy of the KL term is the base model, which the adapters leave untouched: the same module
 with its adapters disabled, so no second copy of the weights is kept (at 7B, 14 GB less per learner process).
 
-The weight push sends the merged weights under the base model's names (`merged_weights`), so the inference
-engines load them as they load a full fine-tune's.
+What a weight push sends (learner.lora_push): "adapter", the adapters alone in peft's format
+(`adapter_weights`: megabytes), which vLLM serves as a LoRA on the base model it holds (an engine started with
+dummy weights gets the base model once, `merged_weights(..., merge=False)`); or "merged", the merged weights
+under the base model's names (`merged_weights`), which the inference engines load as they load a full
+fine-tune's.
 """
 from __future__ import annotations
 
@@ -56,11 +60,12 @@ def reference_policy(model) -> ContextManager:
     return module.disable_adapter()
 
 
-def merged_weights(peft_model, gather: Callable[[list], ContextManager] | None = None
+def merged_weights(peft_model, gather: Callable[[list], ContextManager] | None = None, merge: bool = True
                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every weight of the model the adapters make, under the plain model's names and in its
     parameter order: an adapted layer's weight merged, W + (alpha / r) B A (computed in float32, returned in
-    W's dtype), every other parameter as it is. `gather(params)`: a context that makes those parameters whole
+    W's dtype), every other parameter as it is; merge=False: the base model's weights (W), what an engine
+    serving the adapter needs under it. `gather(params)`: a context that makes those parameters whole
     (ZeRO-3's GatheredParameters), each then copied before it is released; None: the parameters are whole
     (stages 1 and 2). Every process must iterate to the end (ZeRO-3's gathers are collective)."""
     whole = gather or (lambda params: contextlib.nullcontext())
@@ -70,7 +75,7 @@ def merged_weights(peft_model, gather: Callable[[list], ContextManager] | None =
             continue
         # An adapted layer's own weight and bias are its base_layer's: "<layer>.base_layer.weight".
         prefix, _, leaf = name.rpartition(".base_layer.")
-        if not prefix or leaf != "weight":           # not adapted, or an adapted layer's bias
+        if not prefix or leaf != "weight" or not merge:      # not adapted, an adapted layer's bias, or the base
             with whole([p]):
                 yield (f"{prefix}.{leaf}" if prefix else name), (p.detach().clone() if gather else p.detach())
             continue
@@ -81,3 +86,18 @@ def merged_weights(peft_model, gather: Callable[[list], ContextManager] | None =
             if getattr(layer, "fan_in_fan_out", False):
                 delta = delta.T
             yield f"{prefix}.{leaf}", (p.detach().float() + delta).to(p.dtype)
+
+
+def adapter_weights(peft_model, gather: Callable[[list], ContextManager] | None = None) -> dict:
+    """The adapters as peft saves them, the weight push's "adapter" way: {"config": adapter_config.json's
+    content, "tensors": {name: tensor}} with peft's file names (`...q_proj.lora_A.weight`), each tensor a CPU
+    copy in the parameters' dtype. `gather`: as for merged_weights (every process must call it at ZeRO-3)."""
+    whole = gather or (lambda params: contextlib.nullcontext())
+    lora = [(name, p) for name, p in peft_model.named_parameters() if ".lora_" in name]
+    with whole([p for _, p in lora]):
+        tensors = {name.replace(f".{ADAPTER}.", "."): p.detach().to("cpu", copy=True).contiguous()
+                   for name, p in lora}
+    config = peft_model.peft_config[ADAPTER].to_dict()
+    # (json: peft keeps target_modules as a set, the task type as an enum)
+    config = {k: sorted(v) if isinstance(v, set) else getattr(v, "value", v) for k, v in config.items()}
+    return {"config": config, "tensors": tensors}

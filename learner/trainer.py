@@ -31,7 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common.config import LearnerConfig
+from common.config import LearnerConfig, served_lora_rank
 from common.placement import free_port
 from common.run_dir import (LATEST, LEARNER_STATE, checkpoint_tag, checkpoint_tags, complete_checkpoints,
                             is_complete_checkpoint, tag_update)
@@ -41,7 +41,7 @@ from learner.grammar_mask import GrammarMasks, allowed_tokens
 from learner.utilization import ModelShape, matmul_peak
 from learner.gigpo import (LossSettings, correction_weights, logprob_gap, policy_loss,
                            token_logprobs_and_entropy)
-from learner.lora import merged_weights, reference_policy, with_lora
+from learner.lora import adapter_weights, merged_weights, reference_policy, with_lora
 from learner.packing import packed_logits, use_packed_attention
 
 
@@ -395,17 +395,32 @@ class PolicyTrainer:
         self.engine.backward(loss * scale, scale_wrt_gas=False)
         return {k: float(v) for k, v in ms.items()}, logp.detach().float().cpu()
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    @property
+    def pushes_adapter(self) -> bool:
+        """Whether a weight push is the LoRA adapters alone (`adapter_weights`; learner.lora_push=adapter)."""
+        return bool(served_lora_rank(self.cfg))
+
+    def _gather(self):
+        """ZeRO-3: a context making the given parameters whole on every process; stages 1/2: None."""
+        if self.cfg.zero_stage != 3:
+            return None
+        import deepspeed
+        return lambda params: deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+    def adapter_weights(self) -> dict:
+        """The LoRA adapters as peft saves them (learner.lora.adapter_weights), for an adapter push. Every
+        process must call it at ZeRO-3."""
+        return adapter_weights(self.engine.module, self._gather())
+
+    def named_weights(self, base: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor) of every parameter in the module's order (tied weights once), for the weight
-        push. Every process must iterate it to the end (ZeRO-3 gathers are collective). Stage 1/2: the live
+        push; with LoRA the adapters merged in (base=True: left out, the base model under an adapter push).
+        Every process must iterate it to the end (ZeRO-3 gathers are collective). Stage 1/2: the live
         parameters; stage 3: each gathered, copied and released again."""
         module = self.engine.module
-        gather = None
-        if self.cfg.zero_stage == 3:
-            import deepspeed
-            gather = lambda params: deepspeed.zero.GatheredParameters(params, modifier_rank=None)  # noqa: E731
+        gather = self._gather()
         if self.cfg.lora_rank:       # the adapters merged into the weights, under the plain model's names
-            yield from merged_weights(module, gather)
+            yield from merged_weights(module, gather, merge=not base)
         elif gather is not None:
             for name, p in module.named_parameters():
                 with gather([p]):

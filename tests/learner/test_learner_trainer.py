@@ -332,6 +332,38 @@ def test_checkpoint_tag_loads_that_checkpoint_and_a_missing_tag_is_an_error(tiny
     assert sorted(p.name for p in tmp_path.glob("update_*")) == ["update_0000001", "update_0000002"]
 
 
+def test_two_process_lora_learner_at_zero3_pushes_the_base_once_then_the_adapters(tiny_model_path, tmp_path,
+                                                                                  redis_url, free_port):
+    """LoRA at ZeRO-3, two ranks, adapters pushed alone: the first push sends the base model's weights too
+    (the publisher says an actor lacks them), gathered whole across ranks and equal to the initial model's;
+    every push sends the gathered adapters, which train."""
+    from safetensors.torch import load_file
+
+    from common.stream import TrajectoryStream
+
+    cfg = learner_worker.learner_experiment("test:learner-zero3-lora")
+    producer = TrajectoryStream(redis_url, cfg.stream, consumer_name="producer")
+    for g in synthetic_groups(4, 3, vocab_size=1000, seed=37, max_steps=2):
+        producer.publish(g)
+    out = tmp_path / "z3"
+    _run_ranks(["zero3", tiny_model_path, str(out), redis_url, cfg.stream.stream, str(tmp_path / "ck"), "2", "lora"],
+               free_port())
+    producer.close()
+    pushed = out.parent / "z3.d"
+    assert sorted(p.name for p in pushed.iterdir()) == ["v1", "v1-adapter.safetensors", "v2-adapter.safetensors"]
+    base = {}
+    for f in sorted((pushed / "v1").glob("*.safetensors")):
+        base.update(load_file(str(f)))
+    initial = load_file(str(Path(tiny_model_path) / "model.safetensors"))
+    assert set(base) == set(initial) and all(torch.equal(base[k], initial[k]) for k in initial)
+    first, second = (load_file(str(pushed / f"v{v}-adapter.safetensors")) for v in (1, 2))
+    hidden = initial["model.layers.0.self_attn.q_proj.weight"].shape[1]
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    assert first[name].shape == (4, hidden)                      # whole, not a rank's partition
+    b = name.replace("lora_A", "lora_B")
+    assert first[b].abs().sum() > 0 and not torch.equal(first[b], second[b])
+
+
 # Agreement of one update done two ways (two processes vs one; ZeRO-3 vs ZeRO-2), weight by weight.
 #
 # Why not the log-probs or weights after an ordinary AdamW step, to a tolerance: AdamW's first step moves a
@@ -495,6 +527,35 @@ def test_learner_reads_trains_pushes_and_commits_through_the_in_memory_interface
         assert (source.stats["duplicates_skipped"], source.stats["dropped_stale"]) == (1, 1)
     finally:
         learner.close()
+
+
+def test_a_lora_learner_pushes_the_adapters_alone_or_merged_weights_as_configured(tiny_model_path):
+    """learner.lora_push=adapter: each push is the adapters in peft's format (the inference side serves them
+    as a LoRA); merged: the whole weights under the plain model's names."""
+    from peft import get_peft_model_state_dict
+
+    groups = synthetic_groups(2, 3, vocab_size=1000, seed=43, max_steps=2)
+    for how in ("adapter", "merged"):
+        cfg = learner_worker.learner_experiment("unused")
+        cfg.learner.lora_rank, cfg.learner.lora_target_modules, cfg.learner.lora_push = 4, "q_proj", how
+        cfg.learner.lr = 1e-2
+        weights_out = InMemoryWeights()
+        learner = Learner(cfg, tiny_model_path, publisher=weights_out, checkpoint_dir="")
+        try:
+            assert learner.step(groups, timeout_s=5) is not None
+            version, pushed = weights_out.latest()
+            assert [v for v, _ in weights_out.pushes] == [0, 1] and version == 1
+            if how == "adapter":
+                adapter = pushed["adapter"]
+                expected = get_peft_model_state_dict(learner.trainer.engine.module)
+                assert sorted(adapter["tensors"]) == sorted(expected) and all(".lora_" in n for n in expected)
+                assert all(torch.equal(adapter["tensors"][n], expected[n]) for n in expected)
+                assert adapter["config"]["r"] == 4 and adapter["config"]["target_modules"] == ["q_proj"]
+                assert any(t.abs().sum() > 0 for n, t in adapter["tensors"].items() if "lora_B" in n)  # trained
+            else:
+                assert "model.layers.0.self_attn.q_proj.weight" in pushed and not any(".lora_" in n for n in pushed)
+        finally:
+            learner.close()
 
 
 def test_two_process_learner_at_zero3_reads_trains_pushes_and_acks(tiny_model_path, tmp_path, redis_url, free_port):

@@ -4,8 +4,9 @@
                                                                   # to OUT
     python tests/support/learner_worker.py learn  MODEL OUT URL STREAM CKPT STEPS   # Learner.step() x STEPS, then
                                                                   # prints READY and waits to be killed
-    python tests/support/learner_worker.py zero3  MODEL OUT URL STREAM CKPT STEPS   # Learner.step() x STEPS at
-                                      # ZeRO-3; rank 0 writes the pushed weights as buckets under OUT.d/
+    python tests/support/learner_worker.py zero3  MODEL OUT URL STREAM CKPT STEPS [lora]  # Learner.step() x STEPS
+                                      # at ZeRO-3; rank 0 writes the pushed weights as buckets under OUT.d/
+                                      # (lora: LoRA adapters of rank 4, pushed alone, after the base once)
 Rank and world come from torchrun-style env vars (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
 """
 from __future__ import annotations
@@ -145,7 +146,7 @@ def main() -> None:
     url, stream_key, ckpt, steps = sys.argv[4], sys.argv[5], sys.argv[6], int(sys.argv[7])
     from learner.loop import Learner
     if mode == "zero3":
-        run_zero3(model_path, out, url, stream_key, ckpt, steps)
+        run_zero3(model_path, out, url, stream_key, ckpt, steps, lora=sys.argv[8:] == ["lora"])
         return
     cfg = learner_experiment(stream_key)
     learner = Learner(cfg, model_path, url, checkpoint_dir=ckpt, resume=True)
@@ -166,20 +167,34 @@ class BucketFilePublisher:
 
     def __init__(self, out_dir: str):
         self.out_dir = out_dir
+        self.base_sent = False
 
     def push(self, named_tensors, version: int) -> dict:
         from common.weight_transfer import write_buckets
         files = write_buckets(named_tensors, f"{self.out_dir}/v{version}", 64 * 2 ** 20)
         return {"buckets": len(files), "version": version}
 
+    def needs_base(self) -> bool:
+        return not self.base_sent          # as an inference actor started with dummy weights would say
 
-def run_zero3(model_path, out, url, stream_key, ckpt, steps) -> None:
+    def push_adapter(self, adapter: dict, version: int, base_weights=None) -> dict:
+        from safetensors.torch import save_file
+        info = self.push(base_weights, version) if base_weights is not None else {"version": version}
+        self.base_sent = True
+        save_file(adapter["tensors"], f"{self.out_dir}/v{version}-adapter.safetensors")
+        return info
+
+
+def run_zero3(model_path, out, url, stream_key, ckpt, steps, lora: bool = False) -> None:
     import torch.distributed as dist
     from learner.loop import Learner
     from learner.trainer import teardown_distributed
 
     cfg = learner_experiment(stream_key)
     cfg.learner.zero_stage = 3
+    if lora:
+        cfg.learner.lora_rank, cfg.learner.lora_target_modules, cfg.learner.lr = 4, "q_proj,up_proj", 1e-2
+        cfg.learner.lora_push = "adapter"
     rank = int(os.environ["RANK"])
     learner = Learner(cfg, model_path, url if rank == 0 else None, checkpoint_dir=ckpt,
                       publisher=BucketFilePublisher(out + ".d") if rank == 0 else None)

@@ -9,6 +9,7 @@ from pathlib import Path
 from common.actor_calls import wait_all
 from common.metrics import update_figures
 from common.run_dir import EVALS_FILE, GROUPS_FILE, METRICS_FILE
+from deploy.stats import paired_change
 
 
 class PlacementWatch:
@@ -161,16 +162,35 @@ def format_eval(title: str, results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def paired_change_line(measure: str, change: dict) -> str:
+    """Whether training moved `measure` beyond what the evaluation's own noise explains: the change paired by
+    task with its 95% interval over tasks (deploy.stats.paired_change)."""
+    def points(x: float) -> float:
+        return round(100 * x, 1) + 0.0       # (+ 0.0: no "-0.0" for a rounding error's sign)
+
+    diff, lo, hi = points(change["diff"]), points(change["diff"] - change["ci"]), points(change["diff"] + change["ci"])
+    verdict = ("outside the noise: the interval excludes 0" if lo > 0 or hi < 0 else
+               "within the noise: the interval includes 0")
+    return (f"{measure} change paired by task over {change['tasks']} tasks: {diff:+.1f} points, "
+            f"95% interval [{lo:+.1f}, {hi:+.1f}]: {verdict}")
+
+
 def format_summary(summary: dict) -> str:
     """`gigpo train`'s last lines: updates, time, env steps, success (and score) before and after, the table."""
     lines = ["", "=" * 72, f"trained {summary['updates']} updates in {summary['train_s'] / 60:.1f} min, "
              f"{summary['env_steps']:.0f} env steps"]
     if summary.get("before") and summary.get("after"):
-        b, a = summary["before"]["success"], summary["after"]["success"]
+        before, after = summary["before"], summary["after"]
+        b, a = before["success"], after["success"]
         lines.append(f"success before {100 * b:.1f}%  ->  after {100 * a:.1f}%   ({100 * (a - b):+.1f} points)")
-        if "score" in summary["before"] and "score" in summary["after"]:      # WebShop: the paper's other figure
-            b, a = summary["before"]["score"], summary["after"]["score"]
+        webshop = "score" in before and "score" in after        # WebShop: the paper's other figure
+        if webshop:
+            b, a = before["score"], after["score"]
             lines.append(f"score   before {100 * b:.1f}    ->  after {100 * a:.1f}    ({100 * (a - b):+.1f} points)")
+        measure = "score" if webshop else "success"
+        change = paired_change(before.get("episodes_detail", []), after.get("episodes_detail", []), measure)
+        if change["tasks"] >= 2:
+            lines.append(paired_change_line(measure, change))
         lines.append(format_eval("after training", {summary.get("eval_split", "eval"): summary["after"]}))
     lines.append(f"outputs: {summary['outputs']} (tensorboard --logdir {summary['outputs']}/tensorboard; "
                  f"each step's credit: gigpo view {summary['outputs']})")

@@ -1,11 +1,12 @@
 """The learning check's statistics (deploy/tools/experiment.py): per-game measures, paired differences and
-their intervals, on hand-made evaluations whose answers follow from the arithmetic."""
+their intervals, on hand-made evaluations whose answers follow from the arithmetic (the t quantiles and
+intervals themselves: tests/deploy/test_stats.py)."""
 import math
 
 import pytest
 
 from common.config import LearnerConfig, choices
-from deploy.tools.experiment import COMPARED, Protocol, mean_ci, paired, per_game, read_evals, summarize, t_quantile_975
+from deploy.tools.experiment import COMPARED, Protocol, paired, per_game, read_evals, summarize
 
 
 def ep(task, success, steps):
@@ -18,19 +19,6 @@ def test_per_game_counts_a_failure_as_the_budget_and_success_within_fast_steps()
     assert table["a"] == {"steps": 7.0, "fast": 0.5, "success": 1.0}     # two episodes: their mean
     assert table["b"] == {"steps": 12.0, "fast": 0.0, "success": 1.0}    # solved, but not within 8
     assert table["c"] == {"steps": 30.0, "fast": 0.0, "success": 0.0}
-
-
-def test_t_quantiles_match_the_table_and_the_normal_limit():
-    assert t_quantile_975(2) == 4.303
-    assert t_quantile_975(10) == pytest.approx(2.228, abs=0.002)
-    assert t_quantile_975(127) == pytest.approx(1.979, abs=0.002)
-    assert t_quantile_975(10 ** 6) == pytest.approx(1.96, abs=1e-3)
-
-
-def test_mean_ci_of_known_values():
-    m, ci = mean_ci([1.0, 2.0, 3.0])          # sd 1, n 3: 4.303 / sqrt(3)
-    assert m == 2.0 and ci == pytest.approx(4.303 / math.sqrt(3))
-    assert math.isnan(mean_ci([5.0])[1])
 
 
 def test_paired_difference_over_games_and_over_seeds():
@@ -90,14 +78,6 @@ def test_report_from_the_records_keeps_the_plan(tmp_path, capsys):
     assert (tmp_path / "learning-check-tiny-pick.png").stat().st_size > 0
     assert main(["--report", "--records", str(tmp_path / "none"), "--doc", str(doc)]) == 1
     assert "no records" in capsys.readouterr().err
-
-
-def test_power_follows_the_t_quantiles():
-    from deploy.tools.experiment import min_detectable, seeds_needed
-    # sd 5 points over 4 seeds: (3.182 + 0.978) x 5 / 2 = 10.4 points
-    assert min_detectable(0.05, 4) == pytest.approx((3.182 + 0.978) * 0.05 / 2)
-    assert seeds_needed(0.05, 0.10) == 5 and seeds_needed(0.0, 0.10) == 2
-    assert math.isnan(min_detectable(0.05, 1))
 
 
 def test_the_compared_algorithms_are_choices_of_the_config():

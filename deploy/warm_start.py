@@ -56,7 +56,6 @@ def collect_examples(cfg: ExperimentConfig, tokenizer) -> tuple[list[Example], d
 
     examples: list[Example] = []
     counts = {"games": 0, "games_skipped": 0, "rows_too_long": 0, "free_text_rows": 0}
-    eos = tokenizer.eos_token_id
 
     def report_of(results):
         res = results[0]
@@ -66,6 +65,12 @@ def collect_examples(cfg: ExperimentConfig, tokenizer) -> tuple[list[Example], d
 
     with EnvPool(cfg.env, 1, seed=cfg.run.seed) as env:
         task_ids = env.task_ids(cfg.env.train_split)[: cfg.model.warm_start_games]
+        held_out = set(task_ids) & set(env.task_ids(cfg.env.eval_split))
+        if held_out:     # the evaluation would then measure memory of the answer, not the policy
+            raise ValueError(f"warm start: {len(held_out)} of its games are in the held-out split "
+                             f"(env.train_split={cfg.env.train_split!r}, env.eval_split={cfg.env.eval_split!r}, "
+                             f"e.g. task {sorted(held_out)[0]!r}); warm-start on games the evaluation does not play")
+        eos = tokenizer.eos_token_id
         for task_id in task_ids:
             report = report_of(env.reset_batch([(0, task_id, cfg.run.seed)]))
             walkthrough = list(report.info.get("walkthrough") or [])

@@ -72,3 +72,20 @@ def test_bad_settings_are_clear_errors(tmp_path, tiny_model_path):
     cfg.model.warm_start_games = 0                                # ... and so does the warm start itself
     with pytest.raises(ValueError, match="warm_start_games"):
         warm_start(cfg, tiny_model_path)
+
+
+def test_no_warm_start_game_is_held_out(tmp_path, tiny_model_path, monkeypatch):
+    """The warm start refuses to learn the solutions of games the evaluation plays (here: the eval split as
+    the training split too), for ALFWorld and for WebShop's goals."""
+    from env_servers.webshop.data import SAMPLE_DIR
+
+    cfg = _cfg(tmp_path, warm_start_steps=3)
+    cfg.env.train_split = cfg.env.eval_split
+    with pytest.raises(ValueError, match="in the held-out split"):
+        collect_examples(cfg, None)
+    monkeypatch.setenv("WEBSHOP_DATA", SAMPLE_DIR)
+    cfg = load_config(REPO / "configs" / "webshop-embedded.yaml", [f"run.output_dir={tmp_path}",
+                                                                     "env.train_split=all"])
+    with pytest.raises(ValueError, match="in the held-out split"):
+        collect_examples(cfg, None)
+

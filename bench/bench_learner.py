@@ -18,6 +18,8 @@ learner's tokens/s inside a real run. < ~3 minutes on 2 cores (+ ~8 minutes for 
   same order and batch size) with the learner's threads (common.cpu_placement.compute_threads) and with one
   (how much of one core the learner gets). Target (issue 31): >= 0.9 where the learner has the machine to
   itself (sync); async, on cores both sides share, the ratio is the learner's share of them.
+  `--system-only --config configs/alfworld-smollm2.yaml --system-updates 4`: the sync run of SmolLM2's config
+  alone against the bench with the run's threads (issue 48's goal).
 """
 import os
 import sys
@@ -122,9 +124,9 @@ class StreamTap:
         self._thread.join()
 
 
-def in_system(updates: int, sync: bool) -> None:
-    """Tokens/s of the learner inside a real run (async, or `run.sync`) against this bench's on the same
-    groups (see the module)."""
+def in_system(updates: int, sync: bool, config: str = "configs/embedded.yaml", one_thread: bool = True) -> None:
+    """Tokens/s of the learner inside a real run of `config` (async, or `run.sync`) against this bench's on
+    the same groups (see the module); one_thread: also against one torch thread."""
     import json
 
     from common.config import load_config
@@ -133,7 +135,7 @@ def in_system(updates: int, sync: bool) -> None:
     from deploy.system import System
 
     with tempfile.TemporaryDirectory(prefix="gigpo-bench-learner-", ignore_cleanup_errors=True) as out:
-        cfg = load_config("configs/embedded.yaml", [
+        cfg = load_config(config, [
             f"run.output_dir={out}", f"run.iterations={updates}", "run.eval_every=0", "model.warm_start_steps=0",
             "learner.checkpoint_every=0", f"run.sync={str(sync).lower()}"])
         with System(cfg) as system:
@@ -145,19 +147,22 @@ def in_system(updates: int, sync: bool) -> None:
                 tap.close()
             model_path = system.model_path
         in_run = [m["perf/tokens_per_s"] for m in history[1:]]       # the first update warms up
+        train_s = [m["time/train_s"] for m in history[1:]]
         shares = [m["perf/matmul_peak_share"] for m in history[1:]]
         padding = [m["perf/padding_share"] for m in history[1:]]
         size = cfg.learner.groups_per_batch
         batches = [tap.groups[i:i + size] for i in range(0, len(tap.groups) - size + 1, size)][:len(history)]
         threads = compute_threads(cfg.run.learner_cpus)
-        alone = {n: train_alone(model_path, cfg, batches, n) for n in sorted({threads, 1}, reverse=True)}
+        alone = {n: train_alone(model_path, cfg, batches, n)
+                 for n in sorted({threads, 1} if one_thread else {threads}, reverse=True)}
         with open(os.path.join(out, "metrics.jsonl")) as f:
             rows = [json.loads(line)["batch/rows"] for line in f]
 
     schedule = "sync: the rollout side idles while the learner trains" if sync else "async"
-    print(f"learner in a real run (configs/embedded.yaml, {schedule}, {threads} torch threads, {len(in_run)} updates "
+    print(f"learner in a real run ({config}, {schedule}, {threads} torch threads, {len(in_run)} updates "
           f"after a warm-up, ~{np.mean(rows):.0f} rows each): {np.median(in_run):.0f} tokens/s "
-          f"(per update: {' '.join(f'{v:.0f}' for v in in_run)})")
+          f"(per update: {' '.join(f'{v:.0f}' for v in in_run)}); the learner's part of an update "
+          f"{np.median(train_s):.0f} s (per update: {' '.join(f'{v:.0f}' for v in train_s)})")
     print(f"  its share of the learner's own matmul peak (same dtype, measured in the run): {np.median(shares):.2f}; "
           f"padding {np.median(padding):.1%} of the computed tokens")
     for n, rates in alone.items():
@@ -165,7 +170,7 @@ def in_system(updates: int, sync: bool) -> None:
               f"(per update: {' '.join(f'{v:.0f}' for v in rates)})")
     print(f"in the run / on the bench ({threads} threads)   {np.median(in_run) / np.median(alone[threads]):.2f}  "
           + ("(target >= 0.9)" if sync else "(the learner's share of cores the rollout side also uses)"))
-    if threads > 1:
+    if threads > 1 and 1 in alone:
         # The run's rollout side (vLLM, env workers) keeps the other cores busy while the learner trains:
         # against one thread alone this says how much of one core's worth the learner gets.
         print(f"in the run / on the bench (1 thread)    {np.median(in_run) / np.median(alone[1]):.2f}")
@@ -194,10 +199,17 @@ def main() -> None:
     import argparse
     ap = argparse.ArgumentParser()
     ap.add_argument("--system-updates", type=int, default=6, help="updates of the in-system run (0: skip it)")
+    ap.add_argument("--config", default="configs/embedded.yaml", help="the in-system run's config")
+    ap.add_argument("--system-only", action="store_true",
+                    help="the in-system run in sync mode alone, against the bench with the run's threads (e.g. "
+                         "--config configs/alfworld-smollm2.yaml: issue 48's goal for SmolLM2)")
     args = ap.parse_args()
+    if args.system_only:
+        in_system(args.system_updates, True, args.config, one_thread=False)
+        return
     if args.system_updates:
         for sync in (False, True):
-            in_system(args.system_updates, sync)
+            in_system(args.system_updates, sync, args.config)
     # One thread, and CPU time as the figure: on a shared machine wall-clock swings by 2x from round to
     # round, and idle OpenMP threads spinning under contention would inflate CPU time.
     torch.set_num_threads(1)

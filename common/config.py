@@ -62,6 +62,9 @@ class ModelConfig:
                                   "ones of env.train_split; never eval games)", AT_LEAST_1)
     warm_start_lr: float = F(1e-3, "AdamW learning rate of the warm start", POSITIVE)
     warm_start_batch: int = F(16, "steps (prompt, response) per warm-start optimizer step", AT_LEAST_1)
+    warm_start_free_text_repeat: int = F(
+        32, "times a free-text step (WebShop's search query) is in the warm start's example pool, against once "
+            "for a listed action: copying a goal's words is what the tiny model learns slowest", AT_LEAST_1)
 
 
 @dataclass

@@ -32,20 +32,14 @@ log = logging.getLogger("gigpo.warm_start")
 _INFO = "warm_start.json"
 
 
-# How many times a free-text step (WebShop's search query) is in the example pool, against once for a listed
-# action: copying the goal's words takes the tiny model ~3,000 such rows (measured: the goal's product on the
-# first results page for 10/24 held-out goals after 1,600 search rows, 15/24 after 3,200), and search rows
-# are short, so repeating them is cheap.
-FREE_TEXT_REPEAT = 32
-
-
 @dataclass
 class Example:
     """One supervised row: the prompt the rollout would build and the response to learn."""
 
     prompt_ids: list[int]
     response_ids: list[int]
-    repeat: int = 1          # times in the example pool per pass (FREE_TEXT_REPEAT for a free-text step)
+    repeat: int = 1          # times in the example pool per pass (model.warm_start_free_text_repeat for a
+                             # free-text step)
 
 
 def collect_examples(cfg: ExperimentConfig, tokenizer) -> tuple[list[Example], dict]:
@@ -79,6 +73,7 @@ def collect_examples(cfg: ExperimentConfig, tokenizer) -> tuple[list[Example], d
                                  f"env {cfg.env.name!r} has no walkthrough (its env reports none at reset; "
                                  f"set model.warm_start_steps=0)")
             rows: list[Example] = []
+            free_text = 0
             history: list[tuple[str, str]] = []
             ok = True
             for step, action in enumerate(walkthrough[: cfg.env.max_steps]):
@@ -92,7 +87,8 @@ def collect_examples(cfg: ExperimentConfig, tokenizer) -> tuple[list[Example], d
                 if len(ids) <= cfg.model.max_prompt_tokens:
                     response = tokenizer.encode(response_text(action), add_special_tokens=False) + [eos]
                     rows.append(Example(ids, response[: cfg.model.max_response_tokens],
-                                        repeat=1 if listed else FREE_TEXT_REPEAT))
+                                        repeat=1 if listed else cfg.model.warm_start_free_text_repeat))
+                    free_text += not listed
                 else:
                     counts["rows_too_long"] += 1
                 history.append((report.observation, action))
@@ -100,7 +96,7 @@ def collect_examples(cfg: ExperimentConfig, tokenizer) -> tuple[list[Example], d
             if ok and report.won:
                 examples.extend(rows)
                 counts["games"] += 1
-                counts["free_text_rows"] += sum(e.repeat > 1 for e in rows)
+                counts["free_text_rows"] += free_text
             else:
                 counts["games_skipped"] += 1
     return examples, counts
@@ -180,7 +176,7 @@ def _settings(cfg: ExperimentConfig, model_path: str) -> dict:
                 "max_prompt_tokens": m.max_prompt_tokens,
                 "initial_model": hashlib.sha256(fingerprint.encode()).hexdigest()[:16]}
     if cfg.env.name == "webshop":     # (only then: ALFWorld's cached warm models stay valid)
-        settings.update(webshop_catalog=_webshop_catalog(cfg.env.source), free_text_repeat=FREE_TEXT_REPEAT)
+        settings.update(webshop_catalog=_webshop_catalog(cfg.env.source), free_text_repeat=m.warm_start_free_text_repeat)
     return settings
 
 

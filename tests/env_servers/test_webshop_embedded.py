@@ -121,7 +121,7 @@ def test_warm_start_rows_of_webshop_goals(tmp_path, tiny_model_path, monkeypatch
     from transformers import AutoTokenizer
 
     from common.config import load_config
-    from deploy.warm_start import FREE_TEXT_REPEAT, collect_examples
+    from deploy.warm_start import collect_examples
 
     monkeypatch.setenv("WEBSHOP_DATA", SAMPLE_DIR)
     cfg = load_config("configs/webshop-embedded.yaml", [f"run.output_dir={tmp_path}", "model.warm_start_games=5"])
@@ -129,7 +129,7 @@ def test_warm_start_rows_of_webshop_goals(tmp_path, tiny_model_path, monkeypatch
     examples, counts = collect_examples(cfg, tok)
     assert counts["games"] == 5 and counts["games_skipped"] == 0 and counts["free_text_rows"] == 5
     searches = [e for e in examples if e.repeat > 1]
-    assert len(searches) == 5 and all(e.repeat == FREE_TEXT_REPEAT for e in searches)
+    assert len(searches) == 5 and all(e.repeat == cfg.model.warm_start_free_text_repeat for e in searches)
     for e in examples:
         text = tok.decode(e.response_ids[:-1])
         parsed = parse_action(text)

@@ -174,12 +174,16 @@ class WeightReceiver:
 
     def _serving(self, version: int, wait: float, load: float) -> dict:
         """Weights of `version` are loaded (after `wait` s at the gate, `load` s loading): serve them. Returns
-        the update's timings. With LoRA they are the base model: the gate stays closed until the adapter."""
+        the update's timings. With LoRA they are the base model: the gate stays closed until the adapter
+        (`update_adapter`, which also replaces the adapter vLLM still holds)."""
         if self.serves_lora:
             self.has_base = True
             self.has_weights = False
-            self.lora_request = None
             return {"wait_s": wait, "load_s": load, "version": int(version), "base": True}
+        return self._now_serving(version, wait, load)
+
+    def _now_serving(self, version: int, wait: float, load: float) -> dict:
+        """The policy of `version` is loaded (weights, or base and adapter): open the gate; returns timings."""
         self.version = int(version)
         self.has_weights = True
         self.metrics.set("policy_version", self.version)
@@ -265,17 +269,10 @@ class WeightReceiver:
             old, self.lora_request = self.lora_request, request
             if old is not None:
                 await self.engine.remove_lora(old.lora_int_id)
-                shutil.rmtree(old.lora_path, ignore_errors=True)
+                if old.lora_path != folder:        # (the same version again after a base push: rewritten)
+                    shutil.rmtree(old.lora_path, ignore_errors=True)
             await self.engine.reset_prefix_cache()     # (cached KV was computed under the old adapter)
-            self.has_weights = True
-            self.version = int(version)
-            self.metrics.set("policy_version", self.version)
-            self.gate.open()
-            self.stats["updates"] += 1
-            self.stats["update_wait_s"] += wait
-            self.stats["update_load_s"] += time.perf_counter() - t1
-            return {"wait_s": wait, "load_s": time.perf_counter() - t1, "write_s": t_write - t0,
-                    "version": self.version}
+            return dict(self._now_serving(version, wait, time.perf_counter() - t1), write_s=t_write - t0)
 
     # -- the collective / ipc way: vLLM's weight-transfer protocol, called by common.weight_transfer's client
     # in this order: init (once per group), then start, update_weights (concurrently with the learner's

@@ -21,7 +21,7 @@ Design:
   response comes from exactly the policy version it reports; the actor's weight methods
   (`update_weights_from_files`, `init_weight_transfer_engine`, `start_weight_update`, ...) delegate to it. A
   load that fails half-way makes the actor exit (Ray restarts it) with its gate kept closed.
-- LoRA (learner.lora_push=adapter; `lora_rank` > 0): the engine starts with LoRA enabled for one adapter,
+- LoRA (learner.lora_push=adapter; `adapter_rank` > 0): the engine starts with LoRA enabled for one adapter,
   and a push is the adapters alone (`update_adapter`); every request carries the current one.
 - Fault tolerance: a restarted actor (max_restarts / max_task_retries) first loads the newest shm manifest;
   without one it comes back without weights (gate closed, outside the group) until the learner notices and
@@ -80,8 +80,8 @@ def _weights_digest(worker) -> str:
 
 
 def engine_args(model_path: str, model_cfg: ModelConfig, infer_cfg: InferenceConfig, *, seed: int, gpu: bool,
-                dummy: bool = False, transfer_backend: str | None = None, lora_rank: int = 0):
-    """vLLM's AsyncEngineArgs for the model and inference sections of the config; lora_rank > 0: serving one
+                dummy: bool = False, transfer_backend: str | None = None, adapter_rank: int = 0):
+    """vLLM's AsyncEngineArgs for the model and inference sections of the config; adapter_rank > 0: serving one
     LoRA adapter of at most that rank (common.config.served_lora_rank)."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -97,10 +97,10 @@ def engine_args(model_path: str, model_cfg: ModelConfig, infer_cfg: InferenceCon
         extra["hf_overrides"] = {"head_dtype": "float32"}      # the lm_head's product in fp32, as the learner's
     if not gpu:
         extra["enforce_eager"] = True      # torch.compile on CPU costs minutes of start-up for little
-    if lora_rank:
+    if adapter_rank:
         # One adapter serves at a time (the policy's); two fit in the CPU cache, so that the next version's
         # loads before the current one is removed (common/weight_receiver.py).
-        extra.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(lora_rank), max_loras=1, max_cpu_loras=2)
+        extra.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(adapter_rank), max_loras=1, max_cpu_loras=2)
     return AsyncEngineArgs(
         model=model_path, dtype=dtype, seed=seed,
         max_model_len=model_cfg.max_prompt_tokens + model_cfg.max_response_tokens,
@@ -115,12 +115,12 @@ class InferenceEngine:
     """The actor's body (kept as a plain class so that it can also run in-process)."""
 
     def __init__(self, model: ModelSource | str, model_cfg: ModelConfig, infer_cfg: InferenceConfig, seed: int,
-                 cpus: str, nice: int, log_dir: str, name: str, wait_for_weights: bool, lora_rank: int = 0):
+                 cpus: str, nice: int, log_dir: str, name: str, wait_for_weights: bool, adapter_rank: int = 0):
         """seed: this engine's (run.seed * 1000 + its index); cpus, nice: run.rollout_cpus and rollout_nice;
         name: its log file's, under log_dir. wait_for_weights: serve nothing from the model's files (the
         initial policy) but wait for the learner's weights (the newest shm manifest, or a push): an actor
-        added to a running job. lora_rank > 0: the learner pushes LoRA adapters of that rank, served on the
-        base model (`update_adapter`)."""
+        added to a running job. adapter_rank > 0: the learner pushes LoRA adapters of that rank, served on the
+        base model (`update_adapter`; common.config.served_lora_rank)."""
         apply_project_env()     # vLLM's, DeepSpeed's, ... variables first
         # <log_dir>/<name>.log: vLLM's logs, and its engine core process's (it inherits the fds).
         send_output_to(log_dir, name)
@@ -141,7 +141,7 @@ class InferenceEngine:
         self.max_response_tokens = model_cfg.max_response_tokens
         backend = transfer_backend(self.gpu, infer_cfg.weight_transfer)
         args = engine_args(self.model_path, model_cfg, infer_cfg, seed=seed, gpu=self.gpu, dummy=dummy,
-                           transfer_backend=backend, lora_rank=lora_rank)
+                           transfer_backend=backend, adapter_rank=adapter_rank)
         self.max_model_len = args.max_model_len
         shm_before = shm_cleanup.entries()        # (for the note below)
         self.engine = AsyncLLM.from_engine_args(args)
@@ -158,7 +158,7 @@ class InferenceEngine:
         self.receiver = WeightReceiver(
             self.engine, self.gate, self.metrics, backend=backend, timeout_s=infer_cfg.transfer_timeout_s,
             weights_dir=weights_dir, has_weights=not dummy and not _reconstructed() and not wait_for_weights,
-            serves_lora=bool(lora_rank), has_base=not dummy)
+            serves_lora=bool(adapter_rank), has_base=not dummy)
         if not self.receiver.has_weights:
             log.info("serving nothing until the learner's weights arrive (%s)",
                      "dummy weights: the model's files are not on this node" if dummy else

@@ -605,18 +605,20 @@ class WeightTransfer:
     def push_adapter(self, adapter: dict, version: int, base_weights: Iterable | None = None,
                      retry: bool = True) -> dict:
         """Send LoRA adapters (learner.lora.adapter_weights) as policy `version` to every inference actor,
-        through Ray's object store (any node; megabytes). An actor without the base model's weights (started
-        with dummy ones) gets `base_weights` first, by the configured way (`push`); without them it is an
-        error. Returns timings, bytes ("base_bytes" too when the base went out) and "transfer": "adapter"."""
+        through Ray's object store (any node; megabytes). `base_weights`, when given, go first to every actor
+        by the configured way (`push`): the learner sends them when `needs_base` (and every one of its ranks
+        then gathers them, so they are always sent once given). Without them an actor that lacks the base
+        model's weights is an error. Returns timings, bytes ("base_bytes" too when the base went out) and
+        "transfer": "adapter"."""
         import ray
 
         t0 = time.perf_counter()
         states = actor_states(self.actors, self.timeout_s)
         base = {}
-        if any(not s["has_base"] for s in states):
-            if base_weights is None:
-                raise RuntimeError("an inference actor lacks the base model's weights (dummy weights) and this "
-                                   "adapter push has none to send")
+        if base_weights is None and any(not s["has_base"] for s in states):
+            raise RuntimeError("an inference actor lacks the base model's weights (dummy weights) and this "
+                               "adapter push has none to send")
+        if base_weights is not None:
             base = self.push(base_weights, version)
             log.info("pushed the base model's weights (%.0f MB, %s) to inference actors that started without "
                      "them", base["bytes"] / 1e6, base["transfer"])

@@ -635,7 +635,7 @@ class WeightTransfer:
             return self.push_adapter(adapter, version, None if base else base_weights, retry=False)
         total = time.perf_counter() - t0
         return {"transfer": "adapter", "version": int(version), "bytes": nbytes, "total_s": total,
-                "load_s": max(a["load_s"] for a in answers if "load_s" in a) if answers else 0.0,
+                "load_s": max((a["load_s"] for a in answers if "load_s" in a), default=0.0),   # (retries: skipped)
                 "gbps": nbytes / max(total, 1e-9) / 1e9,
                 **({"base_bytes": base["bytes"], "base_s": base["total_s"]} if base else {})}
 

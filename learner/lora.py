@@ -60,6 +60,11 @@ def reference_policy(model) -> ContextManager:
     return module.disable_adapter()
 
 
+def _whole(gather: Callable[[list], ContextManager] | None) -> Callable[[list], ContextManager]:
+    """`gather`, or (parameters already whole: ZeRO stages 1 and 2) a context that does nothing."""
+    return gather or (lambda params: contextlib.nullcontext())
+
+
 def merged_weights(peft_model, gather: Callable[[list], ContextManager] | None = None, merge: bool = True
                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) of every weight of the model the adapters make, under the plain model's names and in its
@@ -68,7 +73,7 @@ def merged_weights(peft_model, gather: Callable[[list], ContextManager] | None =
     serving the adapter needs under it. `gather(params)`: a context that makes those parameters whole
     (ZeRO-3's GatheredParameters), each then copied before it is released; None: the parameters are whole
     (stages 1 and 2). Every process must iterate to the end (ZeRO-3's gathers are collective)."""
-    whole = gather or (lambda params: contextlib.nullcontext())
+    whole = _whole(gather)
     base = peft_model.get_base_model()
     for name, p in base.named_parameters():
         if ".lora_" in name:
@@ -92,7 +97,7 @@ def adapter_weights(peft_model, gather: Callable[[list], ContextManager] | None 
     """The adapters as peft saves them, the weight push's "adapter" way: {"config": adapter_config.json's
     content, "tensors": {name: tensor}} with peft's file names (`...q_proj.lora_A.weight`), each tensor a CPU
     copy in the parameters' dtype. `gather`: as for merged_weights (every process must call it at ZeRO-3)."""
-    whole = gather or (lambda params: contextlib.nullcontext())
+    whole = _whole(gather)
     lora = [(name, p) for name, p in peft_model.named_parameters() if ".lora_" in name]
     with whole([p for _, p in lora]):
         tensors = {name.replace(f".{ADAPTER}.", "."): p.detach().to("cpu", copy=True).contiguous()

@@ -53,42 +53,29 @@ def start_ray(cfg: ExperimentConfig) -> str:
 
 
 @contextlib.contextmanager
-def stopped_at_once_by_signals(stop_s: float = 5.0):
-    """While Ray starts, SIGINT or SIGTERM ends this process within seconds, and every process it started
-    (Ray's own: nothing else of the run exists yet). Python's handlers cannot do it: ray.init waits in C++,
-    which holds them back until it returns (a GCS killed by a SIGTERM to the whole process group makes that
-    30-60 s), and an exception raised into a half-started node crashes the interpreter. Python's C-level
-    handler writes the signal's number to a wakeup pipe at once, which a thread here reads."""
+def stopped_at_once_by_signals():
+    """While Ray starts, SIGINT and SIGTERM take the kernel's default action: this process ends at once, killed
+    by the signal, and the processes Ray started end with it (Ray starts them sharing its fate: the kernel kills
+    them when it dies, PR_SET_PDEATHSIG). No Python handler can do it, in any thread: ray.init waits in C++
+    holding the interpreter's lock (for the GCS's port file: 30 s when a SIGTERM to the whole process group
+    killed the GCS), so no Python code runs until it returns; and an exception raised into a half-started node
+    crashes the interpreter. ray.init's first step installs a SIGTERM handler of its own, in Python; it is kept
+    from doing so while Ray starts (SignalTrap.trap installs the run's handlers after)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    read_end, write_end = os.pipe()
-    os.set_blocking(write_end, False)
-    previous = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
-
-    def watch() -> None:
-        while data := os.read(read_end, 1):
-            if data[0] in (signal.SIGINT, signal.SIGTERM):
-                import psutil
-                started = psutil.Process().children(recursive=True)
-                for proc in started:
-                    with contextlib.suppress(psutil.Error):
-                        proc.terminate()
-                for proc in psutil.wait_procs(started, timeout=stop_s)[1]:
-                    with contextlib.suppress(psutil.Error):
-                        proc.kill()
-                log.warning("%s while Ray was starting: stopped", signal.Signals(data[0]).name)
-                os._exit(128 + data[0])
-
-    watcher = threading.Thread(target=watch, name="stop-while-starting", daemon=True)
-    watcher.start()
+    previous = {sig: signal.signal(sig, signal.SIG_DFL) for sig in (signal.SIGINT, signal.SIGTERM)}
+    ray_utils = ray._private.utils
+    ray_sets_handler = getattr(ray_utils, "set_sigterm_handler", None)
+    if ray_sets_handler is not None:
+        ray_utils.set_sigterm_handler = lambda handler: None
     try:
         yield
     finally:
-        signal.set_wakeup_fd(previous)
-        os.close(write_end)           # the watcher reads the end of the pipe and returns
-        watcher.join(timeout=5)
-        os.close(read_end)
+        if ray_sets_handler is not None:
+            ray_utils.set_sigterm_handler = ray_sets_handler
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def link_ray_logs(log_dir: str) -> None:

@@ -124,11 +124,13 @@ def _owned_temp_dirs(pid: int) -> list[str]:
 
 
 @pytest.mark.fault
-def test_sigterm_while_ray_starts_ends_within_seconds_and_leaves_nothing(tmp_path):
-    """A scheduler's SIGTERM to the whole process group while `ray.init` starts the local Ray's processes
-    (they get it too): the run ends within seconds, not after Ray's 30-60 s wait for a GCS that is gone, and
-    nothing of it is left. (Bound: the 5 s grace stopped_at_once_by_signals gives Ray's processes, and the
-    polling here; a SIGTERM that lands after ray.init returned takes System.close's path, ~10 s here.)"""
+@pytest.mark.parametrize("to_group", [True, False], ids=["process-group", "driver-alone"])
+def test_sigterm_while_ray_starts_ends_at_once_and_leaves_nothing(tmp_path, to_group):
+    """A SIGTERM while `ray.init` starts the local Ray's processes, sent by a scheduler to the whole process
+    group (Ray's processes get it too) or by `kill` to the driver alone: the driver ends at once, killed by
+    the signal, not after Ray's 30 s wait for a GCS that is gone, and every process it started ends with it.
+    (Bounds: the kernel ends the driver when the signal arrives, and its processes when it ends; 10 s and 30 s
+    are for a loaded 2-core machine's scheduling and the polling here.)"""
     out = tmp_path / "run"
     log = tmp_path / "train.log"
     env = dict(os.environ, PYTHONPATH=f"{REPO}:{os.environ.get('PYTHONPATH', '')}")
@@ -139,7 +141,7 @@ def test_sigterm_while_ray_starts_ends_within_seconds_and_leaves_nothing(tmp_pat
     try:
         _wait_for(lambda: any(p.name() == "gcs_server" for p in _run_processes(proc.pid)), 120,
                   "Ray's GCS starting", proc, log)
-        os.killpg(proc.pid, signal.SIGTERM)
+        (os.killpg if to_group else os.kill)(proc.pid, signal.SIGTERM)
         t0 = time.monotonic()
         proc.wait(timeout=60)
         took = time.monotonic() - t0
@@ -147,8 +149,7 @@ def test_sigterm_while_ray_starts_ends_within_seconds_and_leaves_nothing(tmp_pat
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    print(f"ended {took:.1f} s after SIGTERM, code {proc.returncode}")
-    assert proc.returncode == 128 + signal.SIGTERM and took < 30, (took, log.read_text()[-3000:])
+    assert proc.returncode == -signal.SIGTERM and took < 10, (proc.returncode, took, log.read_text()[-3000:])
     assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
     deadline = time.monotonic() + 30
     while (left := _run_processes(proc.pid)) and time.monotonic() < deadline:

@@ -65,6 +65,9 @@ class ModelConfig:
     warm_start_free_text_repeat: int = F(
         32, "times a free-text step (WebShop's search query) is in the warm start's example pool, against once "
             "for a listed action: copying a goal's words is what the tiny model learns slowest", AT_LEAST_1)
+    warm_start_option_repeat: int = F(
+        1, "times a step that clicks a value the task names (WebShop: the colour or size a goal asks for) is in "
+           "the warm start's example pool, against once for another listed action", AT_LEAST_1)
 
 
 @dataclass

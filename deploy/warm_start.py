@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import random
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +40,14 @@ class Example:
     prompt_ids: list[int]
     response_ids: list[int]
     repeat: int = 1          # times in the example pool per pass (model.warm_start_free_text_repeat for a
-                             # free-text step)
+                             # free-text step, model.warm_start_option_repeat for a click on a named value)
+
+
+def clicks_named_value(action: str, task: str) -> bool:
+    """Whether `action` clicks a value the task's text names (WebShop: `click[large]` for a goal "... and
+    size: large, ..."): a step that copies the goal's words, as a search query does."""
+    match = re.fullmatch(r"click\[(.+)\]", action)
+    return match is not None and match.group(1).lower() in task.lower()
 
 
 def collect_examples(cfg: ExperimentConfig, tokenizer) -> tuple[list[Example], dict]:
@@ -49,7 +57,7 @@ def collect_examples(cfg: ExperimentConfig, tokenizer) -> tuple[list[Example], d
     from env_servers.server import EnvPool
 
     examples: list[Example] = []
-    counts = {"games": 0, "games_skipped": 0, "rows_too_long": 0, "free_text_rows": 0}
+    counts = {"games": 0, "games_skipped": 0, "rows_too_long": 0, "free_text_rows": 0, "option_rows": 0}
 
     def report_of(results):
         res = results[0]
@@ -73,7 +81,7 @@ def collect_examples(cfg: ExperimentConfig, tokenizer) -> tuple[list[Example], d
                                  f"env {cfg.env.name!r} has no walkthrough (its env reports none at reset; "
                                  f"set model.warm_start_steps=0)")
             rows: list[Example] = []
-            free_text = 0
+            free_text = option_rows = 0
             history: list[tuple[str, str]] = []
             ok = True
             for step, action in enumerate(walkthrough[: cfg.env.max_steps]):
@@ -86,9 +94,12 @@ def collect_examples(cfg: ExperimentConfig, tokenizer) -> tuple[list[Example], d
                 ids = prompt_token_ids(tokenizer, message)
                 if len(ids) <= cfg.model.max_prompt_tokens:
                     response = tokenizer.encode(response_text(action), add_special_tokens=False) + [eos]
-                    rows.append(Example(ids, response[: cfg.model.max_response_tokens],
-                                        repeat=1 if listed else cfg.model.warm_start_free_text_repeat))
+                    option = listed and clicks_named_value(action, report.task)
+                    repeat = (cfg.model.warm_start_free_text_repeat if not listed
+                              else cfg.model.warm_start_option_repeat if option else 1)
+                    rows.append(Example(ids, response[: cfg.model.max_response_tokens], repeat=repeat))
                     free_text += not listed
+                    option_rows += option
                 else:
                     counts["rows_too_long"] += 1
                 history.append((report.observation, action))
@@ -97,6 +108,7 @@ def collect_examples(cfg: ExperimentConfig, tokenizer) -> tuple[list[Example], d
                 examples.extend(rows)
                 counts["games"] += 1
                 counts["free_text_rows"] += free_text
+                counts["option_rows"] += option_rows
             else:
                 counts["games_skipped"] += 1
     return examples, counts
@@ -176,7 +188,8 @@ def _settings(cfg: ExperimentConfig, model_path: str) -> dict:
                 "max_prompt_tokens": m.max_prompt_tokens,
                 "initial_model": hashlib.sha256(fingerprint.encode()).hexdigest()[:16]}
     if cfg.env.name == "webshop":     # (only then: ALFWorld's cached warm models stay valid)
-        settings.update(webshop_catalog=_webshop_catalog(cfg.env.source), free_text_repeat=m.warm_start_free_text_repeat)
+        settings.update(webshop_catalog=_webshop_catalog(cfg.env.source), free_text_repeat=m.warm_start_free_text_repeat,
+                        option_repeat=m.warm_start_option_repeat)
     return settings
 
 

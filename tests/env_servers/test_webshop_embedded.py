@@ -124,12 +124,19 @@ def test_warm_start_rows_of_webshop_goals(tmp_path, tiny_model_path, monkeypatch
     from deploy.warm_start import collect_examples
 
     monkeypatch.setenv("WEBSHOP_DATA", SAMPLE_DIR)
-    cfg = load_config("configs/webshop-embedded.yaml", [f"run.output_dir={tmp_path}", "model.warm_start_games=5"])
+    cfg = load_config("configs/webshop-embedded.yaml", [f"run.output_dir={tmp_path}", "model.warm_start_games=5",
+                                                          "model.warm_start_option_repeat=3"])
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     examples, counts = collect_examples(cfg, tok)
     assert counts["games"] == 5 and counts["games_skipped"] == 0 and counts["free_text_rows"] == 5
-    searches = [e for e in examples if e.repeat > 1]
-    assert len(searches) == 5 and all(e.repeat == cfg.model.warm_start_free_text_repeat for e in searches)
+    searches = [e for e in examples if e.repeat == cfg.model.warm_start_free_text_repeat]
+    assert len(searches) == 5
+    # Every option a goal asks for is one row, in the pool 3 times (the sample goals each ask for some).
+    env = WebShopEnv(data_dir=SAMPLE_DIR)
+    goals = [env.shop.goals[int(t)] for t in env.task_ids(cfg.env.train_split)[:5]]
+    asked = [v for g in goals for v in (g.goal_options.values() if isinstance(g.goal_options, dict) else [])]
+    options = [e for e in examples if e.repeat == 3]
+    assert counts["option_rows"] == len(options) == len(asked) > 0
     for e in examples:
         text = tok.decode(e.response_ids[:-1])
         parsed = parse_action(text)
@@ -137,7 +144,9 @@ def test_warm_start_rows_of_webshop_goals(tmp_path, tiny_model_path, monkeypatch
                           tok.decode(e.prompt_ids)).group(1)
         admissible = re.findall(r"'([^']*)'", shown)
         assert parsed.valid and is_admissible(parsed.action, admissible)
-        assert (e.repeat > 1) == parsed.action.startswith("search[")
+        assert (e.repeat == cfg.model.warm_start_free_text_repeat) == parsed.action.startswith("search[")
+        if e.repeat == 3:
+            assert parsed.action.startswith("click[") and parsed.action[6:-1] in asked
         assert re.fullmatch(action_regex(admissible, 200), text)
 
 

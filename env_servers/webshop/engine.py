@@ -5,6 +5,7 @@ Pages and their text (parts joined by " [SEP] ", as the original's simple mode r
   results  Instruction: | <instr> | Back to Search | Page N (Total results: T) | [< Prev] | Next > |
            then per product: ASIN | title | price tag          (10 per page of the top 50)
   item     Instruction: | <instr> | Back to Search | < Prev | <option name> | <values>... | title |
+           (a value chosen reads "<value> (chosen)": see CHOSEN)
            Price: <tag> | Rating: <r> | Description | Features | Reviews | Buy Now
   sub page Instruction: | <instr> | Back to Search | < Prev | description / bullet points / reviews
   done     Thank you for shopping with us! | ... | Your score (min 0.0, max 1.0) | <score>
@@ -28,6 +29,11 @@ PRODUCTS_PER_PAGE = 10
 SEP = " [SEP] "
 _ACTION = re.compile(r"(.+)\[(.+)\]")
 SUB_PAGES = {"description": "Description", "features": "Features", "reviews": "Reviews"}
+# After an option value the item page shows as chosen. The original's simple text mode shows none (its rich
+# mode marks a clicked option); with the page alone as the prompt (rollout.history_length 0) an item page
+# before and after a choice would then read the same, so the policy could not tell whether to choose or to
+# buy, and GiGPO would group the two states as one anchor.
+CHOSEN = "(chosen)"
 
 
 @dataclass
@@ -102,7 +108,8 @@ class ShopSession:
             if s.page == "item":
                 option_values: dict[str, tuple[str, object]] = {}
                 for name, values in p.options.items():
-                    parts += [name, *values]
+                    chosen = s.options.get(name)
+                    parts += [name, *(f"{v} {CHOSEN}" if v == chosen else v for v in values)]
                     option_values.update((v, ("option", name)) for v in values)
                 parts += [p.title, f"Price: {p.price_tag}", f"Rating: {p.rating}"]
                 for label in SUB_PAGES.values():

@@ -11,6 +11,7 @@ from env_servers.base import TextEnv
 from env_servers.webshop import WebShopEnv, bench_steps_per_second, prepare
 from env_servers.webshop.catalog import load_products, parse_pricing
 from env_servers.webshop.data import SAMPLE_DIR, resolve_data_dir
+from env_servers.webshop.engine import CHOSEN
 from env_servers.webshop.env import scripted_purchase
 from env_servers.webshop.goals import PRICE_RANGE, build_goals
 from env_servers.webshop.sample_catalog import generate
@@ -106,6 +107,25 @@ def test_options_are_remembered_and_search_works_from_any_page(env):
     assert env._session.state.options == env.shop.goals[int(task_id)].goal_options
     r = env.step("search[shampoo]")              # the original runs searches from any page
     assert r.action_admissible and r.info["page"] == "results" and env._session.state.options == {}
+
+
+def test_the_item_page_shows_the_options_chosen(env):
+    """Choosing an option changes the item page (the page alone, as the prompt shows it, tells a state before
+    a choice from the state after, and GiGPO's anchors keep them apart): each chosen value reads
+    "<value> (chosen)", the others as before, and the clickable actions stay the same."""
+    task_id = next(t for t in env.task_ids("all") if len(env.shop.goals[int(t)].goal_options) >= 2)
+    goal = env.shop.goals[int(task_id)]
+    plan = scripted_purchase(env, task_id)
+    item = play(env, task_id, plan[:-1 - len(goal.goal_options)])
+    assert item.info["page"] == "item" and CHOSEN not in item.observation
+    seen = {item.anchor}
+    for k, (name, value) in enumerate(goal.goal_options.items(), start=1):
+        r = env.step(f"click[{value}]")
+        assert r.action_admissible and r.admissible_actions == item.admissible_actions
+        assert r.observation.count(CHOSEN) == k and f"'{value} {CHOSEN}'" in r.observation
+        assert r.anchor not in seen
+        seen.add(r.anchor)
+    assert env.step("click[buy now]").won
 
 
 @pytest.mark.parametrize("action", ["click[nothing here]", "jump", "", "click[]", "search[]", "click[search]",

@@ -153,7 +153,7 @@ def format_eval(title: str, results: dict[str, dict]) -> str:
          else None) for t in types] + [("Succ." if webshop else "All", lambda r: 100 * r.get("success", 0.0))]
     first = max([len("split")] + [len(s) for s in results])
     widths = [max(6, len(name)) for name, _ in columns]
-    lines = [f"== {title}: %", f"{'split':<{first}} | " + " | ".join(
+    lines = [f"== {title} (%)", f"{'split':<{first}} | " + " | ".join(
         f"{name:>{w}}" for (name, _), w in zip(columns, widths)) + " | episodes"]
     for split, r in results.items():
         cells = ["-" if v is None else f"{v:.1f}" for v in (value(r) for _, value in columns)]

@@ -119,6 +119,7 @@ def test_eval_table_has_the_papers_columns():
     assert [cell.strip() for cell in lines[3].split("|")] == ["valid_unseen", "-", "0.0", "-", "0.0", "1"]
     shop = {"episodes": 32, "success": 0.0625, "score": 0.22, "per_task_type": {"webshop": 0.0625}}
     lines = format_eval("after training", {"eval": shop}).splitlines()
+    assert lines[0] == "== after training (%)"
     assert [cell.strip() for cell in lines[1].split("|")] == ["split", "Score", "Succ.", "episodes"]
     assert [cell.strip() for cell in lines[2].split("|")] == ["eval", "22.0", "6.2", "32"]
 

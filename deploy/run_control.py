@@ -145,7 +145,8 @@ class SignalTrap:
         self._saved: dict | None = None          # SIGINT/SIGTERM handlers from before `trap`
 
     def trap(self) -> None:
-        """Install the handlers; again after ray.init, whose SIGTERM handler kills Ray before anything closes."""
+        """Install the handlers; again after ray.init, since a SIGTERM handler of Ray's (it installs one where
+        stopped_at_once_by_signals does not keep it out) would kill Ray before anything closes."""
         if threading.current_thread() is not threading.main_thread():
             return
         if self._saved is None:

@@ -5,8 +5,8 @@ Pages and their text (parts joined by " [SEP] ", as the original's simple mode r
   results  Instruction: | <instr> | Back to Search | Page N (Total results: T) | [< Prev] | Next > |
            then per product: ASIN | title | price tag          (10 per page of the top 50)
   item     Instruction: | <instr> | Back to Search | < Prev | <option name> | <values>... | title |
-           (a value chosen reads "<value> (chosen)": see CHOSEN)
            Price: <tag> | Rating: <r> | Description | Features | Reviews | Buy Now
+           (a value chosen reads "<value> (chosen)": see CHOSEN)
   sub page Instruction: | <instr> | Back to Search | < Prev | description / bullet points / reviews
   done     Thank you for shopping with us! | ... | Your score (min 0.0, max 1.0) | <score>
 

@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import random
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from actors.prompts.shared import build_user_message, is_admissible, prompt_toke
 from common.config import ExperimentConfig
 from common.run_dir import WARM_DIR
 from common.tiny_model import save_model_atomically
+from env_servers.webshop.engine import parse_action
 
 log = logging.getLogger("gigpo.warm_start")
 
@@ -46,8 +46,8 @@ class Example:
 def clicks_named_value(action: str, task: str) -> bool:
     """Whether `action` clicks a value the task's text names (WebShop: `click[large]` for a goal "... and
     size: large, ..."): a step that copies the goal's words, as a search query does."""
-    match = re.fullmatch(r"click\[(.+)\]", action)
-    return match is not None and match.group(1).lower() in task.lower()
+    name, value = parse_action(action)
+    return name == "click" and value is not None and value.lower() in task.lower()
 
 
 def collect_examples(cfg: ExperimentConfig, tokenizer) -> tuple[list[Example], dict]:

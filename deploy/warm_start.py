@@ -32,6 +32,12 @@ log = logging.getLogger("gigpo.warm_start")
 
 _INFO = "warm_start.json"
 
+# The code that turns a game into rows: its env's pages and the prompt built from them. Another version of it
+# (a page's text, the prompt's layout) makes other rows, so a warm model cached before the change is rebuilt.
+_PACKAGE_ROOT = Path(__file__).resolve().parents[1]
+_ROW_CODE = ("actors/prompts/*.py",)
+_ENV_CODE = {"alfworld": ("env_servers/alfworld_*.py",), "webshop": ("env_servers/webshop/*.py",)}
+
 
 @dataclass
 class Example:
@@ -185,12 +191,21 @@ def _settings(cfg: ExperimentConfig, model_path: str) -> dict:
                 "batch": m.warm_start_batch, "seed": cfg.run.seed, "env": cfg.env.name, "source": cfg.env.source,
                 "generator": cfg.env.generator, "train_split": cfg.env.train_split,
                 "max_steps": cfg.env.max_steps, "history_length": cfg.rollout.history_length,
-                "max_prompt_tokens": m.max_prompt_tokens,
+                "max_prompt_tokens": m.max_prompt_tokens, "row_code": row_code_fingerprint(cfg.env.name),
                 "initial_model": hashlib.sha256(fingerprint.encode()).hexdigest()[:16]}
-    if cfg.env.name == "webshop":     # (only then: ALFWorld's cached warm models stay valid)
+    if cfg.env.name == "webshop":     # settings only WebShop's rows have
         settings.update(webshop_catalog=_webshop_catalog(cfg.env.source), free_text_repeat=m.warm_start_free_text_repeat,
                         option_repeat=m.warm_start_option_repeat)
     return settings
+
+
+def row_code_fingerprint(env_name: str, root: Path = _PACKAGE_ROOT) -> str:
+    """A digest of the source files that render env `env_name`'s rows (under `root`): it changes when they do."""
+    files = sorted({f for pattern in (*_ROW_CODE, *_ENV_CODE.get(env_name, ())) for f in root.glob(pattern)})
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
 
 
 def _webshop_catalog(source: str) -> str:

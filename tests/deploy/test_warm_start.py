@@ -65,6 +65,31 @@ def test_warm_start_learns_and_is_cached(tmp_path, tiny_model_path):
     AutoModelForCausalLM.from_pretrained(out)                   # loadable like any HF model
 
 
+def test_a_change_to_the_code_that_renders_rows_rebuilds_the_warm_model(tmp_path):
+    """The cache key follows the source of the prompts and of the env's pages, and nothing else: a warm model
+    trained on pages of an older text (say, before WebShop marked a chosen option) is not reused."""
+    import shutil
+
+    from deploy.warm_start import row_code_fingerprint
+    for part in ("actors/prompts", "env_servers/webshop"):
+        shutil.copytree(REPO / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__", "sample"))
+    shutil.copy(REPO / "env_servers" / "alfworld_gen.py", tmp_path / "env_servers")
+    before = {env: row_code_fingerprint(env, tmp_path) for env in ("alfworld", "webshop")}
+    assert before["alfworld"] != before["webshop"]
+
+    engine = tmp_path / "env_servers" / "webshop" / "engine.py"
+    engine.write_text(engine.read_text().replace("(chosen)", "(selected)"))
+    assert row_code_fingerprint("webshop", tmp_path) != before["webshop"]        # WebShop's pages changed
+    assert row_code_fingerprint("alfworld", tmp_path) == before["alfworld"]      # ALFWorld's did not
+    (tmp_path / "actors" / "prompts" / "shared.py").write_text("# another prompt layout\n")
+    assert row_code_fingerprint("alfworld", tmp_path) != before["alfworld"]      # both envs' prompts changed
+    (tmp_path / "env_servers" / "server.py").write_text("# not row text\n")
+    after = row_code_fingerprint("alfworld", tmp_path)
+    (tmp_path / "env_servers" / "server.py").write_text("# still not row text\n")
+    assert row_code_fingerprint("alfworld", tmp_path) == after                  # other code: the same key
+    assert row_code_fingerprint("webshop") == row_code_fingerprint("webshop", REPO)   # the default: this source
+
+
 def test_bad_settings_are_clear_errors(tmp_path, tiny_model_path):
     with pytest.raises(ValueError, match="warm_start_games"):     # the config refuses it at load ...
         _cfg(tmp_path, warm_start_steps=3, warm_start_games=0)

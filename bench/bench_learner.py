@@ -38,12 +38,11 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from tests.support.synthetic import synthetic_groups  # noqa: E402
+from tests.support.tiny_policy import tiny_policy  # noqa: E402
 from common.config import ExperimentConfig, LearnerConfig  # noqa: E402
-from common.tiny_model import build_tiny_model  # noqa: E402
 from learner.batching import build_batch  # noqa: E402
 from learner.trainer import PolicyTrainer, teardown_distributed  # noqa: E402
 
-REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 DEFAULTS = ExperimentConfig()      # the settings this bench does not choose, at the config's defaults
 ROUNDS = int(os.environ.get("BENCH_LEARNER_ROUNDS", "6"))
 GROUPS, GROUP_SIZE = 8, 8
@@ -213,7 +212,7 @@ def main() -> None:
     # One thread, and CPU time as the figure: on a shared machine wall-clock swings by 2x from round to
     # round, and idle OpenMP threads spinning under contention would inflate CPU time.
     torch.set_num_threads(1)
-    model = build_tiny_model(os.path.join(REPO, ".cache", "test-tiny-policy"))
+    model = tiny_policy()
     base = LearnerConfig(zero_stage=2, mini_batch_rows=128, micro_batch_tokens=4096, lr=1e-5)
     trainer = PolicyTrainer(model, base, dtype="float32", head_dtype=DEFAULTS.model.head_dtype,
                             temperature=DEFAULTS.rollout.temperature, seed=DEFAULTS.run.seed)

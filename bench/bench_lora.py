@@ -50,8 +50,8 @@ def arm_config(arm: str, model: str, rank: int) -> LearnerConfig:
 
 def model_dir(model: str, root: str) -> str:
     if model == "tiny":
-        from common.tiny_model import build_tiny_model
-        return build_tiny_model(os.path.join(REPO, ".cache", "test-tiny-policy"))
+        from tests.support.tiny_policy import tiny_policy
+        return tiny_policy()
     from tests.support.model_shapes import SMOLLM2_135M, random_causal_lm
     path = os.path.join(root, "smollm2-shape")
     if not os.path.isdir(path):

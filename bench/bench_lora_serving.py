@@ -38,8 +38,8 @@ DTYPES = {"tiny": "float32", "smollm2": "bfloat16"}
 
 def model_dir(model: str) -> str:
     if model == "tiny":
-        from common.tiny_model import build_tiny_model
-        return build_tiny_model(os.path.join(REPO, ".cache", "test-tiny-policy"))
+        from tests.support.tiny_policy import tiny_policy
+        return tiny_policy()
     from deploy.models import prepare_pinned
     return str(prepare_pinned())         # SmolLM2-135M-Instruct as `make model` prepares it
 

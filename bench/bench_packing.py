@@ -52,8 +52,8 @@ def load_model(name: str, dtype: torch.dtype):
     if name == "tiny":
         from transformers import AutoModelForCausalLM
 
-        from common.tiny_model import build_tiny_model
-        path = build_tiny_model(os.path.join(REPO, ".cache", "test-tiny-policy"))
+        from tests.support.tiny_policy import tiny_policy
+        path = tiny_policy()
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     else:
         model = random_causal_lm(SMOLLM2_135M, seed=0, dtype=dtype)

@@ -32,12 +32,11 @@ def main() -> None:
     from actors.inference import create_inference_actors, stop_inference_actors
     from actors.rollout import create_rollout_actor
     from common.config import EnvConfig, ExperimentConfig, InferenceConfig, ModelConfig, RolloutConfig
-    from common.tiny_model import build_tiny_model
     from common.weight_transfer import ShmTransfer as WeightPublisher
+    from tests.support.tiny_policy import tiny_policy
 
     t_start = time.perf_counter()
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = build_tiny_model(os.path.join(repo, ".cache", "test-tiny-policy"))
+    path = tiny_policy()
     ray.init(address="local", num_cpus=2, object_store_memory=100 * 1024**2, include_dashboard=False)
     cfg = ExperimentConfig(
         model=ModelConfig(path=path, max_prompt_tokens=1024, max_response_tokens=args.response_tokens),

@@ -28,14 +28,13 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-TINY_MODEL_DIR = REPO / ".cache" / "test-tiny-policy"
 
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:
-    from common.tiny_model import build_tiny_model
+    from tests.support.tiny_policy import tiny_policy
 
-    return build_tiny_model(str(TINY_MODEL_DIR))     # idempotent: a later session reuses the build
+    return tiny_policy()     # a later session reuses the build
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from common.run_dir import LATEST, LEARNER_STATE, checkpoint_tags, prepare_output_dir
-from common.tiny_model import build_tiny_model
 from learner.loop import Learner
 from tests.support.synthetic import synthetic_groups
 from learner.trainer import prune_checkpoints
@@ -19,13 +18,11 @@ from tests.support import learner_worker
 
 pytestmark = [pytest.mark.timeout(300)]
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def model_path() -> str:
-    # The tiny policy test_learner_trainer.py uses (built once in the git-ignored cache, then reused).
-    return build_tiny_model(str(REPO / ".cache" / "test-tiny-policy"))
+def model_path(tiny_model_path) -> str:
+    return tiny_model_path
 
 
 def _train(learner: Learner, updates: int, seed: int) -> list[str]:

@@ -121,11 +121,12 @@ def collect_examples(cfg: ExperimentConfig, tokenizer) -> tuple[list[Example], d
 
 
 def finetune(model, examples: list[Example], steps: int, lr: float, batch_size: int, seed: int,
-             on_step=None) -> list[float]:
+             micro_batch_tokens: int, on_step=None) -> list[float]:
     """`steps` AdamW steps of response-token cross-entropy on batches drawn from `examples` (shuffled whole
     passes, each example `repeat` times); returns each step's loss. on_step: called after each step. Rows go
-    through the learner's own path (pack_by_tokens, collate, response_logprobs), so WebShop's 300- and
-    3,500-token pages are not padded to each other; the micro-batches' gradients add up to the token mean."""
+    through the learner's own path (pack_by_tokens into passes of at most `micro_batch_tokens` padded tokens,
+    collate, response_logprobs), so WebShop's 300- and 3,500-token pages are not padded to each other; the
+    passes' gradients add up to the token mean."""
     import numpy as np
     import torch
 
@@ -134,7 +135,8 @@ def finetune(model, examples: list[Example], steps: int, lr: float, batch_size: 
 
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    trained = [p for p in model.parameters() if p.requires_grad]     # (model.warm_start_trainable_layers)
+    optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=0.0)
     model.train()
     order: list[int] = []
     losses = []
@@ -149,13 +151,13 @@ def finetune(model, examples: list[Example], steps: int, lr: float, batch_size: 
         response_tokens = int(batch.response_lengths().sum())
         optimizer.zero_grad(set_to_none=True)
         step_loss = 0.0
-        for part in pack_by_tokens(np.arange(batch.num_rows), batch.row_lengths(), MICRO_BATCH_TOKENS):
+        for part in pack_by_tokens(np.arange(batch.num_rows), batch.row_lengths(), micro_batch_tokens):
             # Cross-entropy of the model's own distribution: the logits unscaled (temperature 1).
             logp, _ = response_logprobs(model, collate(batch, part), temperature=1.0)
             loss = -logp.sum() / response_tokens
             loss.backward()
             step_loss += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
         optimizer.step()
         losses.append(step_loss)
         if on_step is not None:
@@ -163,10 +165,6 @@ def finetune(model, examples: list[Example], steps: int, lr: float, batch_size: 
     model.eval()
     return losses
 
-
-# Padded tokens per micro-batch of a warm-start step: every ALFWorld step (16 rows of at most ~1,600 tokens)
-# fits in one; a WebShop step is cut by length (~5x less padding on its mix of short and long pages).
-MICRO_BATCH_TOKENS = 32768
 
 
 def supervised_batch(rows: list[Example]):
@@ -188,7 +186,7 @@ def _settings(cfg: ExperimentConfig, model_path: str) -> dict:
     build = source / "tiny_build.json"
     fingerprint = build.read_text() if build.exists() else str(source.resolve())
     settings = {"steps": m.warm_start_steps, "games": m.warm_start_games, "lr": m.warm_start_lr,
-                "batch": m.warm_start_batch, "seed": cfg.run.seed, "env": cfg.env.name, "source": cfg.env.source,
+                "batch": m.warm_start_batch, "trainable_layers": m.warm_start_trainable_layers, "seed": cfg.run.seed, "env": cfg.env.name, "source": cfg.env.source,
                 "generator": cfg.env.generator, "train_split": cfg.env.train_split,
                 "max_steps": cfg.env.max_steps, "history_length": cfg.rollout.history_length,
                 "max_prompt_tokens": m.max_prompt_tokens, "row_code": row_code_fingerprint(cfg.env.name),
@@ -246,6 +244,8 @@ def warm_start(cfg: ExperimentConfig, model_path: str, out_dir: str | None = Non
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from learner.trainer import train_only_last_layers
+
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     examples, counts = collect_examples(cfg, tokenizer)
@@ -259,7 +259,9 @@ def warm_start(cfg: ExperimentConfig, model_path: str, out_dir: str | None = Non
                disable=progress is None)
     try:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        train_only_last_layers(model, m.warm_start_trainable_layers, "model.warm_start_trainable_layers")
         losses = finetune(model, examples, m.warm_start_steps, m.warm_start_lr, m.warm_start_batch, cfg.run.seed,
+                          m.warm_start_micro_batch_tokens,
                           on_step=bar.update)
     finally:
         torch.set_num_threads(threads)

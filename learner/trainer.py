@@ -498,18 +498,19 @@ class PolicyTrainer:
             self.engine = None
 
 
-def train_only_last_layers(model, n: int) -> int:
-    """learner.trainable_layers: with n > 0, freeze every parameter but those of the last n transformer
-    blocks and the final norm (the decoder's `layers` and `norm`, as Llama, Qwen2 and most causal LMs name
-    them); n = 0 leaves all trainable. Returns how many parameters train."""
+def train_only_last_layers(model, n: int, setting: str = "learner.trainable_layers") -> int:
+    """learner.trainable_layers (or the config field `setting` names, for its errors): with n > 0, freeze
+    every parameter but those of the last n transformer blocks and the final norm (the decoder's `layers`
+    and `norm`, as Llama, Qwen2 and most causal LMs name them); n = 0 leaves all trainable. Returns how
+    many parameters train."""
     if n > 0:
         decoder = model.get_decoder()
         layers, norm = getattr(decoder, "layers", None), getattr(decoder, "norm", None)
         if layers is None or norm is None:
-            raise ValueError(f"learner.trainable_layers={n}: {type(model).__name__} has no decoder.layers / "
-                             "decoder.norm to train; set learner.trainable_layers=0")
+            raise ValueError(f"{setting}={n}: {type(model).__name__} has no decoder.layers / "
+                             f"decoder.norm to train; set {setting}=0")
         if n > len(layers):
-            raise ValueError(f"learner.trainable_layers={n} but the model has {len(layers)} layers; set at most "
+            raise ValueError(f"{setting}={n} but the model has {len(layers)} layers; set at most "
                              f"{len(layers)} (or 0: all)")
         model.requires_grad_(False)
         for module in [*layers[-n:], norm]:

@@ -65,6 +65,25 @@ def test_warm_start_learns_and_is_cached(tmp_path, tiny_model_path):
     AutoModelForCausalLM.from_pretrained(out)                   # loadable like any HF model
 
 
+def test_a_warm_start_of_the_last_layers_leaves_the_others_as_loaded(tmp_path, tiny_model_path):
+    """model.warm_start_trainable_layers: only the last blocks and the final norm move; the embeddings and
+    the first block are the initial model's, bit for bit. Asking for more blocks than the model has is a
+    clear error naming the setting."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = _cfg(tmp_path, warm_start_steps=3, warm_start_batch=4, warm_start_lr=3e-3, warm_start_trainable_layers=1)
+    out = warm_start(cfg, tiny_model_path)
+    before = AutoModelForCausalLM.from_pretrained(tiny_model_path).state_dict()
+    after = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    moved = {name for name in before if not torch.equal(before[name], after[name])}
+    assert moved and all(name.startswith(("model.layers.1.", "model.norm.")) for name in moved), sorted(moved)
+
+    cfg.model.warm_start_trainable_layers = 3                       # the tiny model has 2 blocks
+    with pytest.raises(ValueError, match="model.warm_start_trainable_layers=3 but the model has 2 layers"):
+        warm_start(cfg, tiny_model_path)
+
+
 def test_a_change_to_the_code_that_renders_rows_rebuilds_the_warm_model(tmp_path):
     """The cache key follows the source of the prompts and of the env's pages, and nothing else: a warm model
     trained on pages of an older text (say, before WebShop marked a chosen option) is not reused."""

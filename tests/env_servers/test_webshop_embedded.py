@@ -151,7 +151,7 @@ def test_warm_start_rows_of_webshop_goals(tmp_path, tiny_model_path, monkeypatch
 
 
 def test_long_uneven_batches_are_cut_into_micro_batches_with_the_same_gradient(tiny_model_path, monkeypatch):
-    """A warm-start step over MICRO_BATCH_TOKENS is cut by length (the learner's packing); its loss and
+    """A warm-start step over model.warm_start_micro_batch_tokens is cut by length (the learner's packing); its loss and
     gradient equal those of one padded pass up to float32 summation order. The gradient is read as the
     weight change of one plain SGD step of lr 1 (AdamW's first step is about sign(gradient), which would
     amplify rounding noise of gradients near 0). Tolerance: sums of ~1e4 float32 terms (eps 1.2e-7) agree
@@ -160,7 +160,6 @@ def test_long_uneven_batches_are_cut_into_micro_batches_with_the_same_gradient(t
     import torch
     from transformers import AutoModelForCausalLM
 
-    from deploy import warm_start
     from deploy.warm_start import Example, finetune, supervised_batch
     from learner.batching import pack_by_tokens
 
@@ -179,10 +178,9 @@ def test_long_uneven_batches_are_cut_into_micro_batches_with_the_same_gradient(t
     monkeypatch.setattr(torch.optim, "AdamW", lambda params, lr, weight_decay: torch.optim.SGD(params, lr=lr))
 
     def one_step(micro_batch_tokens: int):
-        monkeypatch.setattr(warm_start, "MICRO_BATCH_TOKENS", micro_batch_tokens)
         model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
         before = torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
-        loss = finetune(model, batch, 1, 1.0, len(batch), seed=0)[0]
+        loss = finetune(model, batch, 1, 1.0, len(batch), seed=0, micro_batch_tokens=micro_batch_tokens)[0]
         return loss, torch.cat([p.detach().flatten() for p in model.parameters()]) - before
 
     split_loss, split_step = one_step(budget)

@@ -164,6 +164,16 @@ def record_path(study: str, algorithm: str, seed: int, records: Path = RECORDS) 
     return records / study / f"{algorithm}-s{seed}.json"
 
 
+def save_record(rec: dict, path: Path) -> bool:
+    """Write a run's record to `path`, unless the run failed and `path` holds a finished run's record (a
+    rerun that fails, killed or out of memory, loses nothing). Returns whether it was written."""
+    if not rec["ok"] and path.exists() and json.loads(path.read_text()).get("ok"):
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rec, indent=1) + "\n")
+    return True
+
+
 def read_records(study: str, records: Path = RECORDS) -> tuple[dict, dict, dict]:
     """(evals {algorithm: {seed: {"before", "after"}}}, curves {algorithm: {seed: [...]}}, runs {name: record})
     from a study's records."""
@@ -450,8 +460,9 @@ def main(argv: list[str] | None = None) -> int:
                                60 * args.timeout_min)
                 rec = make_record(study, algo, seed, run_dir, info)
                 path = record_path(name, algo, seed, records)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps(rec, indent=1) + "\n")
+                if not save_record(rec, path):
+                    print(f"[experiment] {name} {algo} seed {seed} failed (log: {info['log']}); {path} keeps "
+                          "the finished run's record", flush=True)
                 got = {w: measures(per_game(rec[w], study.protocol.step_budget, study.protocol.fast_steps))
                        for w in ("before", "after") if w in rec}
                 print(f"[experiment] {name} {algo} seed {seed}: {'ok' if info['ok'] else 'FAILED'} in "

@@ -80,5 +80,22 @@ def test_report_from_the_records_keeps_the_plan(tmp_path, capsys):
     assert "no records" in capsys.readouterr().err
 
 
+def test_a_failed_rerun_keeps_the_finished_record(tmp_path):
+    """A run that fails writes its record (the report lists it as not finished), but never over the record of
+    a finished run of the same study, algorithm and seed."""
+    import json
+
+    from deploy.tools.experiment import save_record
+
+    path = tmp_path / "tiny-pick" / "gigpo-s0.json"
+    failed = {"algorithm": "gigpo", "seed": 0, "ok": False, "rc": -9}
+    assert save_record(failed, path) and json.loads(path.read_text()) == failed          # nothing there yet
+    finished = {**failed, "ok": True, "rc": 0, "after": [ep("g", True, 6)]}
+    assert save_record(finished, path) and json.loads(path.read_text()) == finished      # a finished run replaces it
+    assert not save_record(failed, path) and json.loads(path.read_text()) == finished    # a failed rerun does not
+    again = {**finished, "after": [ep("g", False, 30)]}
+    assert save_record(again, path) and json.loads(path.read_text()) == again            # a finished rerun does
+
+
 def test_the_compared_algorithms_are_choices_of_the_config():
     assert set(COMPARED) <= set(choices(LearnerConfig, "algorithm"))

@@ -166,7 +166,6 @@ def finetune(model, examples: list[Example], steps: int, lr: float, batch_size: 
     return losses
 
 
-
 def supervised_batch(rows: list[Example]):
     """The rows as a learner batch (advantages and old log-probs unused: the loss is cross-entropy)."""
     import numpy as np
@@ -186,7 +185,8 @@ def _settings(cfg: ExperimentConfig, model_path: str) -> dict:
     build = source / "tiny_build.json"
     fingerprint = build.read_text() if build.exists() else str(source.resolve())
     settings = {"steps": m.warm_start_steps, "games": m.warm_start_games, "lr": m.warm_start_lr,
-                "batch": m.warm_start_batch, "trainable_layers": m.warm_start_trainable_layers, "seed": cfg.run.seed, "env": cfg.env.name, "source": cfg.env.source,
+                "batch": m.warm_start_batch, "trainable_layers": m.warm_start_trainable_layers,
+                "seed": cfg.run.seed, "env": cfg.env.name, "source": cfg.env.source,
                 "generator": cfg.env.generator, "train_split": cfg.env.train_split,
                 "max_steps": cfg.env.max_steps, "history_length": cfg.rollout.history_length,
                 "max_prompt_tokens": m.max_prompt_tokens, "row_code": row_code_fingerprint(cfg.env.name),

@@ -54,6 +54,8 @@ def test_warm_start_learns_and_is_cached(tmp_path, tiny_model_path):
     import json
     record = json.loads((Path(out) / "warm_start.json").read_text())
     assert record["loss_last"] < record["loss_first"]
+    from deploy.warm_start import row_code_fingerprint
+    assert record["settings"]["row_code"] == row_code_fingerprint("alfworld")     # part of what must match
     stamp = (Path(out) / "model.safetensors").stat().st_mtime_ns
     assert warm_start(cfg, tiny_model_path) == out                   # same settings: reused, not retrained
     assert (Path(out) / "model.safetensors").stat().st_mtime_ns == stamp

@@ -151,8 +151,8 @@ def test_warm_start_rows_of_webshop_goals(tmp_path, tiny_model_path, monkeypatch
 
 
 def test_long_uneven_batches_are_cut_into_micro_batches_with_the_same_gradient(tiny_model_path, monkeypatch):
-    """A warm-start step over model.warm_start_micro_batch_tokens is cut by length (the learner's packing); its loss and
-    gradient equal those of one padded pass up to float32 summation order. The gradient is read as the
+    """A warm-start step over model.warm_start_micro_batch_tokens is cut by length (the learner's packing); its
+    loss and gradient equal those of one padded pass up to float32 summation order. The gradient is read as the
     weight change of one plain SGD step of lr 1 (AdamW's first step is about sign(gradient), which would
     amplify rounding noise of gradients near 0). Tolerance: sums of ~1e4 float32 terms (eps 1.2e-7) agree
     to ~1e-4 relative."""

@@ -19,12 +19,6 @@ from tests.support import learner_worker
 pytestmark = [pytest.mark.timeout(300)]
 
 
-
-@pytest.fixture(scope="module")
-def model_path(tiny_model_path) -> str:
-    return tiny_model_path
-
-
 def _train(learner: Learner, updates: int, seed: int) -> list[str]:
     """`updates` updates on fresh synthetic groups (2 per update); the group ids trained."""
     trained = []
@@ -39,12 +33,12 @@ def _dir_listing(root: Path) -> dict[str, int]:
 
 
 @pytest.mark.slow
-def test_a_second_run_into_a_used_output_dir_is_refused_or_starts_fresh(model_path, tmp_path):
+def test_a_second_run_into_a_used_output_dir_is_refused_or_starts_fresh(tiny_model_path, tmp_path):
     cfg = learner_worker.learner_experiment("unused")
     cfg.run.output_dir = str(tmp_path)
     cfg.learner.checkpoint_every, cfg.learner.keep_checkpoints = 1, 2
     ckpt = tmp_path / "checkpoints"
-    old = Learner(cfg, model_path)
+    old = Learner(cfg, tiny_model_path)
     try:
         _train(old, 1, seed=100)           # the old run leaves update_0000001
     finally:
@@ -52,7 +46,7 @@ def test_a_second_run_into_a_used_output_dir_is_refused_or_starts_fresh(model_pa
     before = _dir_listing(ckpt)
 
     # A fresh run is refused, with one line naming the way out, and nothing there changes.
-    for start in (lambda: prepare_output_dir(cfg), lambda: Learner(cfg, model_path)):
+    for start in (lambda: prepare_output_dir(cfg), lambda: Learner(cfg, tiny_model_path)):
         with pytest.raises(ValueError, match="update_0000001.*run.resume=true.*run.overwrite=true") as exc:
             start()
         assert "\n" not in str(exc.value)
@@ -63,7 +57,7 @@ def test_a_second_run_into_a_used_output_dir_is_refused_or_starts_fresh(model_pa
 
     # run.overwrite: the old checkpoints go first; the new run keeps its own newest two.
     cfg.run.resume = False
-    new = Learner(cfg, model_path)
+    new = Learner(cfg, tiny_model_path)
     try:
         new_ids = _train(new, 3, seed=200)
         assert [p.name for p in checkpoint_tags(ckpt)] == ["update_0000002", "update_0000003"]
@@ -124,7 +118,7 @@ class VersionRecorder:
     (100, 3, "learner-1"),   # no checkpoint yet; another consumer name reclaims the dead one's groups
 ], ids=["lost-after-checkpoint", "lost-before-first-checkpoint"])
 def test_groups_of_lost_updates_are_retrained_after_a_crash_not_dropped_stale(
-        model_path, tmp_path, checkpoint_every, crash_after, second_consumer):
+        tiny_model_path, tmp_path, checkpoint_every, crash_after, second_consumer):
     from common.redis_server import EmbeddedRedis
     from common.stream import TrajectoryStream
 
@@ -146,7 +140,7 @@ def test_groups_of_lost_updates_are_retrained_after_a_crash_not_dropped_stale(
 
         # Life 1: sample with the latest weights, train on it, `crash_after` times; then two more groups are
         # sampled (unread), and the learner dies: no close, no checkpoint, no ack.
-        first = Learner(cfg, model_path, server.url, publisher=actors)
+        first = Learner(cfg, tiny_model_path, server.url, publisher=actors)
         life1: list[list[str]] = []
         for i in range(crash_after):
             produce(seed=300 + i)
@@ -162,7 +156,7 @@ def test_groups_of_lost_updates_are_retrained_after_a_crash_not_dropped_stale(
         lost = {g for u in life1 for g in u} - committed
 
         # Life 2: resumes on the same Redis and output dir, and drains the stream.
-        second = Learner(cfg, model_path, server.url, publisher=actors, resume=True,
+        second = Learner(cfg, tiny_model_path, server.url, publisher=actors, resume=True,
                          consumer_name=second_consumer)
         assert second.trained_group_ids == committed
         # One push of the resumed weights, above every version the dead learner pushed.
@@ -211,7 +205,7 @@ def test_run_id_is_new_for_a_fresh_run_and_kept_on_resume(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.fault
-def test_poison_groups_are_dead_lettered_and_the_rest_of_their_batch_trains(model_path, tmp_path, redis_url):
+def test_poison_groups_are_dead_lettered_and_the_rest_of_their_batch_trains(tiny_model_path, tmp_path, redis_url):
     """Groups the learner cannot train on, each published as a producer with a bug would (the stream's
     publish checks the layout, not the values): token ids past the vocabulary (they would crash the forward
     pass, and after every restart again), a NaN log-prob, a positive log-prob. Each is dead-lettered with
@@ -220,7 +214,7 @@ def test_poison_groups_are_dead_lettered_and_the_rest_of_their_batch_trains(mode
 
     from common.stream import TrajectoryStream
     cfg = learner_worker.learner_experiment(f"test:{uuid.uuid4().hex[:8]}")     # 2 groups per batch
-    learner = Learner(cfg, model_path, redis_url, checkpoint_dir="")
+    learner = Learner(cfg, tiny_model_path, redis_url, checkpoint_dir="")
     groups = synthetic_groups(5, 2, vocab_size=200, seed=5, max_steps=2)
     vocab, nan, positive, good = groups[0], groups[2], groups[3], [groups[1], groups[4]]
     vocab.rows["response_ids"][0] = learner.trainer.vocab_size + 4000

@@ -84,6 +84,21 @@ def local_ray():
         ray.shutdown()
 
 
+@pytest.fixture
+def sigint_reaches_children():
+    """Child processes started during the test get SIGINT at its default, as a terminal's foreground command
+    has it. A process started with SIGINT ignored (a background job of a non-interactive shell: `cmd &`) passes
+    the ignoring on to every child, and Python then never raises KeyboardInterrupt in them; with a Python
+    handler here, a child's SIGINT is reset to the default at exec."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 # -- the leftovers guard -----------------------------------------------------------------------------------
 
 SHM_DIR = "/dev/shm"

@@ -192,7 +192,7 @@ def test_status_lists_the_groups_the_learner_set_aside(tmp_path, redis_url, caps
     assert "by learner-0: " in lines[1] and lines[1].split(": ", 1)[1] == reader.dead_letters()[-1][b"reason"].decode()
 
 
-def test_status_watch_refreshes_until_interrupted(tmp_path, redis_url):
+def test_status_watch_refreshes_until_interrupted(tmp_path, redis_url, sigint_reaches_children):
     """`gigpo status --watch` as README runs it: the screen redrawn with the job's newest status at each
     interval (a status the job publishes meanwhile shows at the next refresh), until Ctrl-C: exit status
     130 and one line."""

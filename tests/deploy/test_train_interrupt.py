@@ -56,7 +56,7 @@ def _run_processes(session: int) -> list[psutil.Process]:
 
 @pytest.mark.fault
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_stopped_run_ends_in_time_and_leaves_nothing(tmp_path, sig):
+def test_stopped_run_ends_in_time_and_leaves_nothing(tmp_path, sig, sigint_reaches_children):
     weights_glob = os.path.join(shm_cleanup.SHM_DIR, "gigpo-weights-*")
     weights_before = set(glob.glob(weights_glob))
     out = tmp_path / "run"

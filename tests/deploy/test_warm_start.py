@@ -8,7 +8,7 @@ import pytest
 from actors.prompts.shared import action_regex, parse_action
 from common.config import load_config
 from common.run_dir import WARM_DIR
-from deploy.warm_start import collect_examples, warm_start
+from deploy.warm_start import collect_examples, row_code_fingerprint, warm_start
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -54,7 +54,6 @@ def test_warm_start_learns_and_is_cached(tmp_path, tiny_model_path):
     import json
     record = json.loads((Path(out) / "warm_start.json").read_text())
     assert record["loss_last"] < record["loss_first"]
-    from deploy.warm_start import row_code_fingerprint
     assert record["settings"]["row_code"] == row_code_fingerprint("alfworld")     # part of what must match
     stamp = (Path(out) / "model.safetensors").stat().st_mtime_ns
     assert warm_start(cfg, tiny_model_path) == out                   # same settings: reused, not retrained
@@ -91,7 +90,6 @@ def test_a_change_to_the_code_that_renders_rows_rebuilds_the_warm_model(tmp_path
     trained on pages of an older text (say, before WebShop marked a chosen option) is not reused."""
     import shutil
 
-    from deploy.warm_start import row_code_fingerprint
     for part in ("actors/prompts", "env_servers/webshop"):
         shutil.copytree(REPO / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__", "sample"))
     shutil.copy(REPO / "env_servers" / "alfworld_gen.py", tmp_path / "env_servers")

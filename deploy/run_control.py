@@ -160,7 +160,10 @@ class SignalTrap:
                         signal.Signals(signum).name)
             return
         self.stopped_by = signum
-        log.warning("%s: stopping the run", signal.Signals(signum).name)
+        # A learner closes after the update it is in (a Ray actor runs one call at a time), and that can take
+        # minutes for a large model on CPU: say so, or the wait looks like a hang.
+        log.warning("%s: stopping the run (each part in turn; a learner after the update it is in, which for a "
+                    "large model can take minutes; every step has a deadline)", signal.Signals(signum).name)
         raise KeyboardInterrupt
 
     def restore(self) -> None:

@@ -619,7 +619,7 @@ class WeightTransfer:
             raise RuntimeError("an inference actor lacks the base model's weights (dummy weights) and this "
                                "adapter push has none to send")
         if base_weights is not None:
-            base = self.push(base_weights, version)
+            base = self.push(base_weights, version, states)
             log.info("pushed the base model's weights (%.0f MB, %s) to inference actors that started without "
                      "them", base["bytes"] / 1e6, base["transfer"])
         nbytes = sum(t.numel() * t.element_size() for t in adapter["tensors"].values())
@@ -639,11 +639,12 @@ class WeightTransfer:
                 "gbps": nbytes / max(total, 1e-9) / 1e9,
                 **({"base_bytes": base["bytes"], "base_s": base["total_s"]} if base else {})}
 
-    def push(self, named_tensors: Iterable, version: int) -> dict:
+    def push(self, named_tensors: Iterable, version: int, states: list[dict] | None = None) -> dict:
         """Send the weights as policy `version` to every inference actor. Returns the timings (seconds),
-        bytes, GB/s and "transfer" (the way used)."""
+        bytes, GB/s and "transfer" (the way used). `states`: the actors' transfer states when the caller has
+        just asked for them (push_adapter), else they are asked here."""
         t0 = time.perf_counter()
-        states = actor_states(self.actors, self.timeout_s)
+        states = states or actor_states(self.actors, self.timeout_s)
         if self.requested == "auto":
             self._choose(states)       # an actor may have come back from a restart on another node
         named_tensors = with_aliases(named_tensors, {k: v for s in states for k, v in s["aliases"].items()})

@@ -69,9 +69,9 @@ class ModelConfig:
         1, "times a step that clicks a value the task names (WebShop: the colour or size a goal asks for) is in "
            "the warm start's example pool, against once for another listed action", AT_LEAST_1)
     warm_start_micro_batch_tokens: int = F(
-        32768, "padded tokens per forward and backward pass of a warm-start step (its rows are packed by length, "
-               "as the learner's are): every step of the tiny model's ALFWorld rows fits in one; lower it for a "
-               "larger model on long rows (its activations grow with it)", AT_LEAST_1)
+        32768, "tokens per forward and backward pass of a warm-start step, in the learner's layout "
+               "(learner.pack_rows; padded: rows x longest): every step of the tiny model's ALFWorld rows fits "
+               "in one; lower it for a larger model on long rows (its activations grow with it)", AT_LEAST_1)
     warm_start_trainable_layers: int = F(
         0, "0: the warm start trains every parameter; N: only the last N transformer blocks and the final norm, "
            "as learner.trainable_layers does for RL (SmolLM2-135M with 6 of 30: 2.2x faster on CPU)",

@@ -150,12 +150,14 @@ def test_warm_start_rows_of_webshop_goals(tmp_path, tiny_model_path, monkeypatch
         assert re.fullmatch(action_regex(admissible, 200), text)
 
 
-def test_long_uneven_batches_are_cut_into_micro_batches_with_the_same_gradient(tiny_model_path, monkeypatch):
-    """A warm-start step over model.warm_start_micro_batch_tokens is cut by length (the learner's packing); its
-    loss and gradient equal those of one padded pass up to float32 summation order. The gradient is read as the
-    weight change of one plain SGD step of lr 1 (AdamW's first step is about sign(gradient), which would
-    amplify rounding noise of gradients near 0). Tolerance: sums of ~1e4 float32 terms (eps 1.2e-7) agree
-    to ~1e-4 relative."""
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_long_uneven_batches_are_cut_into_micro_batches_with_the_same_gradient(tiny_model_path, monkeypatch,
+                                                                               packed):
+    """A warm-start step over model.warm_start_micro_batch_tokens is cut by length (the learner's packing, in
+    either layout); its loss and gradient equal those of one padded pass up to float32 summation order, and the
+    model's attention is left as it was. The gradient is read as the weight change of one plain SGD step of lr
+    1 (AdamW's first step is about sign(gradient), which would amplify rounding noise of gradients near 0).
+    Tolerance: sums of ~1e4 float32 terms (eps 1.2e-7) agree to ~1e-4 relative."""
     import numpy as np
     import torch
     from transformers import AutoModelForCausalLM
@@ -172,19 +174,22 @@ def test_long_uneven_batches_are_cut_into_micro_batches_with_the_same_gradient(t
     batch = [row(n) for n in (300, 310, 2900, 1500, 320, 2000, 2500, 330, 2800, 1800, 2600, 340)]
     budget = 8192
     lengths = supervised_batch(batch).row_lengths()
-    parts = pack_by_tokens(np.arange(len(batch)), lengths, budget)
+    parts = pack_by_tokens(np.arange(len(batch)), lengths, budget, packed=packed)
     assert len(parts) > 1 and sorted(np.concatenate(parts)) == list(range(len(batch)))
 
     monkeypatch.setattr(torch.optim, "AdamW", lambda params, lr, weight_decay: torch.optim.SGD(params, lr=lr))
 
-    def one_step(micro_batch_tokens: int):
+    def one_step(micro_batch_tokens: int, packed: bool):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+        attention = model.config._attn_implementation
         before = torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
-        loss = finetune(model, batch, 1, 1.0, len(batch), seed=0, micro_batch_tokens=micro_batch_tokens)[0]
+        loss = finetune(model, batch, 1, 1.0, len(batch), seed=0, micro_batch_tokens=micro_batch_tokens,
+                        packed=packed)[0]
+        assert model.config._attn_implementation == attention
         return loss, torch.cat([p.detach().flatten() for p in model.parameters()]) - before
 
-    split_loss, split_step = one_step(budget)
-    whole_loss, whole_step = one_step(10**9)
+    split_loss, split_step = one_step(budget, packed)
+    whole_loss, whole_step = one_step(10**9, packed=False)
     assert split_loss == pytest.approx(whole_loss, rel=1e-4)
     assert split_step.abs().max() > 0
     assert torch.allclose(split_step, whole_step, rtol=1e-3, atol=1e-4 * float(whole_step.abs().max()))

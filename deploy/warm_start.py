@@ -127,8 +127,8 @@ def finetune(model, examples: list[Example], steps: int, lr: float, batch_size: 
     through the learner's own path in its layout (learner.pack_rows): pack_by_tokens into passes of at most
     `micro_batch_tokens` tokens, collate_packed (or collate: padded), response_logprobs. Packed, WebShop's 300-
     and 3,500-token pages cost their own lengths: 1.3 s a step against 2.6-3.1 s padded (configs/webshop-
-    embedded.yaml's 16-row steps, tiny model, 2 threads, 2026-11-29). The passes' gradients add up to the token
-    mean. The model's attention is put back as it was before it returns."""
+    embedded.yaml's 16-row steps, tiny model, 2 threads, both layouts in one process, 32a9013, 2026-11-29). The
+    passes' gradients add up to the token mean. The model's attention is put back as it was before it returns."""
     import numpy as np
     import torch
 

@@ -61,6 +61,10 @@ class ModelConfig:
     warm_start_games: int = F(16, "training games whose walkthroughs the warm start learns from (the first "
                                   "ones of env.train_split; never eval games)", AT_LEAST_1)
     warm_start_lr: float = F(1e-3, "AdamW learning rate of the warm start", POSITIVE)
+    warm_start_lr_decay: float = F(
+        0.0, "share of the warm start's steps, at its end, over which the learning rate falls linearly towards 0 "
+             "(warmup-stable-decay's cooldown: the last steps' noise averaged out); 0: constant throughout",
+        ((lambda v: 0 <= v <= 1), "must be in [0, 1]"))
     warm_start_batch: int = F(16, "steps (prompt, response) per warm-start optimizer step", AT_LEAST_1)
     warm_start_free_text_repeat: int = F(
         32, "times a free-text step (WebShop's search query) is in the warm start's example pool, against once "

@@ -120,15 +120,24 @@ def collect_examples(cfg: ExperimentConfig, tokenizer) -> tuple[list[Example], d
     return examples, counts
 
 
+def warm_start_lr(step: int, steps: int, lr: float, decay: float) -> float:
+    """The learning rate of warm-start step `step` (0-based) of `steps` (model.warm_start_lr_decay): `lr`, and
+    over the last round(decay x steps) steps a linear fall, lr x (steps - step) / those steps, whose last step
+    still moves (lr / those steps)."""
+    cooldown = round(decay * steps)
+    return lr if step < steps - cooldown else lr * (steps - step) / cooldown
+
+
 def finetune(model, examples: list[Example], steps: int, lr: float, batch_size: int, seed: int,
-             micro_batch_tokens: int, on_step=None, packed: bool = True) -> list[float]:
+             micro_batch_tokens: int, on_step=None, packed: bool = True, lr_decay: float = 0.0) -> list[float]:
     """`steps` AdamW steps of response-token cross-entropy on batches drawn from `examples` (shuffled whole
     passes, each example `repeat` times); returns each step's loss. on_step: called after each step. Rows go
     through the learner's own path in its layout (learner.pack_rows): pack_by_tokens into passes of at most
     `micro_batch_tokens` tokens, collate_packed (or collate: padded), response_logprobs. Packed, WebShop's 300-
     and 3,500-token pages cost their own lengths: 1.3 s a step against 2.6-3.1 s padded (configs/webshop-
     embedded.yaml's 16-row steps, tiny model, 2 threads, both layouts in one process, 32a9013, 2026-11-29). The
-    passes' gradients add up to the token mean. The model's attention is put back as it was before it returns."""
+    passes' gradients add up to the token mean. lr_decay: the share of the last steps whose learning rate falls
+    (warm_start_lr). The model's attention is put back as it was before it returns."""
     import numpy as np
     import torch
 
@@ -146,7 +155,9 @@ def finetune(model, examples: list[Example], steps: int, lr: float, batch_size: 
     model.train()
     order: list[int] = []
     losses = []
-    for _ in range(steps):
+    for step in range(steps):
+        for group in optimizer.param_groups:
+            group["lr"] = warm_start_lr(step, steps, lr, lr_decay)
         rows = []
         while len(rows) < batch_size:
             if not order:
@@ -194,7 +205,7 @@ def _settings(cfg: ExperimentConfig, model_path: str) -> dict:
     build = source / "tiny_build.json"
     fingerprint = build.read_text() if build.exists() else str(source.resolve())
     settings = {"steps": m.warm_start_steps, "games": m.warm_start_games, "lr": m.warm_start_lr,
-                "batch": m.warm_start_batch, "trainable_layers": m.warm_start_trainable_layers,
+                "lr_decay": m.warm_start_lr_decay, "batch": m.warm_start_batch, "trainable_layers": m.warm_start_trainable_layers,
                 "seed": cfg.run.seed, "env": cfg.env.name, "source": cfg.env.source,
                 "generator": cfg.env.generator, "train_split": cfg.env.train_split,
                 "max_steps": cfg.env.max_steps, "history_length": cfg.rollout.history_length,
@@ -270,7 +281,8 @@ def warm_start(cfg: ExperimentConfig, model_path: str, out_dir: str | None = Non
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         train_only_last_layers(model, m.warm_start_trainable_layers, "model.warm_start_trainable_layers")
         losses = finetune(model, examples, m.warm_start_steps, m.warm_start_lr, m.warm_start_batch, cfg.run.seed,
-                          m.warm_start_micro_batch_tokens, on_step=bar.update, packed=cfg.learner.pack_rows)
+                          m.warm_start_micro_batch_tokens, on_step=bar.update, packed=cfg.learner.pack_rows,
+                          lr_decay=m.warm_start_lr_decay)
     finally:
         torch.set_num_threads(threads)
         bar.close()

@@ -133,3 +133,36 @@ def test_no_warm_start_game_is_held_out(tmp_path, tiny_model_path, monkeypatch):
     with pytest.raises(ValueError, match="in the held-out split"):
         collect_examples(cfg, None)
 
+
+
+def test_the_learning_rate_falls_linearly_over_the_last_share_of_steps():
+    from deploy.warm_start import warm_start_lr
+    assert [warm_start_lr(s, 10, 2.0, 0.3) for s in range(10)] == [2.0] * 7 + [2.0, 2.0 * 2 / 3, 2.0 / 3]
+    assert [warm_start_lr(s, 10, 2.0, 0.0) for s in range(10)] == [2.0] * 10      # the default: constant
+    assert [warm_start_lr(s, 4, 2.0, 1.0) for s in range(4)] == [2.0, 1.5, 1.0, 0.5]
+
+
+def test_finetune_steps_with_the_decayed_learning_rate(tiny_model_path, monkeypatch):
+    """With plain SGD (a step's weight change is lr x the gradient) two steps from the same start and data:
+    the first is the same with and without decay; over a decay of the whole run (2 steps: lr, then lr / 2) the
+    second moves the weights half as far. Tolerance: the weight changes are differences of float32 weights
+    (eps 1.2e-7 relative), so they agree to a few eps of the largest weight."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from deploy.warm_start import Example, finetune
+
+    rng = torch.Generator().manual_seed(0)
+    rows = [Example(ids[:-8], ids[-8:]) for ids in
+            (torch.randint(0, 1000, (n,), generator=rng).tolist() for n in (40, 60, 50, 70))]
+    monkeypatch.setattr(torch.optim, "AdamW", lambda params, lr, weight_decay: torch.optim.SGD(params, lr=lr))
+
+    def weights_after(steps: int, lr_decay: float) -> torch.Tensor:
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+        finetune(model, rows, steps, 0.5, 2, seed=0, micro_batch_tokens=4096, lr_decay=lr_decay)
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    first = weights_after(1, 0.0)
+    constant, decayed = weights_after(2, 0.0) - first, weights_after(2, 1.0) - first
+    assert weights_after(1, 1.0).equal(first) and constant.abs().max() > 0
+    assert torch.allclose(decayed, constant / 2, rtol=0, atol=4e-7 * float(first.abs().max()))

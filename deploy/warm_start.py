@@ -205,12 +205,14 @@ def _settings(cfg: ExperimentConfig, model_path: str) -> dict:
     build = source / "tiny_build.json"
     fingerprint = build.read_text() if build.exists() else str(source.resolve())
     settings = {"steps": m.warm_start_steps, "games": m.warm_start_games, "lr": m.warm_start_lr,
-                "lr_decay": m.warm_start_lr_decay, "batch": m.warm_start_batch, "trainable_layers": m.warm_start_trainable_layers,
+                "batch": m.warm_start_batch, "trainable_layers": m.warm_start_trainable_layers,
                 "seed": cfg.run.seed, "env": cfg.env.name, "source": cfg.env.source,
                 "generator": cfg.env.generator, "train_split": cfg.env.train_split,
                 "max_steps": cfg.env.max_steps, "history_length": cfg.rollout.history_length,
                 "max_prompt_tokens": m.max_prompt_tokens, "row_code": row_code_fingerprint(cfg.env.name),
                 "initial_model": hashlib.sha256(fingerprint.encode()).hexdigest()[:16]}
+    if m.warm_start_lr_decay:         # (absent at 0, the constant rate: warm models cached before it stay valid)
+        settings["lr_decay"] = m.warm_start_lr_decay
     if cfg.env.name == "webshop":     # settings only WebShop's rows have
         settings.update(webshop_catalog=_webshop_catalog(cfg.env.source), free_text_repeat=m.warm_start_free_text_repeat,
                         option_repeat=m.warm_start_option_repeat)

@@ -61,6 +61,11 @@ def test_warm_start_learns_and_is_cached(tmp_path, tiny_model_path):
     cfg.model.warm_start_steps = 7                              # other settings: rebuilt
     warm_start(cfg, tiny_model_path)
     assert json.loads((Path(out) / "warm_start.json").read_text())["settings"]["steps"] == 7
+    # A constant rate names no decay, so warm models cached before the setting existed stay valid.
+    assert "lr_decay" not in json.loads((Path(out) / "warm_start.json").read_text())["settings"]
+    cfg.model.warm_start_lr_decay = 0.5                         # a decayed rate: another model, rebuilt
+    warm_start(cfg, tiny_model_path)
+    assert json.loads((Path(out) / "warm_start.json").read_text())["settings"]["lr_decay"] == 0.5
 
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(out)                   # loadable like any HF model
@@ -132,7 +137,6 @@ def test_no_warm_start_game_is_held_out(tmp_path, tiny_model_path, monkeypatch):
                                                                      "env.train_split=all"])
     with pytest.raises(ValueError, match="in the held-out split"):
         collect_examples(cfg, None)
-
 
 
 def test_the_learning_rate_falls_linearly_over_the_last_share_of_steps():

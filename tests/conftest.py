@@ -99,6 +99,16 @@ def sigint_reaches_children():
         signal.signal(signal.SIGINT, previous)
 
 
+@pytest.fixture
+def warm_start_with_sgd(monkeypatch):
+    """deploy.warm_start.finetune steps with plain SGD at its learning rate instead of AdamW: a step's weight
+    change is then lr x the gradient, which a test can read off the weights (AdamW's first step is about
+    sign(gradient), which amplifies the rounding noise of gradients near 0)."""
+    import torch
+
+    monkeypatch.setattr(torch.optim, "AdamW", lambda params, lr, weight_decay: torch.optim.SGD(params, lr=lr))
+
+
 # -- the leftovers guard -----------------------------------------------------------------------------------
 
 SHM_DIR = "/dev/shm"

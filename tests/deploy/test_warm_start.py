@@ -146,7 +146,7 @@ def test_the_learning_rate_falls_linearly_over_the_last_share_of_steps():
     assert [warm_start_lr(s, 4, 2.0, 1.0) for s in range(4)] == [2.0, 1.5, 1.0, 0.5]
 
 
-def test_finetune_steps_with_the_decayed_learning_rate(tiny_model_path, monkeypatch):
+def test_finetune_steps_with_the_decayed_learning_rate(tiny_model_path, warm_start_with_sgd):
     """With plain SGD (a step's weight change is lr x the gradient) two steps from the same start and data:
     the first is the same with and without decay; over a decay of the whole run (2 steps: lr, then lr / 2) the
     second moves the weights half as far. Tolerance: the weight changes are differences of float32 weights
@@ -159,7 +159,6 @@ def test_finetune_steps_with_the_decayed_learning_rate(tiny_model_path, monkeypa
     rng = torch.Generator().manual_seed(0)
     rows = [Example(ids[:-8], ids[-8:]) for ids in
             (torch.randint(0, 1000, (n,), generator=rng).tolist() for n in (40, 60, 50, 70))]
-    monkeypatch.setattr(torch.optim, "AdamW", lambda params, lr, weight_decay: torch.optim.SGD(params, lr=lr))
 
     def weights_after(steps: int, lr_decay: float) -> torch.Tensor:
         model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)

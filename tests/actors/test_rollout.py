@@ -329,15 +329,16 @@ def test_an_evaluation_replays_the_same_episodes_for_the_same_policy(setup):
     path, inference, _ = setup
     cfg = _cfg(path, "test:eval-twice", temperature=1.0)
     tasks = [f"gen/train/{i:05d}" for i in range(4)]
-    played = []
-    for _ in range(2):      # a fresh actor each time, named as actors.evaluation names its own
+
+    def responses() -> list[list[list[int]]]:
+        """Each task's responses, step by step, as a fresh actor named as actors.evaluation names its own
+        plays them."""
         actor = create_rollout_actor(cfg, "eval", inference, None)
-        played.append(ray.get(actor.play_tasks.remote(tasks, 0), timeout=120))
+        episodes = ray.get(actor.play_tasks.remote(tasks, 0), timeout=120)
         ray.get(actor.close.remote())
-    first, second = ([[s.response_ids.tolist() for s in steps_of(e, 0)] for e in eps] for eps in played)
-    assert first == second and sum(map(len, first)) >= len(tasks)
+        return [[s.response_ids.tolist() for s in steps_of(e, 0)] for e in episodes]
+
+    first = responses()
+    assert responses() == first and sum(map(len, first)) >= len(tasks)
     cfg.run.seed = 1        # another run's seed: other samples
-    other = create_rollout_actor(cfg, "eval", inference, None)
-    third = ray.get(other.play_tasks.remote(tasks, 0), timeout=120)
-    ray.get(other.close.remote())
-    assert [[s.response_ids.tolist() for s in steps_of(e, 0)] for e in third] != first
+    assert responses() != first

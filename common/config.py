@@ -201,9 +201,11 @@ class LearnerConfig:
     entropy_coef: float = F(0.001, "entropy bonus", AT_LEAST_0)
     ppo_epochs: int = F(1, "passes over each batch", AT_LEAST_1)
     micro_batch_tokens: int = F(16384, "token budget of one micro-batch (rows are packed by tokens)", AT_LEAST_1)
-    pack_rows: bool = F(True, "micro-batches without padding: rows one after the other in one sequence, each "
-                              "attending to itself only (learner/packing.py); false: rows left-padded to the "
-                              "longest of their micro-batch (bench/bench_packing.py compares the two)")
+    pack_rows: Literal["auto", True, False] = F(
+        "auto", "true: micro-batches without padding, rows one after the other in one sequence, each attending to "
+                "itself only (learner/packing.py); false: rows left-padded to the longest of their micro-batch "
+                '(bench/bench_packing.py compares the two); "auto": packed on CPU (gpus_per_process = 0), where it '
+                "was measured, padded on GPUs, where packing has not run yet (bench/bench_gpu.py compares both)")
     mini_batch_rows: int = F(256, "rows per optimizer step (paper: 256 ALFWorld, 64 WebShop)", AT_LEAST_1)
     recompute_old_logprobs: bool = F(False, "recompute old log-probs with the learner instead of using "
                                             "the rollout's (implied by a logprob_correction)")
@@ -241,6 +243,11 @@ class LearnerConfig:
     ack_on_checkpoint: bool = F(True, "exactly-once across restarts: ack trained groups only once a checkpoint "
                                       "holds their update (a crash retrains since the last one); a checkpoint is "
                                       "forced early when the unacked groups would fill stream.max_stream_groups")
+
+    @property
+    def packed(self) -> bool:
+        """Whether micro-batches are packed (learner.pack_rows, with "auto" resolved)."""
+        return self.pack_rows if isinstance(self.pack_rows, bool) else self.gpus_per_process == 0
 
 
 @dataclass

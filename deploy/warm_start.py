@@ -283,7 +283,7 @@ def warm_start(cfg: ExperimentConfig, model_path: str, out_dir: str | None = Non
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         train_only_last_layers(model, m.warm_start_trainable_layers, "model.warm_start_trainable_layers")
         losses = finetune(model, examples, m.warm_start_steps, m.warm_start_lr, m.warm_start_batch, cfg.run.seed,
-                          m.warm_start_micro_batch_tokens, on_step=bar.update, packed=cfg.learner.pack_rows,
+                          m.warm_start_micro_batch_tokens, on_step=bar.update, packed=cfg.learner.packed,
                           lr_decay=m.warm_start_lr_decay)
     finally:
         torch.set_num_threads(threads)

@@ -159,7 +159,7 @@ class PolicyTrainer:
             for m in (model, self.ref_model):
                 if m is not None:
                     project_head_in_float32(m)
-        if cfg.pack_rows:
+        if cfg.packed:
             for m in (model, self.ref_model):
                 if m is not None:
                     use_packed_attention(m)
@@ -182,13 +182,13 @@ class PolicyTrainer:
 
     def _plan(self, batch: TrainBatch, rows: np.ndarray):
         return plan_micro_batches(batch, rows, self.cfg.micro_batch_tokens, self.world_size,
-                                  packed=self.cfg.pack_rows)
+                                  packed=self.cfg.packed)
 
     def _micro(self, batch: TrainBatch, rows: np.ndarray, fallback_row: int) -> tuple[MicroBatch, float]:
         """The micro-batch of `rows` (in learner.pack_rows' layout) and weight 1, or for a process with nothing
         left a one-row stand-in with weight 0 that keeps the collectives in step."""
         chosen, weight = (rows, 1.0) if len(rows) else (np.array([fallback_row]), 0.0)
-        if self.cfg.pack_rows:
+        if self.cfg.packed:
             return collate_packed(batch, chosen), weight
         return collate(batch, chosen, self.pad_id), weight
 

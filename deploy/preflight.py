@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -37,9 +38,19 @@ def check_output_dir(cfg: ExperimentConfig) -> None:
     parent = out.absolute().parent
     while not parent.exists():
         parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK) or not _can_make_a_directory_in(parent):
         raise PreflightError(f"run.output_dir {str(out)!r} cannot be created: {parent} is not a writable "
                              "directory; set another run.output_dir")
+
+
+def _can_make_a_directory_in(parent: Path) -> bool:
+    """Whether a directory can be made in `parent`, tried (and removed at once): permission bits do not stop
+    root, but /proc, /sys or a read-only mount still do."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".gigpo-preflight-", dir=parent))
+        return True
+    except OSError:
+        return False
 
 
 def _looks_like_local_path(path: str) -> bool:

@@ -74,8 +74,11 @@ def out(tmp_path) -> Path:
     ("run.iterations=0", ["run.iterations = 0 is not allowed; it must be >= 1", "gigpo eval"]),
     ("inference.transfer_timeout_s=1000", ["inference.generate_timeout_s (900) must exceed "
                                            "inference.transfer_timeout_s (1000)"]),
+    ("model.max_prompt_tokens=8", ["model.max_prompt_tokens = 8 is not allowed; it must be >= 256",
+                                   "truncates every trajectory"]),
 ], ids=["choice", "deadlock", "negative-lag", "typo", "gamma", "cpu-list", "resume-tag", "redis-scheme",
-        "group-of-one", "micro-batch-under-a-row", "no-iterations", "generate-under-transfer-timeout"])
+        "group-of-one", "micro-batch-under-a-row", "no-iterations", "generate-under-transfer-timeout",
+        "prompt-under-its-instructions"])
 def test_config_errors(override, expected, out):
     line = one_line_error(gigpo("train", EMBEDDED, f"run.output_dir={out}", override), *expected)
     assert SECRET not in line
@@ -200,6 +203,12 @@ def test_hub_model_in_the_cache_passes(tmp_path, monkeypatch):
     preflight.check_model(load_config(EMBEDDED_PATH, ["model.path=org/model"]), hub_cache=str(tmp_path))
     with pytest.raises(preflight.PreflightError, match="not in the Hugging Face cache"):
         preflight.check_model(load_config(EMBEDDED_PATH, ["model.path=org/other"]), hub_cache=str(tmp_path))
+
+
+def test_an_output_directory_that_cannot_be_made_is_one_line():
+    """Root passes every permission check, but nothing can be made under /proc: the preflight tries."""
+    one_line_error(gigpo("train", EMBEDDED, "run.output_dir=/proc/gigpo-no-such/run"),
+                   "run.output_dir '/proc/gigpo-no-such/run' cannot be created", "set another run.output_dir")
 
 
 def test_a_second_run_into_a_used_output_directory_is_refused_in_one_line_writing_nothing(tmp_path):

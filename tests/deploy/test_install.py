@@ -82,11 +82,12 @@ def test_a_clean_clone_installs_from_pypi_alone_and_trains_on_a_gpu_laptop(tmp_p
                    f":{STANDARD_PATH}",
            "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8",
            "XDG_CACHE_HOME": str(tmp_path / "cache")}       # a first install: pip's cache empty
-    server = serve(tmp_path / "index", free_port)
+    port = free_port()
+    server = serve(tmp_path / "index", port)
     try:
         t0 = time.monotonic()
         done = subprocess.run(as_a_user(["make", "run", f"CONFIG={config}",
-                                         f"TORCH_CPU_INDEX=http://127.0.0.1:{free_port}/"],
+                                         f"TORCH_CPU_INDEX=http://127.0.0.1:{port}/"],
                                         python=str(REPO / ".venv/bin/python"), hide_python_headers=True),
                               cwd=clone, env=env, capture_output=True, text=True, timeout=2200)
         took = time.monotonic() - t0

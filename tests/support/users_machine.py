@@ -4,7 +4,7 @@ This machine's pip is kinder than a user's: its configuration files add a direct
 (find-links), local indexes and a constraints file, and PIP_* variables add more. `as_a_user(command)` wraps a
 command so that it runs in a mount namespace of its own where every such source is hidden (each config file
 `pip config debug` names and each local directory a source points to is covered by an empty one), with no
-PIP_* variables: pip knows PyPI alone, and whatever else the command reaches (an index it is given) it reaches
+PIP_* variables but the CA bundle's (KEPT): pip knows PyPI alone, and whatever else the command reaches (an index it is given) it reaches
 over the network like any user's pip. The Python headers can be hidden too (`hide_python_headers`), to show
 that nothing compiled on install needs them. Root only; `unavailable()` says why not, for a skip.
 
@@ -21,6 +21,9 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 PIP_SOURCES = ("find-links", "index-url", "extra-index-url", "constraint", "requirement")
+# Kept: the CA bundle pip checks servers against. It names no package source; this machine reaches PyPI
+# through a proxy whose certificate only the system bundle holds, as some companies' networks do.
+KEPT = ("PIP_CERT",)
 
 
 def unavailable() -> str:
@@ -65,6 +68,6 @@ def as_a_user(command: list[str], python: str, hide_python_headers: bool = False
         dirs.append(Path(sysconfig.get_paths()["include"]))
     mounts = [f"mount --bind /dev/null {shlex.quote(str(f))}" for f in files]
     mounts += [f"mount -t tmpfs -o size=1m,mode=755 hidden {shlex.quote(str(d))}" for d in dirs]
-    unset = [f"-u {name}" for name in os.environ if name.startswith("PIP_")]
+    unset = [f"-u {name}" for name in os.environ if name.startswith("PIP_") and name not in KEPT]
     script = " && ".join([*mounts, f"exec env {' '.join(unset)} {shlex.join(command)}"])
     return ["unshare", "--mount", "--propagation", "private", "bash", "-c", script]

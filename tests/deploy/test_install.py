@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.deploy.test_makefile import A_GPU, stand_in_nvidia_smi
-from tests.support.users_machine import as_a_user, unavailable
+from tests.support.users_machine import KEPT, as_a_user, unavailable
 
 REPO = Path(__file__).resolve().parents[2]
 STANDARD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -81,7 +81,8 @@ def test_a_clean_clone_installs_from_pypi_alone_and_trains_on_a_gpu_laptop(tmp_p
     env = {"PATH": f"{bin_dir}:{os.path.dirname(os.path.realpath(shutil.which('python3.11') or sys.executable))}"
                    f":{STANDARD_PATH}",
            "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8",
-           "XDG_CACHE_HOME": str(tmp_path / "cache")}       # a first install: pip's cache empty
+           "XDG_CACHE_HOME": str(tmp_path / "cache"),       # a first install: pip's cache empty
+           **{name: os.environ[name] for name in KEPT if name in os.environ}}
     port = free_port()
     server = serve(tmp_path / "index", port)
     try:

@@ -26,6 +26,10 @@ Parts (each runs on its own; one that fails prints its error and the others go o
   log-prob is printed) on the CPU in fp32 (the reference), on the GPU in fp32 (TF32 off), in bf16, and in
   bf16 with the final projection in fp32 (model.head_dtype=float32): mean and max |delta| per token, share of
   tokens above 0.1 nat.
+- packing: learner.pack_rows' two layouts on this device, the same rows and weights (the log-prob part's
+  model, fp32 and bf16): mean and max |delta| of the packed layout's log-probs against the padded one's, and
+  each layout's forward time. Packing is the default only on CPU (`pack_rows: auto`) until this part shows on
+  a GPU that the two agree as closely as they do on CPU (tests/learner/test_packing.py).
 - constrained: responses sampled under an action grammar (`rollout.constrain_actions`; the regex has
   action_regex's shape, with a 40-character think section) are scored over the tokens the grammar allowed
   (learner/grammar_mask.py), SmolLM2-135M's shape and tokenizer (`--tokenizer`, the folder `make model`
@@ -184,15 +188,15 @@ def part_push_and_resume(trainer, batch) -> None:
         f"{moved:.3f} nat, the loaded checkpoint gives the saved log-probs bit for bit: {same}")
 
 
-def _logprobs(model, batch, device, micro_batch_tokens: int = 8192) -> list[np.ndarray]:
-    from learner.batching import collate, plan_micro_batches
+def _logprobs(model, batch, device, micro_batch_tokens: int = 8192, packed: bool = False) -> list[np.ndarray]:
+    from learner.batching import collate, collate_packed, plan_micro_batches
     from learner.trainer import response_logprobs
 
     out: dict[int, np.ndarray] = {}
-    plan = plan_micro_batches(batch, np.arange(batch.num_rows), micro_batch_tokens)
+    plan = plan_micro_batches(batch, np.arange(batch.num_rows), micro_batch_tokens, packed=packed)
     with torch.no_grad():
         for rows in plan.per_rank[0]:
-            mb = collate(batch, rows)
+            mb = collate_packed(batch, rows) if packed else collate(batch, rows)
             logp, _ = response_logprobs(model, mb, 1.0, device)
             splits = torch.split(logp.float().cpu(), [len(batch.response_ids[r]) for r in mb.rows])
             out.update({int(r): s.numpy() for r, s in zip(mb.rows, splits)})
@@ -238,6 +242,46 @@ def part_logprobs(args) -> None:
         RESULTS["logprobs"][name] = stats
         say(f"logprobs: {name} vs CPU fp32: mean |delta| {stats['mean']:.2e}, max {stats['max']:.2e}, "
             f"share > 0.1 nat {stats['share_above_0.1']:.3f} (mean log-prob of sampled tokens {mean_logp:.2f})")
+
+
+def part_packing(args) -> None:
+    """learner.pack_rows on this device: the packed layout's log-probs against the padded one's on the same
+    rows and weights (bf16 and fp32), and the seconds of each layout's forward pass. Packing is the default
+    only on CPU ("auto") until this part shows it agrees on a GPU."""
+    from transformers import AutoModelForCausalLM
+
+    from common.config import LearnerConfig
+    from learner.packing import use_packed_attention
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    shape = args.logprob_shape
+    RESULTS["packing"] = {"shape": shape, "device": device}
+    with tempfile.TemporaryDirectory(prefix="bench-gpu-pack-") as folder:
+        build_model(shape, folder, dtype=torch.float32, init_range=args.logprob_init, device="cpu")
+        batch = synthetic_batch(LearnerConfig(groups_per_batch=2), shape, 4, seed=7, prompt=(200, 400),
+                                response=(32, 96))
+        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+            use_packed_attention(model)          # plain sdpa for the padded layout, row by row for the packed one
+            got, seconds = {}, {}
+            for layout in ("padded", "packed", "padded", "packed"):      # each twice: the second call is timed
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                got[layout] = _logprobs(model, batch, device, args.micro_batch_tokens, packed=layout == "packed")
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                seconds[layout] = time.perf_counter() - t0
+            d = np.abs(np.concatenate(got["packed"]) - np.concatenate(got["padded"]))
+            stats = {"mean": float(d.mean()), "max": float(d.max()), "padded_s": seconds["padded"],
+                     "packed_s": seconds["packed"]}
+            RESULTS["packing"][name] = stats
+            say(f"packing: {name} on {device}, packed vs padded log-probs over {batch.num_rows} rows: mean "
+                f"|delta| {stats['mean']:.2e}, max {stats['max']:.2e}; forward {seconds['packed']:.2f} s packed, "
+                f"{seconds['padded']:.2f} s padded")
+            del model
+            if device == "cuda":
+                torch.cuda.empty_cache()
 
 
 # An ALFWorld-like admissible list for the constrained part.
@@ -461,7 +505,7 @@ def main() -> int:
                                                         "smollm2-135m-instruct"),
                     help="constrained part: SmolLM2-135M-Instruct's folder (`make model`; the tokenizer is read)")
     ap.add_argument("--ipc-mb", type=int, default=1024, help="MB sent by CUDA IPC and by NCCL")
-    ap.add_argument("--parts", default="learner,logprobs,constrained,ipc,nccl")
+    ap.add_argument("--parts", default="learner,logprobs,packing,constrained,ipc,nccl")
     ap.add_argument("--out", help="write the figures as JSON here")
     ap.add_argument("--cpu", action="store_true", help="run the learner and log-prob parts without CUDA "
                                                        "(a check of this script, not a measurement)")

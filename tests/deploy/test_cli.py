@@ -1,4 +1,6 @@
 """The command-line tool and the job's control channel (status out, scale commands in) on a real Redis."""
+from pathlib import Path
+
 import pytest
 
 from common.config import ConfigError
@@ -227,3 +229,10 @@ def test_status_watch_refreshes_until_interrupted(tmp_path, redis_url, sigint_re
             proc.wait()
     assert b"iteration 1/10" in seen
     assert proc.returncode == 130 and err.decode().strip() == "gigpo: interrupted", err
+
+
+def test_the_config_reference_page_is_what_the_code_says():
+    """docs/config.md lists every field with its default and doc as common/config.py declares them: a field
+    added, renamed or given another default without `gigpo config --markdown > docs/config.md` fails here."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "config.md").read_text()
+    assert page == cli.config_reference(), "docs/config.md is stale: run .venv/bin/gigpo config --markdown > docs/config.md"

@@ -441,7 +441,8 @@ def test_onprem_file_as_written_trains_without_a_shared_filesystem(machines_here
         subs.add("ssh_private_key", "a placeholder file: the test reaches its machines without SSH")
         launched = launch(ONPREM, head, {"local.cluster.node": [gpu, cpu]}, subs, client, monkeypatch,
                           placeholders={"HEAD_HOST": head.ip, "[GPU_HOST_1, CPU_HOST_1]": f"[{gpu.ip}, {cpu.ip}]",
-                                        "YOUR_USER": ONPREM_USER, "~/.ssh/id_ed25519": "~/.ssh/id_ed25519"})
+                                        "YOUR_USER": ONPREM_USER, "~/.ssh/id_ed25519": "~/.ssh/id_ed25519"},
+                          replace={"make install EXTRA=cuda": "make install EXTRA=cpu"})
         print(subs.report())
         assert not launched.failed(), launched.failed()
         subs.add("ray dashboard", "the submission runs on the head, where localhost:8265 is the dashboard")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -195,4 +196,23 @@ def test_a_missing_compiler_is_one_line_before_pip_runs(tmp_path):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, lines
     assert "*** make install: no C or C++ compiler" in lines[0] and "build-essential" in lines[0], lines
+    assert not venv.exists()
+
+
+def test_missing_python_headers_are_one_line_before_pip_runs(tmp_path):
+    """torch.compile builds vLLM's CPU kernels against Python.h when a run starts (without it the engine dies at
+    its first request): `make install` checks for the headers of the Python it installs with, and says which
+    package has them. The headers are hidden in a mount namespace of this test's own."""
+    from tests.support.users_machine import as_a_user, unavailable
+    if unavailable():
+        pytest.skip(unavailable())
+    venv = tmp_path / "venv"
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "EXTRA")}
+    done = subprocess.run(as_a_user([MAKE, "--no-print-directory", "install", f"VENV={venv}"], python=sys.executable,
+                                    hide_python_headers=True),
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "*** make install: no Python headers" in lines[0], lines
+    assert "-dev" in lines[0] and "python3-devel" in lines[0], lines
     assert not venv.exists()

@@ -73,7 +73,7 @@ def test_ray_cluster_config_passes_rays_own_validation():
 
 
 @pytest.mark.parametrize("name, install", [("ray-cluster.yaml", "cd ~/gigpo && make install EXTRA=cuda"),
-                                           ("ray-cluster-onprem.yaml", "cd ~/gigpo && make install")])
+                                           ("ray-cluster-onprem.yaml", "cd ~/gigpo && make install EXTRA=cuda")])
 def test_the_launcher_files_install_with_the_makefile_and_use_token_auth(name, install):
     """What tests/deploy/test_cluster_files.py runs, read: the Makefile installs (no pip of its own, no package's
     Redis service on the head), every `ray start` and login shell with the token, the stream's Redis from
@@ -512,7 +512,7 @@ def test_makefile_install_with_cuda_is_what_the_image_runs(tmp_path):
     out = subprocess.run(["make", "-n", "install", "EXTRA=cuda", f"VENV={tmp_path / 'venv'}"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60, check=True).stdout
     locked = "-c requirements/lock-cuda.txt --build-constraint requirements/lock-tools.txt"
-    assert f"install torch==2.13.0 {locked}" in out
+    assert f'install "torch==2.13.0" {locked}' in out
     assert f'install -e ".[cuda,redis,test]" {locked}' in out
     pip_installs = [line for line in out.splitlines() if " -m pip install " in line]
     assert len(pip_installs) == 3 and "-c requirements/lock-tools.txt" in pip_installs[0]   # pip, wheel

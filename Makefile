@@ -57,8 +57,8 @@ help:
 install: $(STAMP)
 
 # Before an install (a fresh venv, or one older than what it was installed from), the host is checked first
-# (deploy/tools/check_host.py: platform, Python, venv module, compilers), while make reads this file: what is
-# missing is then one line, with no make error line after it as a failed recipe would have.
+# (deploy/tools/check_host.py: platform, Python, venv module, compilers, Python headers) as make reads this file:
+# what is missing is then one line, with no make error line after it as a failed recipe would have.
 INSTALL_GOALS := install data model run test test-fast bench experiment dashboard-check
 STAMP_DEPS := setup.cfg pyproject.toml Makefile $(LOCK) $(TOOLS_LOCK)
 CHECK_PY := $(if $(wildcard $(PY)),$(PY),$(PYTHON))

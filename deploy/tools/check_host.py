@@ -28,7 +28,7 @@ from pathlib import Path
 # Where each lock file installs: its platforms and Pythons (the Makefile's `lock` target resolves them so).
 LOCKED_FOR = {
     "cpu": {"machines": ("x86_64",), "pythons": ((3, 11),)},
-    "cuda": {"machines": ("x86_64", "aarch64"), "pythons": ((3, 11), (3, 12))},
+    "cuda": {"machines": ("x86_64",), "pythons": ((3, 11), (3, 12))},      # resolved universally, checked there
 }
 # A field's line, or its place in a flow mapping (`learner: {gpus_per_process: 1, ...}`).
 GPU_FIELD = re.compile(r"(?:^|[{,])\s*(gpus_per_actor|gpus_per_process)\s*:\s*([^\s#,}]+)", re.MULTILINE)
@@ -38,7 +38,10 @@ EXTENDS = re.compile(r"^extends\s*:\s*['\"]?([^'\"#\n]+?)['\"]?\s*(?:#.*)?$", re
 def gpu_fields(config: Path, seen: tuple[Path, ...] = ()) -> dict[str, str]:
     """The `gpus_per_*` values `config` sets, over those of the file it extends (a later file wins, as in
     common/config.py)."""
-    text = config.read_text()
+    try:
+        text = config.read_text()
+    except OSError:
+        return {}           # no such file: `gigpo train` says so in its one line
     parent = EXTENDS.search(text)
     inherited = {}
     if parent and config.resolve() not in seen:
@@ -71,8 +74,9 @@ def install_problems(extra: str) -> list[str]:
     problems = []
     machine = platform.machine()
     if sys.platform != "linux" or machine not in locked["machines"]:
-        problems.append(f"the {extra} build installs on Linux {' or '.join(locked['machines'])} only (vLLM's "
-                        f"wheels and requirements/lock-{extra}.txt), and this is {platform.system()} {machine}")
+        problems.append(f"the {extra} build installs on Linux {' or '.join(locked['machines'])} only (what vLLM's "
+                        f"wheels and requirements/lock-{extra}.txt were checked for), and this is "
+                        f"{platform.system()} {machine}")
     here = sys.version_info[:2]
     if here not in locked["pythons"]:
         wanted = " or ".join(python_words(v) for v in locked["pythons"])

@@ -177,8 +177,9 @@ def paired_change_line(measure: str, change: dict) -> str:
 
 def format_summary(summary: dict) -> str:
     """`gigpo train`'s last lines: updates, time, env steps, success (and score) before and after, the table."""
-    lines = ["", "=" * 72, f"trained {summary['updates']} update{'' if summary['updates'] == 1 else 's'} in {summary['train_s'] / 60:.1f} min, "
-             f"{summary['env_steps']:.0f} env steps"]
+    updates = summary["updates"]
+    lines = ["", "=" * 72, f"trained {updates} update{'' if updates == 1 else 's'} in {summary['train_s'] / 60:.1f} "
+                           f"min, {summary['env_steps']:.0f} env steps"]
     if summary.get("before") and summary.get("after"):
         before, after = summary["before"], summary["after"]
         b, a = before["success"], after["success"]

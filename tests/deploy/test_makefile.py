@@ -153,6 +153,16 @@ def test_make_run_refuses_a_venv_of_the_other_build_in_one_line(tmp_path, build,
     assert "gigpo train" not in done.stdout, done.stdout        # nothing started
 
 
+def refused_in_one_line(done: subprocess.CompletedProcess, venv: Path, *expected: str) -> None:
+    """`make install` stopped (exit 2) with one line on stderr holding each of `expected`, the venv not made."""
+    assert done.returncode == 2, done
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    for text in expected:
+        assert text in lines[0], lines
+    assert not venv.exists()
+
+
 def other_pythons() -> list[str]:
     """Interpreters on this machine other than 3.11 (the cpu lock's): on PATH, or under pyenv."""
     found = [shutil.which(f"python3.{minor}") for minor in (12, 13)]
@@ -170,11 +180,8 @@ def test_a_host_without_python_3_11_gets_one_line_in_seconds(tmp_path):
         pytest.skip("no Python 3.12 or 3.13 on this machine to stand for a host without 3.11")
     venv = tmp_path / "venv"
     done = run_make(["install", f"VENV={venv}", f"PYTHON={pythons[0]}"], os.environ["PATH"], timeout=30)
-    assert done.returncode == 2, done
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "*** make install: the cpu build is locked for Python 3.11" in lines[0], lines
-    assert "install python3.11" in lines[0] and "make install PYTHON=python3.11" in lines[0], lines
-    assert not venv.exists()
+    refused_in_one_line(done, venv, "*** make install: the cpu build is locked for Python 3.11", "install python3.11",
+                        "make install PYTHON=python3.11")
 
 
 def test_a_missing_compiler_is_one_line_before_pip_runs(tmp_path):
@@ -194,11 +201,7 @@ def test_a_missing_compiler_is_one_line_before_pip_runs(tmp_path):
                 (bin_dir / name).symlink_to(target)
     venv = tmp_path / "venv"
     done = run_make(["install", f"VENV={venv}"], str(bin_dir), timeout=30)
-    assert done.returncode == 2, done
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1, lines
-    assert "*** make install: no C or C++ compiler" in lines[0] and "build-essential" in lines[0], lines
-    assert not venv.exists()
+    refused_in_one_line(done, venv, "*** make install: no C or C++ compiler", "build-essential")
 
 
 def test_missing_python_headers_are_one_line_before_pip_runs(tmp_path):
@@ -213,11 +216,7 @@ def test_missing_python_headers_are_one_line_before_pip_runs(tmp_path):
     done = subprocess.run(as_a_user([MAKE, "--no-print-directory", "install", f"VENV={venv}"], python=sys.executable,
                                     hide_python_headers=True),
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2, done
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "*** make install: no Python headers" in lines[0], lines
-    assert "-dev" in lines[0] and "python3-devel" in lines[0], lines
-    assert not venv.exists()
+    refused_in_one_line(done, venv, "*** make install: no Python headers", "-dev", "python3-devel")
 
 
 def test_offline_hub_access_is_set_for_the_test_targets_not_for_a_users_run(tmp_path):

@@ -137,6 +137,70 @@ def test_packed_and_padded_log_probs_and_gradients_agree(shape, request):
     assert np.linalg.norm(packed - padded) <= 4 * np.linalg.norm(padded - exact)
 
 
+
+def _train_steps(model, batch: TrainBatch, packed: bool, budget: int, cfg: LearnerConfig, steps: int
+                 ) -> tuple[list[np.ndarray], np.ndarray]:
+    """`steps` optimizer steps on a copy of `model`, every row of `batch` in each (ppo_epochs passes over one
+    update's rows), the way PolicyTrainer steps on one process: each micro-batch's loss summed over the
+    mini-batch's response tokens, the gradient's norm clipped to cfg.grad_clip, AdamW with cfg's lr and
+    weight decay (in the model's dtype). The old and reference log-probs are the batch's, fixed (the behaviour
+    policy's), so the PPO ratio moves away from 1 and its clip binds as the steps go. Returns the response
+    tokens' log-probs (float64, the batch's row order) before every step and after the last, and the final
+    weights as one float64 vector."""
+    model = copy.deepcopy(model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    plan = plan_micro_batches(batch, np.arange(batch.num_rows), budget, packed=packed)
+    trajectory = []
+    for _ in range(steps + 1):
+        optimizer.zero_grad(set_to_none=True)
+        per_row: dict[int, np.ndarray] = {}
+        for rows in plan.per_rank[0]:
+            mb = collate_packed(batch, rows) if packed else collate(batch, rows)
+            logp, entropy = response_logprobs(model, mb, TEMPERATURE, with_entropy=True)
+            loss, _ = policy_loss(logp, mb.old_logprobs, mb.advantages, mb.loss_mask, _settings(cfg),
+                                  token_normalizer=1.0, ref_logp=mb.old_logprobs, entropy=entropy,
+                                  weights=mb.weights)
+            if len(trajectory) < steps:
+                (loss / plan.response_tokens).backward()
+            sizes = [len(batch.response_ids[r]) for r in mb.rows]
+            per_row.update({int(r): part.double().numpy() for r, part in zip(mb.rows, logp.detach().split(sizes))})
+        trajectory.append(np.concatenate([per_row[r] for r in range(batch.num_rows)]))
+        if len(trajectory) <= steps:
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            optimizer.step()
+    return trajectory, torch.cat([p.detach().double().flatten() for p in params]).numpy()
+
+
+def test_several_training_steps_packed_and_padded_stay_within_rounding(tiny_models):
+    """Learning, not one step: eight AdamW steps at configs/embedded.yaml's learning rate (what the tiny-model
+    studies train with), each layout, against the same steps in float64. Every float32 run drifts from the
+    float64 one by its roundings, amplified by the same training dynamics; the padded layout's drift, taken
+    over three micro-batch budgets (three orders of the same sums: what reordering alone does), is the yardstick.
+    The packed run, whose only difference is another order of sums, must stay within 3x that drift of the exact
+    trajectory at every step, in the log-probs (what sampling sees) and in the final weights, while the steps
+    themselves move the log-probs by far more than any drift (the test sees learning, not noise)."""
+    model32, model64 = tiny_models
+    cfg = replace(LearnerConfig(), lr=3e-4)         # configs/embedded.yaml's; the rest the config's defaults
+    steps, budget = 8, 300
+    batch = _batch(1000, 4, seed=5)
+    # The behaviour policy: the start's own log-probs (float64 model), as a sampler's would be, stored float32.
+    start, _ = _train_steps(model64, batch, False, budget, cfg, steps=0)
+    sizes = np.cumsum(batch.response_lengths())[:-1]
+    batch = replace(batch, old_logprobs=[part.astype(np.float32) for part in np.split(start[0], sizes)])
+
+    exact, w_exact = _train_steps(model64, batch, False, budget, cfg, steps)
+    padded = {b: _train_steps(model32, batch, False, b, cfg, steps) for b in (budget, budget // 2, 4 * budget)}
+    packed, w_packed = _train_steps(model32, batch, True, budget, cfg, steps)
+
+    for k in range(steps + 1):
+        drift = max(np.linalg.norm(run[k] - exact[k]) for run, _ in padded.values())
+        assert np.linalg.norm(packed[k] - exact[k]) <= 3 * drift, f"log-probs after {k} steps"
+    learned = np.linalg.norm(exact[-1] - exact[0])
+    assert learned > 1000 * max(np.linalg.norm(run[-1] - exact[-1]) for run, _ in padded.values())
+    w_drift = max(np.linalg.norm(w - w_exact) for _, w in padded.values())
+    assert np.linalg.norm(w_packed - w_exact) <= 3 * w_drift
+
 def test_rows_of_a_pack_do_not_see_each_other(tiny_models):
     """Row C's log-probs in a pack [A, B, C] stay when B is replaced by other tokens of another length (within
     the module's bound); with one bound around the whole pack (attention across rows) they move by far more."""

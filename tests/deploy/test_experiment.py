@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from common.config import LearnerConfig, choices
-from deploy.tools.experiment import COMPARED, Protocol, paired, per_game, read_evals, summarize
+from common.config import load_config
+from deploy.tools.experiment import STUDIES, Protocol, paired, per_game, read_evals, summarize
 
 
 def ep(task, success, steps):
@@ -41,31 +41,39 @@ def test_summarize_reads_the_runs_evaluations(tmp_path):
     gigpo = read_evals(tmp_path)
     assert set(gigpo) == {"before", "after"}
     grpo = {"before": gigpo["before"], "after": [ep("g", True, 10)]}
-    s = summarize({"gigpo": {0: gigpo}, "grpo": {0: grpo}}, protocol)
-    assert s["algorithms"]["gigpo"]["before"]["steps"][0] == 30.0
-    assert s["algorithms"]["gigpo"]["after"]["fast"][0] == 1.0
+    s = summarize({"gigpo": {0: gigpo}, "grpo": {0: grpo}}, protocol, ("gigpo", "grpo"))
+    assert s["arms"]["gigpo"]["before"]["steps"][0] == 30.0
+    assert s["arms"]["gigpo"]["after"]["fast"][0] == 1.0
     assert s["paired"]["steps"]["diff"] == -4.0 and s["paired"]["fast"]["diff"] == 1.0
+
+
+def _write_record(records, study: str, arm: str, seed: int, won: int, games: int = 4, **curve) -> None:
+    import json
+
+    from deploy.tools.experiment import record_path
+
+    path = record_path(study, arm, seed, records)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "study": study, "arm": arm, "overrides": [], "seed": seed, "ok": True, "rc": 0, "wall_s": 60.0,
+        "commit": "abc1234", "finished_at": "2026-11-27 20:00 UTC",
+        "before": [ep(f"g{i}", False, 30) for i in range(games)],
+        "after": [{**ep(f"g{i}", i < won, 6 if i < won else 30), "task_type": "heat" if i % 2 else "pick"}
+                  for i in range(games)],
+        "curves": [{"update": u, "batch/success_rate": 0.5, "batch/episode_steps_mean": 9.0, **curve}
+                   for u in (1, 2)]}))
 
 
 def test_report_from_the_records_keeps_the_plan(tmp_path, capsys):
     """`--report` runs nothing: it reads every study's records (what each finished run gave) and rewrites the
     results below the plan, which it keeps as written; a study without records says so."""
-    import json
-
-    from deploy.tools.experiment import RESULTS_MARK, STUDIES, main, record_path
+    from deploy.tools.experiment import RESULTS_MARK, main
 
     records, doc = tmp_path / "records", tmp_path / "learning-check.md"
     doc.write_text("# Learning check\n\n## Plan\n\nwritten before the runs\n\n" + RESULTS_MARK + "\nold results\n")
     for seed, (gigpo_won, grpo_won) in enumerate(((4, 2), (3, 1))):
         for algo, won in (("gigpo", gigpo_won), ("grpo", grpo_won)):
-            path = record_path("tiny-pick", algo, seed, records)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({
-                "study": "tiny-pick", "algorithm": algo, "seed": seed, "ok": True, "rc": 0, "wall_s": 60.0,
-                "commit": "abc1234", "finished_at": "2026-11-27 20:00 UTC",
-                "before": [ep(f"g{i}", False, 30) for i in range(4)],
-                "after": [ep(f"g{i}", i < won, 6 if i < won else 30) for i in range(4)],
-                "curves": [{"update": u, "batch/success_rate": 0.5, "batch/episode_steps_mean": 9.0} for u in (1, 2)]}))
+            _write_record(records, "tiny-pick", algo, seed, won)
     assert main(["--report", "--records", str(records), "--doc", str(doc)]) == 0
     md = doc.read_text()
     assert md.startswith("# Learning check\n\n## Plan\n\nwritten before the runs\n") and "old results" not in md
@@ -97,5 +105,30 @@ def test_a_failed_rerun_keeps_the_finished_record(tmp_path):
     assert save_record(again, path) and json.loads(path.read_text()) == again            # a finished rerun does
 
 
-def test_the_compared_algorithms_are_choices_of_the_config():
-    assert set(COMPARED) <= set(choices(LearnerConfig, "algorithm"))
+def test_a_replication_is_reported_beside_the_plan_not_pooled(tmp_path):
+    """Seeds past the plan's cap (Protocol.max_seeds) are replications: the per-seed table shows them, marked,
+    and the paired analysis is the plan's seeds' alone."""
+    from deploy.tools.experiment import RESULTS_MARK, main
+
+    records, doc = tmp_path / "records", tmp_path / "learning-check.md"
+    doc.write_text(RESULTS_MARK)
+    cap = STUDIES["tiny-six"].protocol.max_seeds
+    for seed, (gigpo_won, grpo_won) in ((0, (4, 2)), (1, (3, 1)), (cap + 3, (0, 4))):
+        for algo, won in (("gigpo", gigpo_won), ("grpo", grpo_won)):
+            _write_record(records, "tiny-six", algo, seed, won, **{"batch/groups": 8.0,
+                                                                   "batch/groups_skipped_equal_returns": 2.0})
+    assert main(["--report", "--records", str(records), "--doc", str(doc)]) == 0
+    md = doc.read_text().split("### tiny-six:", 1)[1].split("###", 1)[0]
+    assert "| success | +50.0% | ± 0.0% (2 seeds) |" in md          # the replication's -100 left out
+    # Per seed: the replication marked; GiGPO's training: 50% batch success, 2 of 8 groups without signal.
+    assert f"| {cap + 3} r | abc1234 | 0.0% -> 0.0% | 0.0% -> 100.0% | -100.0 | 50.0% | 25.0% | - | - |" in md, md
+    assert "| 0 | abc1234 | 0.0% -> 100.0% | 0.0% -> 50.0% | +50.0 |" in md
+    # By task type (g1, g3 heat; g0, g2 pick): seed 1, GiGPO solves g0-g2 and GRPO g0: heat +50, pick +50.
+    assert "| heat | pick |" in md and "| 1 | +50 (2) | +50 (2) |" in md
+
+
+def test_every_arm_is_a_valid_config():
+    """Each study's arms, over its protocol, load as configs (their overrides name real fields and choices)."""
+    for study in STUDIES.values():
+        for arm in study.arms:
+            load_config(study.config, [*study.protocol.overrides(), *arm.overrides])

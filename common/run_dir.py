@@ -44,7 +44,7 @@ GROUPS_FILE = "groups.jsonl"
 TINY_DIR = "tiny_model"
 WARM_DIR = "warm_model"
 CHECKPOINTS_DIR = "checkpoints"
-LATEST = "latest"                      # DeepSpeed's name: it writes the tag there once the tag is complete
+LATEST = "latest"                      # DeepSpeed's name; the learner writes the tag there, last (resume_point)
 PUSHED_VERSION = "pushed_version"
 LEARNER_STATE = "learner_state.json"   # JSON of a checkpoint's client state, for humans and tools
 EVAL_DIR = "eval"
@@ -105,6 +105,44 @@ def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
     return [p for p in checkpoint_tags(root) if is_complete_checkpoint(p)]
 
 
+class DamagedLatest(ValueError):
+    """`latest` says nothing a resume can follow (empty, unreadable, not a checkpoint's name)."""
+
+
+def resume_point(root: str | os.PathLike) -> tuple[Path | None, str]:
+    """The checkpoint a resumed run loads from the checkpoint directory `root` (None: none, start at update 0),
+    and a note when it is not the one `latest` names ("" otherwise). One answer for the learner and for what a
+    lost run tells the user.
+
+    `latest` names the newest checkpoint of the run's history: the learner writes it, durably, after the
+    checkpoint is complete (its LEARNER_STATE written), so normally it names a complete one. A checkpoint saved
+    before that order, cut short by a crash, leaves `latest` naming an incomplete one: then the newest complete
+    checkpoint numbered below it (those above it belong to a history the run branched off, run.resume_tag).
+    Without `latest` (a crash before the first was written): the newest complete checkpoint. A `latest` that
+    names no checkpoint at all raises DamagedLatest: which history to follow is then the user's choice."""
+    root = Path(root)
+    complete = complete_checkpoints(root)
+    try:
+        named = (root / LATEST).read_text().strip()
+    except FileNotFoundError:
+        return (complete[-1] if complete else None), ""
+    except (OSError, UnicodeDecodeError) as exc:
+        named, problem = None, f"cannot be read ({exc})"
+    else:
+        problem = "is empty" if not named else "" if tag_update(named) is not None else f"holds {named[:40]!r}"
+    if problem:
+        have = ", ".join(p.name for p in complete) or "none"
+        fix = f"run.resume_tag={complete[-1].name}" if complete else "run.overwrite=true to start afresh"
+        raise DamagedLatest(f"{root / LATEST} {problem}, naming no checkpoint (complete ones: {have}): resume with "
+                            f"{fix}")
+    if is_complete_checkpoint(root / named):
+        return root / named, ""
+    older = [p for p in complete if tag_update(p.name) < tag_update(named)]
+    fallback = older[-1] if older else None
+    return fallback, (f"{root / LATEST} names {named}, which is not complete (a save cut short): resuming from "
+                      + (fallback.name if fallback else "update 0 (no complete checkpoint before it)"))
+
+
 def resume_overwrite_conflict(resume: bool, overwrite: bool) -> str:
     """What is wrong with run.resume and run.overwrite together ("" when nothing): the config's check, and the
     learner's for a config built without it."""
@@ -144,8 +182,10 @@ def prepare_checkpoint_dir(checkpoint_dir: str | os.PathLike, *, resume: bool, o
     if rank == 0:
         for path in checkpoint_tags(root):
             shutil.rmtree(path)
-        for name in (LATEST, PUSHED_VERSION, PUSHED_VERSION + ".tmp"):
+        for name in (LATEST, PUSHED_VERSION):
             (root / name).unlink(missing_ok=True)
+            for left in root.glob(f".{name}.*.tmp"):      # a write_atomically cut short
+                left.unlink(missing_ok=True)
 
 
 # -- the run's id ----------------------------------------------------------------------------------------

@@ -26,6 +26,8 @@ from collections.abc import Iterable
 from contextlib import suppress
 from pathlib import Path
 
+from common.atomic_write import write_atomically
+
 SHM_DIR = "/dev/shm"
 
 
@@ -108,10 +110,7 @@ def write_note(path: str, files: Iterable[str]) -> None:
     """Note, in the file `path`, the /dev/shm files an engine's processes map on this host, plus those a
     previous note there lists that still exist (a killed predecessor's, still mapped by dying processes)."""
     files = set(files) | {f for f in _noted(path) or [] if os.path.lexists(f)}
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    Path(tmp).write_text(json.dumps({"host": socket.gethostname(), "files": sorted(files)}))
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps({"host": socket.gethostname(), "files": sorted(files)}))
 
 
 def _noted(path: str) -> list[str] | None:

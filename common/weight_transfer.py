@@ -51,6 +51,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from common.atomic_write import write_atomically
 from common.config import ExperimentConfig, InferenceConfig, choices
 from common.placement import free_port, node_label
 
@@ -132,12 +133,6 @@ def load_buckets_into_worker(worker, files: list[str]) -> None:
     worker.reload_weights(weights_iterator=tensors, is_checkpoint_format=True)
 
 
-def _write_json_atomic(path: str, data: dict) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".manifest.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)
 
 
 # -- tied weights ---------------------------------------------------------------------------------------------
@@ -254,7 +249,7 @@ class ShmTransfer:
         nbytes = sum(os.path.getsize(f) for f in files)
         manifest = {"version": int(version), "files": files}
         for d in self.weights_dirs:            # the manifest first: a restarting actor picks it up
-            _write_json_atomic(os.path.join(d, MANIFEST), manifest)
+            write_atomically(os.path.join(d, MANIFEST), json.dumps(manifest))
         t_write = time.perf_counter()
 
         def load(deadline: float) -> None:

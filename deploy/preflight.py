@@ -16,7 +16,8 @@ from urllib.parse import urlsplit
 
 from common.config import ExperimentConfig
 from common.redis_server import password_of
-from common.run_dir import checkpoints_dir, complete_checkpoints, is_complete_checkpoint, other_runs_checkpoints
+from common.run_dir import (DamagedLatest, checkpoints_dir, complete_checkpoints, is_complete_checkpoint,
+                            other_runs_checkpoints, resume_point)
 from deploy.models import PINNED, ModelError, check_gguf, models_dir
 
 
@@ -261,10 +262,17 @@ def check_no_other_run(cfg: ExperimentConfig) -> None:
 
 
 def check_resume_tag(cfg: ExperimentConfig) -> None:
-    """run.resume_tag names a complete checkpoint of run.output_dir."""
-    if not (cfg.run.resume and cfg.run.resume_tag):
+    """run.resume_tag names a complete checkpoint of run.output_dir; without it, the run's `latest` can be
+    followed (common.run_dir.resume_point)."""
+    if not cfg.run.resume:
         return
     root = checkpoints_dir(cfg.run.output_dir)
+    if not cfg.run.resume_tag:
+        try:
+            resume_point(root)
+        except DamagedLatest as damaged:
+            raise PreflightError(str(damaged)) from None
+        return
     if not is_complete_checkpoint(root / cfg.run.resume_tag):
         have = [p.name for p in complete_checkpoints(root)]
         fix = f"use one of {', '.join(have)}" if have else "there is none there: drop run.resume_tag"

@@ -19,7 +19,7 @@ from common.metrics import ray_init_metrics_options
 from common.placement import node_label
 from common.process_env import apply_project_env, driver_runtime_env
 from common.redis_server import connect, redact
-from common.run_dir import checkpoints_dir, complete_checkpoints, tag_update
+from common.run_dir import DamagedLatest, checkpoints_dir, resume_point, tag_update
 from deploy.learner_pool import LearnerPool
 from env_servers.registry import data_env
 
@@ -118,13 +118,19 @@ class RunLost(RuntimeError):
 
 
 def lost_run_message(exc: RunLost, resume_command: list[str]) -> str:
-    """What `gigpo train` prints on RunLost: what was lost, the newest complete checkpoint, how to resume."""
+    """What `gigpo train` prints on RunLost: what was lost, the checkpoint a resume starts from (the learner's
+    own choice: common.run_dir.resume_point), how to resume."""
     root = checkpoints_dir(exc.output_dir)
-    complete = complete_checkpoints(root)
     lines = [f"gigpo: the run lost {part}" for part in exc.lost]
-    if complete:
-        lines.append(f"newest complete checkpoint: {complete[-1]} (update {tag_update(complete[-1].name)}); "
-                     f"updates done after it are trained again")
+    try:
+        found, note = resume_point(root)
+    except DamagedLatest as damaged:
+        found, note = None, str(damaged)
+    if found is not None:
+        lines.append(f"a resume starts from {found} (update {tag_update(found.name)})" + (f" ({note})" if note else "")
+                     + "; updates done after it are trained again")
+    elif note:
+        lines.append(note)
     else:
         lines.append(f"no complete checkpoint in {root} on this node"
                      + (f" (learner rank 0 wrote its checkpoints on its own node, {node_label(exc.learner_node)}: "

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from common.atomic_write import write_atomically
+
 TASK_TYPES = (
     "pick_and_place_simple",
     "look_at_obj_in_light",
@@ -323,10 +325,7 @@ def write_games(out_dir: str | os.PathLike, count: int, options: GeneratorOption
     for index in range(count):
         game = generate_game(options, game_seed(options, split, index))
         path = Path(out_dir) / split / game_name(game, index) / "game.tw-pddl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(game))
-        tmp.replace(path)
+        write_atomically(path, json.dumps(game))
         paths.append(str(path))
     return paths
 

@@ -22,6 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from common.atomic_write import write_atomically
 from env_servers.alfworld_env import DATA_SPLITS, GAME_FILE, GAME_SET, default_data_dir, game_trials, skipped
 from env_servers.webshop import data as webshop_data
 
@@ -86,9 +87,7 @@ def build_metadata(game_root: str | os.PathLike) -> dict[str, list[str]]:
                 traj_file.write_text(json.dumps(traj))
             if not skipped(game_dir.name) and _is_solvable(trial / GAME_FILE):
                 index[split].append(f"{split}/{game_dir.name}/{trial.name}")
-    tmp = root / "index.json.tmp"
-    tmp.write_text(json.dumps(index))
-    tmp.replace(root / "index.json")   # written last: its presence marks a prepared game set
+    write_atomically(root / "index.json", json.dumps(index))   # written last: its presence marks a prepared game set
     return index
 
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from common.atomic_write import write_atomically
 from common.config import ExperimentConfig
 from common.records import EpisodeGroup
 from common.run_dir import PUSHED_VERSION, checkpoints_dir, prepare_checkpoint_dir
@@ -344,11 +345,7 @@ class Learner:
         info: dict = {}
         if self._pushes:
             if self.rank == 0 and self.checkpoint_dir and not self.read_only:
-                path = Path(self.checkpoint_dir) / PUSHED_VERSION
-                path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(".tmp")
-                tmp.write_text(str(version))
-                tmp.replace(path)
+                write_atomically(Path(self.checkpoint_dir) / PUSHED_VERSION, str(version), durable=True)
             info = self._push(version)
         self.policy_version = version
         if self.metrics is not None:

@@ -19,6 +19,7 @@ on a copy and comes back in its `TrainStepResult`.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import sys
@@ -31,10 +32,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from common.atomic_write import fsync_tree, write_atomically
 from common.config import LearnerConfig, served_lora_rank
 from common.placement import free_port
 from common.run_dir import (LATEST, LEARNER_STATE, checkpoint_tag, checkpoint_tags, complete_checkpoints,
-                            is_complete_checkpoint, tag_update)
+                            is_complete_checkpoint, resume_point, tag_update)
 from learner.batching import (MicroBatch, MicroBatchPlan, TrainBatch, collate, collate_packed, mini_batches,
                               plan_micro_batches)
 from learner.grammar_mask import GrammarMasks, allowed_tokens
@@ -43,6 +45,8 @@ from learner.gigpo import (LossSettings, correction_weights, logprob_gap, policy
                            token_logprobs_and_entropy)
 from learner.lora import adapter_weights, merged_weights, reference_policy, with_lora
 from learner.packing import packed_logits, use_packed_attention
+
+log = logging.getLogger("gigpo")
 
 
 def prune_checkpoints(root: str | os.PathLike, keep: int, just_written: str) -> list[str]:
@@ -432,9 +436,10 @@ class PolicyTrainer:
     def save_checkpoint(self, root: str | os.PathLike, client_state: dict,
                         keep: int = LearnerConfig.keep_checkpoints) -> str:
         """DeepSpeed checkpoint (model, optimizer, engine state) under root/<tag>, with `client_state` inside it
-        and as JSON (LEARNER_STATE, written last) beside it; keeps the `keep` newest (`prune_checkpoints`).
-        DeepSpeed rewrites root/latest only once the tag is complete, so a learner killed mid-save resumes from
-        the previous one. All processes call it."""
+        and as JSON (LEARNER_STATE, its completion mark) beside it, then root/latest naming it; keeps the `keep`
+        newest (`prune_checkpoints`). All processes call it. When it returns, all of it is on disk (fsynced):
+        the caller acks, and the stream deletes, the groups it holds. A save cut short at any point leaves
+        `latest` naming the previous checkpoint (common.run_dir.resume_point)."""
         root = Path(root)
         tag = checkpoint_tag(self.updates)
         state = dict(client_state, trainer_updates=self.updates, trains=self._what_trains())
@@ -443,35 +448,39 @@ class PolicyTrainer:
             # place: unmark it first, so that it never looks complete with half of its files replaced.
             (root / tag / LEARNER_STATE).unlink(missing_ok=True)
         # With LoRA the frozen base weights are the model's files: the checkpoint holds the adapters alone.
-        self.engine.save_checkpoint(str(root), tag=tag, client_state={"learner": state},
+        # DeepSpeed's own `latest` is written in place, neither atomically nor durably: written below instead.
+        self.engine.save_checkpoint(str(root), tag=tag, client_state={"learner": state}, save_latest=False,
                                     exclude_frozen_parameters=bool(self.cfg.lora_rank))
+        fsync_tree(root / tag)          # on each process's node: its own files, wherever they are
+        if self.world_size > 1:
+            dist.barrier()
         if self.rank == 0:
-            tmp = root / tag / (LEARNER_STATE + ".tmp")
-            tmp.write_text(json.dumps(state))
-            tmp.replace(root / tag / LEARNER_STATE)
+            write_atomically(root / tag / LEARNER_STATE, json.dumps(state), durable=True)
+            write_atomically(root / LATEST, tag, durable=True)
             prune_checkpoints(root, keep, tag)
         if self.world_size > 1:
             dist.barrier()
         return str(root / tag)
 
     def load_checkpoint(self, root: str | os.PathLike, tag: str | None = None) -> dict | None:
-        """Load the checkpoint `tag` under root (such as update_0000008; None: the latest); returns its
-        client_state, or None when there is no checkpoint at all. A `tag` that is not there raises
-        FileNotFoundError: asked for one checkpoint, never silently start from another."""
+        """Load the checkpoint `tag` under root (such as update_0000008; None: the one a resume takes,
+        common.run_dir.resume_point); returns its client_state, or None when there is no checkpoint at all. A
+        `tag` that is not there raises FileNotFoundError: asked for one checkpoint, never silently start from
+        another."""
         root = Path(root)
-        have = lambda: [p.name for p in complete_checkpoints(root)] or "none"  # noqa: E731
         if tag is None:
-            if not (root / LATEST).exists():
+            found, note = resume_point(root)
+            if note:
+                log.warning("%s", note)
+            if found is None:
                 return None
-            latest = (root / LATEST).read_text().strip()
-            if not (root / latest).is_dir():    # DeepSpeed would fail on it with a bare AssertionError
-                raise FileNotFoundError(f"{root / LATEST} names {latest!r}, which is not there (complete "
-                                        f"checkpoints: {have()}); pick one with run.resume_tag")
+            tag = found.name
         elif not is_complete_checkpoint(root / tag):
-            raise FileNotFoundError(f"no checkpoint {tag!r} under {root} (complete ones there: {have()})")
-        saved = root / (tag or latest) / LEARNER_STATE
-        trained = json.loads(saved.read_text()).get("trains", {"lora_rank": 0}) if saved.exists() else None
-        if trained is not None and trained != self._what_trains():
+            have = [p.name for p in complete_checkpoints(root)] or "none"
+            raise FileNotFoundError(f"no checkpoint {tag!r} under {root} (complete ones there: {have})")
+        saved = root / tag / LEARNER_STATE
+        trained = json.loads(saved.read_text()).get("trains", {"lora_rank": 0})
+        if trained != self._what_trains():
             # A LoRA checkpoint holds the adapters alone, loaded non-strictly: the wrong kind would load nothing.
             said = lambda fields: ", ".join(f"learner.{k}={v}" for k, v in fields.items())  # noqa: E731
             raise ValueError(f"{saved.parent} was trained with {said(trained)}, this learner has "

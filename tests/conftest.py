@@ -109,6 +109,22 @@ def warm_start_with_sgd(monkeypatch):
     monkeypatch.setattr(torch.optim, "AdamW", lambda params, lr, weight_decay: torch.optim.SGD(params, lr=lr))
 
 
+
+@pytest.fixture
+def fsynced(monkeypatch) -> list[str]:
+    """The paths common.atomic_write fsyncs, in order: a stand-in for os.fsync that records the descriptor's
+    path and calls the real one (a power cut, what fsync guards against, cannot be caused in a test)."""
+    from common import atomic_write
+
+    calls: list[str] = []
+    real = os.fsync
+
+    def recording_fsync(fd: int) -> None:
+        calls.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+    monkeypatch.setattr(atomic_write.os, "fsync", recording_fsync)
+    return calls
+
 # -- the leftovers guard -----------------------------------------------------------------------------------
 
 SHM_DIR = "/dev/shm"

@@ -16,6 +16,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from common.atomic_write import replaced_atomically
 from env_servers.webshop.catalog import (ATTRIBUTE_FILES, HUMAN_GOALS_FILE, PRODUCT_FILES, REVIEWS_FILE,
                                           has_catalog, require_catalog)
 
@@ -88,10 +89,9 @@ def copy_catalog(dest: str, source: str) -> None:
         have, want = (os.stat(dst) if os.path.isfile(dst) else None), os.stat(src)
         if have is not None and (have.st_size, have.st_mtime_ns) == (want.st_size, want.st_mtime_ns):
             continue
-        tmp = dst + ".partial"
-        shutil.copyfile(src, tmp)
-        shutil.copystat(src, tmp)
-        os.replace(tmp, dst)
+        with replaced_atomically(dst) as tmp:
+            shutil.copyfile(src, tmp)
+            shutil.copystat(src, tmp)
 
 
 def file_url(name: str, base_url: str | None = None) -> str:

@@ -126,3 +126,32 @@ def test_no_production_module_but_run_dir_spells_the_layout():
                         and (node.value not in ORDINARY_WORDS or id(node) in path_like)):
                     spelled.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value!r}")
     assert not spelled, "use common.run_dir's names instead of:\n" + "\n".join(spelled)
+
+
+def test_resume_point_follows_latest_and_a_save_cut_short(tmp_path):
+    """What a resumed learner loads (and what a lost run says it will): `latest` when it names a complete
+    checkpoint; when it names one a crash left incomplete, the newest complete one below it (those above it are
+    a history the run branched off); without `latest`, the newest complete one; a `latest` naming nothing
+    raises DamagedLatest with the override that picks the newest complete one."""
+    from common.run_dir import DamagedLatest, resume_point
+
+    assert resume_point(tmp_path / "none") == (None, "")
+    for update, complete in ((2, True), (4, True), (6, False), (9, True)):
+        (tmp_path / checkpoint_tag(update)).mkdir()
+        if complete:
+            (tmp_path / checkpoint_tag(update) / LEARNER_STATE).write_text("{}")
+    assert resume_point(tmp_path) == (tmp_path / checkpoint_tag(9), "")        # no latest
+    (tmp_path / LATEST).write_text("update_0000004\n")
+    assert resume_point(tmp_path) == (tmp_path / checkpoint_tag(4), "")        # update 9: another history
+    (tmp_path / LATEST).write_text("update_0000006")
+    found, note = resume_point(tmp_path)
+    assert found == tmp_path / checkpoint_tag(4)
+    assert note == f"{tmp_path / LATEST} names update_0000006, which is not complete (a save cut short): resuming " \
+                   "from update_0000004"
+    for damaged, problem in (("", "is empty"), ("../../etc", "holds '../../etc'")):
+        (tmp_path / LATEST).write_text(damaged)
+        with pytest.raises(DamagedLatest) as caught:
+            resume_point(tmp_path)
+        assert str(caught.value) == (f"{tmp_path / LATEST} {problem}, naming no checkpoint (complete ones: "
+                                     "update_0000002, update_0000004, update_0000009): resume with "
+                                     "run.resume_tag=update_0000009")

@@ -116,6 +116,27 @@ def test_missing_model_path(tmp_path):
     assert snapshot(out) == before
 
 
+def test_a_resume_that_cannot_follow_its_checkpoints(tmp_path):
+    """A damaged `latest` (empty: a crash while an older learner wrote it in place) or a run.resume_tag that is
+    not a complete checkpoint: one line with the fix, and the run directory left as it was."""
+    from common.run_dir import LATEST, LEARNER_STATE
+
+    out = tmp_path / "run"
+    for update, complete in ((4, True), (8, False)):
+        tag = out / "checkpoints" / f"update_{update:07d}"
+        tag.mkdir(parents=True)
+        if complete:
+            (tag / LEARNER_STATE).write_text("{}")
+    (out / "checkpoints" / LATEST).write_text("")
+    before = snapshot(out)
+    one_line_error(gigpo("train", EMBEDDED, f"run.output_dir={out}", "run.resume=true"),
+                   f"{out / 'checkpoints' / LATEST} is empty, naming no checkpoint (complete ones: update_0000004)",
+                   "resume with run.resume_tag=update_0000004")
+    one_line_error(gigpo("train", EMBEDDED, f"run.output_dir={out}", "run.resume=true", "run.resume_tag=update_0000008"),
+                   "run.resume_tag 'update_0000008' is not a complete checkpoint", "use one of update_0000004")
+    assert snapshot(out) == before
+
+
 def test_model_directory_without_config_json(tmp_path, out):
     (tmp_path / "model").mkdir()
     one_line_error(gigpo("eval", EMBEDDED, f"run.output_dir={out}", f"model.path={tmp_path / 'model'}"),

@@ -126,16 +126,16 @@ def test_eval_table_has_the_papers_columns():
     assert [cell.strip() for cell in lines[2].split("|")] == ["eval", "22.0", "6.2", "32"]
 
 
-def test_a_lost_part_is_said_in_a_few_lines_with_the_newest_checkpoint_and_the_resume_command(tmp_path,
-                                                                                              monkeypatch):
+def test_a_lost_part_is_said_in_a_few_lines_with_the_resume_point_and_the_resume_command(tmp_path, monkeypatch):
     """deploy.run_control.lost_run_message (what `gigpo train` prints on RunLost, exit status 3): what was lost, the
-    newest *complete* checkpoint by update number, and the command line that resumes: the same config, program
+    checkpoint a resume starts from (common.run_dir.resume_point: without `latest`, the newest *complete* one by
+    update number), and the command line that resumes: the same config, program
     and overrides, run.resume=true, without run.resume_tag (an older checkpoint) or run.overwrite (would delete
     them). The run itself: tests/deploy/test_train_interrupt.py."""
     import shlex
 
     from deploy.run_control import RunLost, lost_run_message
-    from common.run_dir import LEARNER_STATE
+    from common.run_dir import LATEST, LEARNER_STATE
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr("sys.argv", [".venv/bin/gigpo"])
@@ -164,7 +164,16 @@ def test_a_lost_part_is_said_in_a_few_lines_with_the_newest_checkpoint_and_the_r
             (tag / LEARNER_STATE).write_text("{}")
     lines = lost_run_message(lost, command).splitlines()
     assert len(lines) == 3
-    assert lines[1].startswith(f"newest complete checkpoint: {out / 'checkpoints' / 'update_0000010'} (update 10)")
+    assert lines[1].startswith(f"a resume starts from {out / 'checkpoints' / 'update_0000010'} (update 10); ")
+    # What the learner will load, said the same way: `latest` names the run's history (here a branch from
+    # update 2: update 10 belongs to the history it left), and a `latest` naming nothing is said with its fix.
+    (out / "checkpoints" / LATEST).write_text("update_0000002")
+    assert lost_run_message(lost, command).splitlines()[1].startswith(
+        f"a resume starts from {out / 'checkpoints' / 'update_0000002'} (update 2); ")
+    (out / "checkpoints" / LATEST).write_text("")
+    assert lost_run_message(lost, command).splitlines()[1] == (
+        f"{out / 'checkpoints' / LATEST} is empty, naming no checkpoint (complete ones: update_0000002, "
+        "update_0000010): resume with run.resume_tag=update_0000010")
     # The command resumes: its overrides load, with run.resume on and nothing that contradicts it.
     from common.config import load_config
     cfg = load_config(command[2], [a for a in command[3:] if "=" in a and not a.startswith("--")])

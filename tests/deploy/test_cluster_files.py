@@ -201,7 +201,7 @@ def test_ray_cluster_yaml_as_written_trains_then_loses_its_gpu_node(machines_her
     message = lines[first[0]:first[0] + 3]
     assert re.fullmatch(r"gigpo: the run lost learner rank 0 on node 10\.251\.0\.2 \(ip-10-251-0-2\): "
                         r"the node is gone \(it left the Ray cluster\)", message[0]), message
-    assert message[1].startswith("newest complete checkpoint: /shared/runs/alfworld-gigpo-1.5b/checkpoints/"
+    assert message[1].startswith("a resume starts from /shared/runs/alfworld-gigpo-1.5b/checkpoints/"
                                  "update_0000002 (update 2)"), message
     # The command that resumes it is the job's as submitted (to submit again), with run.resume=true.
     assert shlex.split(message[2].removeprefix("resume with: ")) == [*submit[submit.index("--") + 1:],

@@ -352,7 +352,7 @@ def test_a_training_run_that_loses_its_learner_writes_the_password_nowhere_and_s
                         r"its process died", message[0]), message
     newest = [tag for tag in checkpoint_tags(out / "checkpoints") if is_complete_checkpoint(tag)][-1]
     assert tag_update(newest.name) >= 2
-    assert message[1].startswith(f"newest complete checkpoint: {newest} (update {tag_update(newest.name)})"), message
+    assert message[1].startswith(f"a resume starts from {newest} (update {tag_update(newest.name)})"), message
     assert message[2].startswith("resume with: ")
     assert shlex.split(message[2].removeprefix("resume with: ")) == [
         str(REPO / ".venv/bin/gigpo"), "train", "configs/embedded.yaml", *overrides, "run.resume=true"]

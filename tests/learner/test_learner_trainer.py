@@ -603,6 +603,26 @@ def test_the_learner_keeps_the_newest_checkpoints(tiny_model_path, tmp_path):
     assert [p.name for p in tmp_path.glob("update_*")] == ["update_0000002"]
 
 
+
+def test_a_checkpoint_is_on_disk_before_save_returns_and_latest_is_written_last(tiny_model_path, tmp_path, fsynced):
+    """The learner acks (the stream deletes) a checkpoint's groups once save_checkpoint returns: by then every
+    file and directory of the checkpoint is fsynced, its completion mark (LEARNER_STATE) is written durably, and
+    `latest` names it, written durably after the mark (a save cut short leaves `latest` at the previous one)."""
+    from common.run_dir import LATEST, LEARNER_STATE
+
+    trainer = PolicyTrainer(tiny_model_path, LearnerConfig(zero_stage=2), dtype="float32", **TRAINER)
+    try:
+        tag = Path(trainer.save_checkpoint(tmp_path, {"policy_version": 0}))
+    finally:
+        trainer.close()
+    # DeepSpeed's files under their names; the mark and `latest` under their temporary names (then the rename
+    # and the directory's fsync).
+    written = {str(p) for p in tag.rglob("*") if p.name != LEARNER_STATE} | {str(tag), str(tmp_path)}
+    assert written <= set(fsynced), written - set(fsynced)
+    temps = [Path(p).name for p in fsynced if p.endswith(".tmp")]
+    assert [t.split(".")[1] for t in temps] == [LEARNER_STATE.split(".")[0], LATEST]
+    assert (tmp_path / LATEST).read_text() == tag.name and (tag / LEARNER_STATE).is_file()
+
 def test_head_dtype_float32_gives_float32_logits_of_the_bf16_hidden_state_and_trains_the_head(tiny_model_path):
     """model.head_dtype=float32 on bf16 weights: the logits are the float32 product of the bf16 final hidden
     state and the bf16 head weight, both cast up (what vLLM's head_dtype override computes), not bf16-rounded

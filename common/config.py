@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from common.cpu_placement import parse_cpu_list
+from common.redaction import redact_text
 from common.run_dir import resume_overwrite_conflict
 
 
@@ -504,15 +504,10 @@ def _read_config_file(path: Path, seen: tuple = ()) -> tuple[dict, Locations]:
     return tree, locations
 
 
-def redact_credentials(text: str) -> str:
-    """`text` with the credentials of any URL in it (`scheme://user:password@`) replaced by ***."""
-    return re.sub(r"://[^/@\s]*@", "://***@", text)
-
-
 def _apply_override(tree: dict, text: str) -> str:
     """Set `section.field=value` in `tree`, the value read as YAML (numbers, true/false, lists, quoted
     strings); returns the dotted key."""
-    shown = redact_credentials(text)
+    shown = redact_text(text)
     if "=" not in text:
         raise ConfigError(f"override {shown!r} must look like section.field=value")
     key, raw = text.split("=", 1)
@@ -566,7 +561,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for item in overrides:
         key = _apply_override(tree, item)
         locations = {k: v for k, v in locations.items() if not k.startswith(key + ".")}
-        locations[key] = f"override {redact_credentials(item)!r}"
+        locations[key] = f"override {redact_text(item)!r}"
     try:
         cfg = _build(ExperimentConfig, tree)
         validate(cfg)

@@ -42,54 +42,12 @@ from redis.retry import Retry
 
 from common.config import ConfigError, StreamConfig
 from common.placement import free_port, node_for_messages
+from common.redaction import REDACTED, is_redacted, password_of, redact, unsplit_url
 
 PASSWORD_ENV = "GIGPO_REDIS_PASSWORD"       # a user's Redis password, for a URL that holds none
-REDACTED = "***"
 
 
-# -- the password in a URL ---------------------------------------------------------------------------------
-
-def password_of(url: str) -> str | None:
-    """The password in a Redis URL (in its user part, or a `password=` query parameter), or None."""
-    try:
-        parts = urlsplit(url)
-        if parts.password is not None:
-            return unquote(parts.password)
-        query = dict(parse_qsl(parts.query))
-    except ValueError:
-        return None
-    return query.get("password")
-
-
-def _unsplit(parts, netloc: str, query: str) -> str:
-    # urlunsplit drops the "//" of a unix:// URL without a user part; redis-py then reads no path.
-    return (f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query}" if query else "")
-            + (f"#{parts.fragment}" if parts.fragment else ""))
-
-
-def redact(url: str) -> str:
-    """`url` with its password replaced by *** (user, host, port and database kept), for anything a person
-    or a file may see. A URL that does not parse comes back as a placeholder, never as itself."""
-    if not url:
-        return url
-    try:
-        parts = urlsplit(url)
-        netloc = parts.netloc
-        if parts.password is not None:
-            userinfo, hostport = netloc.rsplit("@", 1)
-            netloc = f"{userinfo.split(':', 1)[0]}:{REDACTED}@{hostport}"
-        query = parse_qsl(parts.query, keep_blank_values=True)
-        if any(key == "password" for key, _ in query):
-            query = [(key, REDACTED if key == "password" else value) for key, value in query]
-            return _unsplit(parts, netloc, urlencode(query, safe="*"))
-        return _unsplit(parts, netloc, parts.query)
-    except ValueError:
-        return "(a Redis URL that does not parse)"
-
-
-def is_redacted(url: str) -> bool:
-    return password_of(url) == REDACTED
-
+# -- the password in a URL (its redaction: common/redaction.py) ----------------------------------------------
 
 def with_password(url: str, password: str) -> str:
     """`url` (holding no password, or a redacted one) with `password` in its user part."""
@@ -98,7 +56,7 @@ def with_password(url: str, password: str) -> str:
     hostport = parts.netloc.rsplit("@", 1)[-1]
     user = quote(unquote(parts.username), safe="") if parts.username else ""
     netloc = f"{user}:{quote(password, safe='')}@{hostport}"
-    return _unsplit(parts, netloc, urlencode(query))
+    return unsplit_url(parts, netloc, urlencode(query))
 
 
 # Where the password of a URL this process handed out can be read again (by `gigpo status` / `gigpo scale`

@@ -27,7 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-from common.config import ConfigError, describe, load_config, redact_credentials, to_dict
+from common.config import ConfigError, describe, load_config, to_dict
+from common.redaction import redact_text
 from common.placement import PlacementError
 from common.run_dir import JOB_FILE
 from deploy.models import PINNED, SMOLLM2, ModelError, prepare_pinned
@@ -85,7 +86,7 @@ def resume_command(args) -> list[str]:
     with run.resume=true (a password in an override's URL shown as ***: the user puts it back, or keeps it
     in stream.redis_password_file)."""
     def resumable(arguments) -> list[str]:
-        return [redact_credentials(a) for a in arguments if a.split("=", 1)[0].strip() not in NOT_ON_RESUME]
+        return [redact_text(a) for a in arguments if a.split("=", 1)[0].strip() not in NOT_ON_RESUME]
 
     if os.environ.get(RESUME_COMMAND_ENV):
         return [*resumable(shlex.split(os.environ[RESUME_COMMAND_ENV])), "run.resume=true"]

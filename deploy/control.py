@@ -12,8 +12,8 @@ from pathlib import Path
 import redis
 
 from common.metrics import SECTIONS
-from common.redis_server import (PASSWORD_ENV, is_redacted, password_file_for, read_password_file, redact,
-                                 with_password)
+from common.redaction import is_redacted, redact
+from common.redis_server import PASSWORD_ENV, password_file_for, read_password_file, with_password
 from common.run_dir import JOB_FILE
 
 

@@ -18,7 +18,8 @@ from common.config import ExperimentConfig
 from common.metrics import ray_init_metrics_options
 from common.placement import node_label
 from common.process_env import apply_project_env, driver_runtime_env
-from common.redis_server import connect, redact
+from common.redaction import redact
+from common.redis_server import connect
 from common.run_dir import DamagedLatest, checkpoints_dir, resume_point, tag_update
 from deploy.learner_pool import LearnerPool
 from env_servers.registry import data_env

@@ -17,7 +17,7 @@ log = logging.getLogger("gigpo")
 
 def redacted_config(config: dict) -> dict:
     """A copy of `config` (nested dicts) with the password of every `*redis_url` replaced by ***."""
-    from common.redis_server import redact
+    from common.redaction import redact
     return {key: redacted_config(value) if isinstance(value, dict)
             else redact(value) if key.endswith("redis_url") and isinstance(value, str) else value
             for key, value in config.items()}

@@ -165,9 +165,12 @@ def test_extends_errors_name_the_file_the_key_came_from(tmp_path):
 
 
 def test_errors_never_show_a_redis_password():
-    with pytest.raises(ConfigError) as err:
-        load_config(None, ["stream.redis_url=http://user:hunter2@host:6379/0"])
-    assert "hunter2" not in str(err.value) and "override 'stream.redis_url=http://***@host:6379/0'" in str(err.value)
+    """In the user part or as a query parameter (common/redaction.py)."""
+    for url, shown in (("http://user:hunter2@host:6379/0", "http://user:***@host:6379/0"),
+                       ("http://host:6379/0?password=hunter2", "http://host:6379/0?password=***")):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [f"stream.redis_url={url}"])
+        assert "hunter2" not in str(err.value) and f"override 'stream.redis_url={shown}'" in str(err.value)
 
 
 def test_no_plane_restates_a_config_default():

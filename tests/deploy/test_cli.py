@@ -149,7 +149,7 @@ def test_a_lost_part_is_said_in_a_few_lines_with_the_resume_point_and_the_resume
     # A Redis password given on the command line is not printed back.
     with_password = cli.build_parser().parse_args(["train", "configs/embedded.yaml", "stream.redis_url=redis://:"
                                                    "s3cret@10.0.0.5:6380/0"])
-    assert cli.resume_command(with_password)[3] == "stream.redis_url=redis://***@10.0.0.5:6380/0"
+    assert cli.resume_command(with_password)[3] == "stream.redis_url=redis://:***@10.0.0.5:6380/0"
     lost = RunLost(["learner rank 0 on node 10.0.0.2 (gpu-a): the node is gone (it left the Ray cluster)"], str(out),
                    learner_node={"ip": "10.0.0.2", "hostname": "gpu-a", "node_id": "x"})
     lines = lost_run_message(lost, command).splitlines()

@@ -23,8 +23,9 @@ import redis
 
 from common.config import ConfigError, StreamConfig, load_config, to_dict
 from common.process_env import project_env
-from common.redis_server import (PASSWORD_ENV, EmbeddedRedis, connect, password_file_for, redact, redis_for,
-                                 resolve_password, node_for_messages)
+from common.redaction import redact, redact_text
+from common.redis_server import (PASSWORD_ENV, EmbeddedRedis, connect, password_file_for, redis_for, resolve_password,
+                                 node_for_messages)
 from common.run_dir import JOB_FILE
 from deploy import cli
 from deploy.control import job_redis_url, read_job_file, write_job_file
@@ -43,6 +44,8 @@ SECRET = "s3cret-never-written"
 ])
 def test_redact(url, want):
     assert redact(url) == want
+    # The same in free text (a command line, an override), for every URL in it.
+    assert redact_text(f"stream.redis_url={url} and 'x={url}'") == f"stream.redis_url={want} and 'x={want}'"
 
 
 def _files_containing(root: Path, needle: str) -> list[str]:

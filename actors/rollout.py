@@ -25,7 +25,7 @@ from collections import Counter
 import ray
 
 from actors.prompts.shared import build_user_message, parse_action, prompt_token_ids, response_regex
-from common.config import ExperimentConfig, RolloutConfig, policy_lag_bound
+from common.config import ExperimentConfig, RolloutConfig
 from common.cpu_placement import place_this_process
 from common.log_files import send_output_to
 from common.metrics import ActorMetrics
@@ -33,6 +33,7 @@ from common.model_files import ModelSource
 from common.placement import this_node
 from common.process_env import apply_project_env
 from common.records import EpisodeGroup, StepRow, Termination, Trajectory
+from common.staleness import policy_lag_bound
 from common.transport import InMemoryTrajectories, TrajectorySink
 
 log = logging.getLogger(__name__)
@@ -218,7 +219,7 @@ class Rollout:
             await self._publish(group, admitted)
 
     async def _admit(self) -> str | None:
-        """The stream's slot for the next group (`common.config.policy_lag_bound`: no more groups are started
+        """The stream's slot for the next group (`common.staleness.policy_lag_bound`: no more groups are started
         than the learner trains before they would go stale); None once stopping. Short waits, so that a stop
         is honoured while the bound is reached."""
         t0 = time.perf_counter()

@@ -168,7 +168,7 @@ class StreamConfig:
                                AT_LEAST_1)
     max_policy_lag: int = F(4, "the learner drops groups from weights more than this many versions old; producers "
                                "start no more groups than it trains within that many updates "
-                               "(common.config.policy_lag_bound)", AT_LEAST_0)
+                               "(common.staleness.policy_lag_bound)", AT_LEAST_0)
     reclaim_idle_s: float = F(60.0, "pending groups of a consumer idle this long are reclaimed by another "
                                     "(must exceed the longest read-to-ack time of a live learner)", POSITIVE)
     publish_timeout_s: float = F(600.0, "a publish() waiting this long for a slot raises TimeoutError (rollout "
@@ -568,17 +568,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     except ConfigError as exc:
         raise _located(exc, locations) from None
     return cfg
-
-
-def policy_lag_bound(cfg: ExperimentConfig) -> int:
-    """The admission rule's lag bound (after SkyRL's staleness manager): a producer starts a group only while
-    fewer than this many groups are admitted and not yet trained (in the stream unread or read, or being
-    played; groups trained and awaiting their ack are not counted). A group admitted when the learner stands
-    at version v has at most (max_policy_lag + 1) * groups_per_batch - 1 groups ahead of it, all trained
-    (groups_per_batch per update) by the time the learner stands at v + max_policy_lag, so none is played only
-    to be dropped as stale. stream.max_stream_groups bounds all the groups Redis holds, trained-unacked ones
-    included (common/stream.py)."""
-    return (cfg.stream.max_policy_lag + 1) * cfg.learner.groups_per_batch
 
 
 def with_fields(cfg: ExperimentConfig, changes: dict[str, Any]) -> ExperimentConfig:

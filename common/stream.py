@@ -14,7 +14,7 @@ rule over two bounds (after SkyRL's staleness manager): a producer takes a slot 
 script over the stream, `<stream>:reserved` and `<stream>:trained`) before it starts playing a group, only
 while what Redis holds or will hold (entries + slots) is under `stream.max_stream_groups` and the groups
 admitted and not yet trained (those minus the trained ones) are under the stream's `lag_bound`
-(`common.config.policy_lag_bound`), and otherwise waits; it keeps the slot alive while it plays (`renew`),
+(`common.staleness.policy_lag_bound`), and otherwise waits; it keeps the slot alive while it plays (`renew`),
 then `publish(group, admitted=slot)` appends at once, or `release(slot)` gives it back.
 
 Entry fields: v (schema version), r (run id), g (group id), p0 / p1 (oldest / newest policy version), then
@@ -85,7 +85,7 @@ class TrajectoryStream:
     def __init__(self, url: str, cfg: StreamConfig, consumer_name: str = "learner-0",
                  consumer_group: str | None = None, client: redis.Redis | None = None, lag_bound: int = 0):
         """lag_bound: a producer's admission waits while this many groups are admitted and not yet trained
-        (`common.config.policy_lag_bound`; 0: only stream.max_stream_groups bounds them)."""
+        (`common.staleness.policy_lag_bound`; 0: only stream.max_stream_groups bounds them)."""
         if cfg.max_stream_groups < 1:
             raise ValueError(f"stream.max_stream_groups must be >= 1, got {cfg.max_stream_groups}")
         if lag_bound < 0:
@@ -135,7 +135,7 @@ class TrajectoryStream:
                 raise TimeoutError(
                     f"stream {self.key!r} is still at its bound after {timeout_s:.1f} s (stream.max_stream_groups "
                     f"= {self.cfg.max_stream_groups} groups held, or {self.lag_bound or 'no'} admitted and not yet "
-                    f"trained: common.config.policy_lag_bound); is the learner consuming? "
+                    f"trained: common.staleness.policy_lag_bound); is the learner consuming? "
                     + (f"group {group_id!r} was not published" if group_id else "no group was started"))
             time.sleep(min(pause, deadline - now))
             pause = min(pause * 2, 0.1)

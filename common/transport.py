@@ -33,7 +33,7 @@ class Received:
 class TrajectorySink(Protocol):
     def admit(self, timeout_s: float | None = None, group_id: str = "") -> str:
         """A slot for a group about to be played; waits up to timeout_s while groups admitted and not yet
-        trained are at the bound (stream.max_stream_groups, `common.config.policy_lag_bound`), then raises
+        trained are at the bound (stream.max_stream_groups, `common.staleness.policy_lag_bound`), then raises
         TimeoutError."""
 
     def renew(self, slots: list[str]) -> None:
@@ -63,7 +63,7 @@ class TrajectorySource(Protocol):
 
     def trained(self, received: list[Received]) -> None:
         """These groups are trained on, their ack awaits a checkpoint (learner.ack_on_checkpoint): no longer
-        counted as untrained by the producers' admission (`common.config.policy_lag_bound`)."""
+        counted as untrained by the producers' admission (`common.staleness.policy_lag_bound`)."""
 
     def dead_letter(self, received: list[Received], reason: str) -> None:
         """Set aside groups that cannot be trained on, with the reason; never handed out again."""

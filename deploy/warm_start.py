@@ -26,7 +26,7 @@ from actors.prompts.shared import build_user_message, is_admissible, prompt_toke
 from common.config import ExperimentConfig
 from common.run_dir import WARM_DIR
 from common.tiny_model import save_model_atomically
-from env_servers.webshop.engine import parse_action
+from env_servers.webshop.engine import split_shop_action
 
 log = logging.getLogger("gigpo.warm_start")
 
@@ -52,7 +52,7 @@ class Example:
 def clicks_named_value(action: str, task: str) -> bool:
     """Whether `action` clicks a value the task's text names (WebShop: `click[large]` for a goal "... and
     size: large, ..."): a step that copies the goal's words, as a search query does."""
-    name, value = parse_action(action)
+    name, value = split_shop_action(action)
     return name == "click" and value is not None and value.lower() in task.lower()
 
 

@@ -33,11 +33,12 @@ import numpy as np
 from common.atomic_write import write_atomically
 from common.config import ExperimentConfig
 from common.records import EpisodeGroup
+from common.staleness import policy_lag
 from common.run_dir import PUSHED_VERSION, checkpoints_dir, prepare_checkpoint_dir
 from learner.batching import build_batch, check_group
 from learner.group_record import GroupRecorder
 from learner.learner_metrics import LearnerMetrics
-from learner.read_policy import admit
+from learner.read_policy import groups_to_train
 from learner.trainer import PolicyTrainer, TrainStepResult, setup_distributed
 
 if TYPE_CHECKING:
@@ -160,13 +161,8 @@ class Learner:
 
     def policy_lag(self, version: int) -> int:
         """Versions of this learner's own history between the weights that sampled `version` and the current
-        ones: policy_version - version without a resume; after one from a checkpoint at version c pushed as r
-        (`_resume`), version r + k stands at c + k and a version v < r at v."""
-        if self._resumed_versions is None:
-            return self.policy_version - version
-        checkpoint, resumed = self._resumed_versions
-        here = checkpoint + (self.policy_version - resumed)
-        return here - version if version < resumed else self.policy_version - version
+        ones (common.staleness.policy_lag, with this learner's resume, `_resume`)."""
+        return policy_lag(version, self.policy_version, self._resumed_versions)
 
     def _read_groups(self, timeout_s: float | None) -> list | None:
         """Rank 0: stream entries until groups_per_batch are in hand (None on timeout; what was read
@@ -176,7 +172,7 @@ class Learner:
         while len(self._pending) < need:
             got = self.stream.read(need - len(self._pending), self.read_block_ms)
             # The newest version pushed is policy_version: the push is done before the next read.
-            got = admit(self.stream, got, trained_ids=self.trained_group_ids,
+            got = groups_to_train(self.stream, got, trained_ids=self.trained_group_ids,
                         held_ids=(r.group.group_id for r in self._pending), newest_version=self.policy_version,
                         policy_lag=self.policy_lag, max_policy_lag=self.cfg.stream.max_policy_lag)
             self._pending.extend(self._valid(got))

@@ -51,7 +51,7 @@ class ShopState:
     reward_info: dict = field(default_factory=dict)
 
 
-def parse_action(action: str) -> tuple[str, str | None]:
+def split_shop_action(action: str) -> tuple[str, str | None]:
     """"click[x]" -> ("click", "x"); anything else -> (action, None). Same greedy pattern as the original."""
     m = _ACTION.match(action)
     return (action, None) if m is None else (m.group(1), m.group(2))
@@ -155,7 +155,7 @@ class ShopSession:
         """Apply `action`; returns (accepted, reward). A rejected action leaves the page as it was."""
         if self.done or not isinstance(action, str):
             return False, 0.0
-        name, arg = parse_action(action.strip())
+        name, arg = split_shop_action(action.strip())
         arg = arg.lower() if arg is not None else None
         s = self.state
         if name == "search" and arg:

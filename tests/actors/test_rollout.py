@@ -216,7 +216,7 @@ def test_add_and_remove_rollout_actors_during_a_run(setup):
 
 
 def test_an_actor_starts_no_group_past_the_lag_bound(setup):
-    # common.config.policy_lag_bound: (max_policy_lag + 1) x groups_per_batch = 2 groups admitted and not yet
+    # common.staleness.policy_lag_bound: (max_policy_lag + 1) x groups_per_batch = 2 groups admitted and not yet
     # trained. The actor's two slots play one group each, then wait for the learner before starting more.
     from actors.rollout import create_rollout_actor
     from common.stream import TrajectoryStream

@@ -12,7 +12,7 @@ import pytest
 from common.config import StreamConfig
 from common.redis_server import connect
 from common.stream import TrajectoryStream, stream_key
-from learner.read_policy import admit
+from learner.read_policy import groups_to_train
 from tests.support.stream_factory import make_group
 
 pytestmark = [pytest.mark.timeout(90)]
@@ -85,7 +85,7 @@ def test_learner_dead_letters_a_group_it_cannot_train_and_unpublished_versions(r
     producer.publish(make_group("from-the-future", version=7))    # p1 = 8: never published by this learner
     producer.publish(make_group("bad-tokens"))
     producer.publish(make_group("fine"))
-    got = admit(learner, learner.read(8, 100), trained_ids=set(), newest_version=3, max_policy_lag=4)
+    got = groups_to_train(learner, learner.read(8, 100), trained_ids=set(), newest_version=3, max_policy_lag=4)
     assert sorted(r.group.group_id for r in got) == ["bad-tokens", "fine"]
     learner.dead_letter([r for r in got if r.group.group_id == "bad-tokens"], "token id 50000 >= vocabulary 1024")
     learner.ack([r for r in got if r.group.group_id == "fine"])

@@ -20,7 +20,7 @@ from common.config import StreamConfig
 from common.redis_server import connect, redis_for
 from common.stream import TrajectoryStream
 from common.transport import InMemoryTrajectories
-from learner.read_policy import admit
+from learner.read_policy import groups_to_train
 from tests.support.stream_factory import assert_groups_equal, make_group
 
 pytestmark = pytest.mark.timeout(60)
@@ -36,11 +36,11 @@ def cfg():
                         reclaim_idle_s=0.3)
 
 
-def admitted(source, max_groups: int = 10, block_ms: int = 100, policy_version: int = 1,
+def to_train(source, max_groups: int = 10, block_ms: int = 100, policy_version: int = 1,
              trained: set | frozenset = frozenset(), held: set | frozenset = frozenset()) -> list:
     """A read of `source` as a learner at `policy_version` takes it (learner.read_policy; max_policy_lag 4).
     The default version is the newest of make_group's steps (they span versions 0 and 1)."""
-    return admit(source, source.read(max_groups, block_ms), trained_ids=trained, held_ids=held,
+    return groups_to_train(source, source.read(max_groups, block_ms), trained_ids=trained, held_ids=held,
                  newest_version=policy_version, max_policy_lag=4)
 
 
@@ -50,7 +50,7 @@ def drain(stream: TrajectoryStream, trained: set | None = None, timeout_s: float
     order = []
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        got = admitted(stream, max_groups=8, block_ms=50, trained=trained)
+        got = to_train(stream, max_groups=8, block_ms=50, trained=trained)
         if not got and stream.depth() == 0:
             break
         for r in got:
@@ -143,7 +143,7 @@ def test_trained_and_duplicate_groups_are_skipped_and_acked(source):
     stream = source
     for gid in ["a", "b", "b", "c", "a"]:          # a retried publish duplicates an entry
         stream.publish(make_group(gid))
-    got = admitted(stream, trained={"c"})
+    got = to_train(stream, trained={"c"})
     assert sorted(r.group.group_id for r in got) == ["a", "b"]
     assert stream.stats["duplicates_skipped"] == 3
     stream.ack(got)
@@ -155,9 +155,9 @@ def test_trained_and_duplicate_groups_are_skipped_and_acked(source):
 def test_groups_in_flight_are_not_handed_out_twice(source):
     stream = source
     stream.publish(make_group("x"))
-    first = admitted(stream)
+    first = to_train(stream)
     stream.publish(make_group("x"))                 # the same group again while "x" is being trained
-    assert admitted(stream, held={"x"}) == []
+    assert to_train(stream, held={"x"}) == []
     assert stream.stats["duplicates_skipped"] == 1
     stream.ack(first)
     assert stream.depth() == 0
@@ -199,7 +199,7 @@ def test_stale_groups_are_dropped_acked_and_counted(source):
     stream = source                                        # max_policy_lag 4
     for gid, version in [("v0", 0), ("v5", 5), ("v6", 6), ("v9", 9)]:
         stream.publish(make_group(gid, version=version))   # steps span version and version + 1
-    got = admitted(stream, policy_version=10)
+    got = to_train(stream, policy_version=10)
     assert [r.group.group_id for r in got] == ["v6", "v9"]  # oldest version must be >= 10 - 4
     assert stream.stats["dropped_stale"] == 2
     stream.ack(got)
@@ -214,7 +214,7 @@ def test_read_policy_drops_stale_skips_duplicates_and_refuses_unpublished_versio
         source.publish(make_group(gid, version=version))   # steps span version and version + 1
     *first, old = source.read(5)
     old.redelivered = True                                 # as a source hands out a dead learner's group
-    got = admit(source, first + [old], trained_ids=set(), newest_version=5, max_policy_lag=4)
+    got = groups_to_train(source, first + [old], trained_ids=set(), newest_version=5, max_policy_lag=4)
     assert [r.group.group_id for r in got] == ["fresh", "old"]
     assert {k: source.stats[k] for k in ("dead_lettered", "dropped_stale", "duplicates_skipped")} == \
         {"dead_lettered": 1, "dropped_stale": 1, "duplicates_skipped": 1}
@@ -425,7 +425,7 @@ def test_consumer_killed_before_ack_groups_trained_exactly_once(redis_server, cf
     trained = Counter()
     deadline = time.monotonic() + 10
     while sum(trained.values()) < 6 and time.monotonic() < deadline:
-        got = admitted(survivor, max_groups=4, trained=set(trained))
+        got = to_train(survivor, max_groups=4, trained=set(trained))
         trained.update(r.group.group_id for r in got)
         survivor.ack(got)
     assert trained == Counter({f"k{i}": 1 for i in range(6)})

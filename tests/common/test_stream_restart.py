@@ -10,7 +10,7 @@ import pytest
 from common.config import StreamConfig
 from common.redis_server import EmbeddedRedis
 from common.stream import TrajectoryStream
-from learner.read_policy import admit
+from learner.read_policy import groups_to_train
 from tests.support.stream_factory import make_group
 
 pytestmark = pytest.mark.timeout(90)
@@ -52,7 +52,7 @@ def test_redis_crash_and_restart_with_aof_loses_no_group(tmp_path):
         restarter = threading.Timer(1.0, server.start)
         restarter.start()
         # (the learner's read policy at version 1, the newest of make_group's steps)
-        got = admit(learner, learner.read(max_groups=2, block_ms=100), trained_ids=set(trained),
+        got = groups_to_train(learner, learner.read(max_groups=2, block_ms=100), trained_ids=set(trained),
                     newest_version=1, max_policy_lag=cfg.max_policy_lag)
         restarter.join()
         assert len(got) == 2
@@ -61,7 +61,7 @@ def test_redis_crash_and_restart_with_aof_loses_no_group(tmp_path):
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             # (a publish retried in the outage may have landed twice: the learner's read policy skips the copy)
-            got = admit(learner, learner.read(max_groups=4, block_ms=100), trained_ids=set(trained),
+            got = groups_to_train(learner, learner.read(max_groups=4, block_ms=100), trained_ids=set(trained),
                         newest_version=1, max_policy_lag=cfg.max_policy_lag)
             if not got and learner.depth() == 0:
                 break

@@ -398,8 +398,10 @@ class TrajectoryStream:
 
     def _deliver(self, entries: list, out: list[Received], redelivered: bool = False) -> None:
         """Decode raw entries into groups for the learner (appended to `out`); entries deleted while pending
-        are acked, malformed ones and other runs' records dead-lettered."""
+        are acked, malformed ones and other runs' records dead-lettered. A redelivered group is untrained
+        again: a learner that marked it `trained()` died before the checkpoint that would have acked it."""
         vanished: list[bytes] = []
+        handed_out = len(out)
         for raw_id, fields in entries:
             if raw_id is None:
                 continue
@@ -433,6 +435,8 @@ class TrajectoryStream:
             out.append(Received(entry_id=eid, group=group, redelivered=redelivered))
         if vanished:
             self._ack_delete(vanished)
+        if redelivered and len(out) > handed_out:
+            self.redis.srem(self.trained_key, *(r.entry_id for r in out[handed_out:]))
 
 
 def _header_problem(fields: dict) -> str:

@@ -362,6 +362,25 @@ def test_the_lag_bound_counts_untrained_groups_and_the_stream_bound_counts_all(r
         stream.admit(timeout_s=0.1)
 
 
+
+def test_groups_a_dead_learner_marked_trained_count_as_untrained_when_handed_out_again(redis_server, cfg):
+    """A learner marks its update's groups trained (their ack waits for its checkpoint) and dies before that
+    checkpoint: its next life (same consumer name) or another consumer gets them again, to train anew. From then
+    they are untrained again for the producers' lag bound, or producers would start more than it allows."""
+    stream = TrajectoryStream(redis_server.url, cfg, lag_bound=2)
+    for name in ("a", "b"):
+        stream.publish(make_group(name), admitted=stream.admit(timeout_s=0.1))
+    dead = TrajectoryStream(redis_server.url, cfg, consumer_name="learner-0")
+    dead.trained(dead.read(max_groups=2))
+    assert stream.redis.scard(stream.trained_key) == 2
+    stream.release(stream.admit(timeout_s=0.1))       # room: 0 untrained
+    again = TrajectoryStream(redis_server.url, cfg, consumer_name="learner-0")      # the next life
+    got = again.read(max_groups=2)
+    assert sorted(r.group.group_id for r in got) == ["a", "b"] and all(r.redelivered for r in got)
+    assert stream.redis.scard(stream.trained_key) == 0
+    with pytest.raises(TimeoutError, match="2 admitted and not yet trained"):
+        stream.admit(timeout_s=0.1)
+
 def test_a_renewed_slot_outlives_its_ttl_and_a_lapsed_one_frees_it(redis_server, cfg, monkeypatch):
     import common.stream as stream_module
     ttl = 2.0       # renewed every ~0.2 s (one refused admit): a stall of 1.8 s would fail it, not a slow machine

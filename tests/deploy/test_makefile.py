@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.users_machine import A_GPU, stand_in_nvidia_smi
+
 REPO = Path(__file__).resolve().parents[2]
 MAKE = shutil.which("make")
 
@@ -66,18 +68,6 @@ def test_a_fresh_venv_without_nvidia_smi_gets_the_cpu_build(tmp_path):
     # The same with EXTRA=cuda given: the cuda build, whatever the machine.
     forced = dry_run(venv, "install", "EXTRA=cuda")
     assert any('".[cuda,redis,test]"' in line and "lock-cuda.txt" in line for line in pip_installs(forced)), forced
-
-
-def stand_in_nvidia_smi(bin_dir: Path, listing: str, rc: int) -> Path:
-    """A directory with an `nvidia-smi` that stands in for the driver's tool: what it prints for `-L`."""
-    bin_dir.mkdir(exist_ok=True)
-    stub = bin_dir / "nvidia-smi"
-    stub.write_text(f"#!/bin/sh\nprintf '%s' '{listing}'\nexit {rc}\n")
-    stub.chmod(0o755)
-    return bin_dir
-
-
-A_GPU = "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)\n"
 
 
 @pytest.mark.parametrize("listing, rc, goal, build", [

@@ -72,3 +72,16 @@ def as_a_user(command: list[str], python: str, hide_python_headers: bool = False
     unset = [f"-u {name}" for name in os.environ if name.startswith("PIP_") and name not in KEPT]
     script = " && ".join([*mounts, f"exec env {' '.join(unset)} {shlex.join(command)}"])
     return ["unshare", "--mount", "--propagation", "private", "bash", "-c", script]
+
+
+def stand_in_nvidia_smi(bin_dir: Path, listing: str, rc: int) -> Path:
+    """A directory with an `nvidia-smi` that stands in for the driver's tool: what it prints for `-L`."""
+    bin_dir.mkdir(exist_ok=True)
+    stub = bin_dir / "nvidia-smi"
+    stub.write_text(f"#!/bin/sh\nprintf '%s' '{listing}'\nexit {rc}\n")
+    stub.chmod(0o755)
+    return bin_dir
+
+
+# What a one-GPU machine's nvidia-smi -L prints.
+A_GPU = "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)\n"

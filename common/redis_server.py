@@ -148,7 +148,7 @@ def _write_owner_only(path: Path, text: str) -> None:
     os.chmod(path, 0o600)          # (an existing file keeps its mode through O_CREAT)
 
 
-def serve_detached(port: int, data_dir: str, password_file: str, bind: str = "0.0.0.0", maxmemory_mb: int = 0,
+def serve_detached(port: int, data_dir: str, password_file: str, bind: str = "127.0.0.1", maxmemory_mb: int = 0,
                    timeout_s: float = 30.0) -> str:
     """A durable Redis for a cluster's trajectory stream, run on this node by `gigpo redis`: AOF on (a restart
     keeps every unacknowledged group), no eviction, the password read from `password_file` (made, owner-only,

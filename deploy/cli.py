@@ -215,13 +215,16 @@ def cmd_model(args) -> int:
 
 
 def cmd_redis(args) -> int:
+    import ray
+
     from common.redis_server import serve_detached
+    # Not every interface: the loopback and the address the cluster's nodes reach this one by (Ray's).
+    bind = args.bind or " ".join(dict.fromkeys(["127.0.0.1", ray.util.get_node_ip_address()]))
     try:
-        state = serve_detached(args.port, args.dir, args.password_file, bind=args.bind,
-                               maxmemory_mb=args.maxmemory_mb)
+        state = serve_detached(args.port, args.dir, args.password_file, bind=bind, maxmemory_mb=args.maxmemory_mb)
     except RuntimeError as exc:
         raise UsageError(str(exc)) from None
-    print(f"gigpo redis: {state} on {args.bind}:{args.port} (append-only file in {args.dir})")
+    print(f"gigpo redis: {state} on {bind.replace(' ', ', ')} port {args.port} (append-only file in {args.dir})")
     return 0
 
 
@@ -306,7 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default="~/gigpo-redis", help="its data directory (the append-only file)")
     p.add_argument("--password-file", default="~/.gigpo/redis_password",
                    help="the file holding its password; made with a random one (owner-only) when missing")
-    p.add_argument("--bind", default="0.0.0.0", help="the addresses it listens on")
+    p.add_argument("--bind", default="", help="the addresses it listens on, space-separated (default: 127.0.0.1 "
+                                              "and this node's address, the one Ray gives it; 0.0.0.0: every "
+                                              "interface)")
     p.add_argument("--maxmemory-mb", type=int, default=0,
                    help="memory bound: past it, writes are refused (producers wait), never evicted; 0: none")
     return parser

@@ -173,13 +173,18 @@ def test_entrypoint_hands_over_the_password_source_not_the_password(users_redis,
 def test_gigpo_redis_starts_the_clusters_stream_redis_once_its_password_on_no_command_line(tmp_path, free_port):
     """`gigpo redis` (deploy/ray-cluster*.yaml's head start command): a daemon with an append-only file and no
     eviction, its password made once in an owner-only file and never on a command line; run again, it finds
-    it running and leaves it; a port held by a Redis that refuses the password is one line, exit status 2."""
+    it running and leaves it; a port held by a Redis that refuses the password is one line, exit status 2. It
+    listens on the loopback and this node's address (Ray's), not on every interface."""
     port, data, password_file = free_port(), tmp_path / "redis", tmp_path / "secret" / "redis_password"
     command = [str(REPO / ".venv" / "bin" / "gigpo"), "redis", "--port", str(port), "--dir", str(data),
                "--password-file", str(password_file), "--maxmemory-mb", "64"]
     try:
         first = subprocess.run(command, capture_output=True, text=True, timeout=60)
-        assert first.returncode == 0 and first.stdout.startswith("gigpo redis: started on 0.0.0.0:"), first
+        import ray
+        here = ray.util.get_node_ip_address()
+        binds = list(dict.fromkeys(["127.0.0.1", here]))
+        assert first.returncode == 0 and first.stdout.startswith(
+            f"gigpo redis: started on {', '.join(binds)} port {port}"), first
         password = password_file.read_text().strip()
         assert len(password) >= 32 and password_file.stat().st_mode & 0o077 == 0
         pid = int((data / "redis.pid").read_text())
@@ -190,6 +195,7 @@ def test_gigpo_redis_starts_the_clusters_stream_redis_once_its_password_on_no_co
         assert client.config_get("appendonly") == {"appendonly": "yes"}
         assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
         assert client.config_get("maxmemory") == {"maxmemory": str(64 * 2**20)}
+        assert client.config_get("bind") == {"bind": " ".join(binds)}
         again = subprocess.run(command, capture_output=True, text=True, timeout=60)
         assert again.returncode == 0 and again.stdout.startswith("gigpo redis: running on"), again
         assert int((data / "redis.pid").read_text()) == pid and server.is_running()

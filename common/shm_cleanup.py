@@ -87,7 +87,7 @@ def in_use() -> set[str]:
 def remove_unused(paths: Iterable[str], wait_s: float = 0.0) -> list[str]:
     """Unlink those of `paths` (files directly in /dev/shm) that exist and no live process maps, waiting up
     to `wait_s` seconds for the processes still mapping some to end. Returns what was removed."""
-    left = {p for p in paths if os.path.dirname(p) == SHM_DIR}
+    left = {p for p in paths if os.path.dirname(p) == SHM_DIR and _ours(p)}
     removed: list[str] = []
     deadline = time.monotonic() + wait_s
     while left := {p for p in left if os.path.lexists(p)}:
@@ -146,21 +146,36 @@ def remove_noted_in(directory: str, wait_s: float = 0.0) -> list[str]:
 OWNER_FILE = ".owner"     # in a weights directory a driver made: "<host> <pid>" of that driver
 
 
+def _ours(path: str) -> bool:
+    """Whether `path` (not followed if a link) exists and belongs to this process's user."""
+    try:
+        return os.lstat(path).st_uid == os.getuid()
+    except OSError:
+        return False
+
+
 def claim(directory: str) -> None:
-    """Make `directory` (a run's weights directory), naming this process on this host as its owner."""
-    Path(directory).mkdir(parents=True, exist_ok=True)
+    """Make `directory` (a run's new weights directory, under a name no one else knows) for this user alone:
+    mode 0700 whatever the umask, since whoever can write in it can replace the weights the engines load. One
+    that exists already is refused (FileExistsError). Names this process on this host as its owner."""
+    Path(directory).parent.mkdir(parents=True, exist_ok=True)
+    os.mkdir(directory, 0o700)
+    os.chmod(directory, 0o700)        # the umask may have taken owner bits away
     (Path(directory) / OWNER_FILE).write_text(f"{socket.gethostname()} {os.getpid()}\n")
 
 
 def sweep_orphaned(pattern: str) -> list[str]:
     """The directories matching `pattern` (a glob) that a process of this host owns (`claim`) and that is
     gone: a driver killed with SIGKILL leaves its weights directory and what its engines noted there. Each is
-    removed with the shared memory its notes list; returns the directories removed."""
+    removed with the shared memory its notes list; returns the directories removed. Only this user's
+    directories and files are judged (another user's note decides nothing here)."""
     import glob
     import shutil
 
     removed = []
     for directory in glob.glob(pattern):
+        if not _ours(directory):
+            continue
         try:
             host, pid = (Path(directory) / OWNER_FILE).read_text().split()
             if host != socket.gethostname():

@@ -59,15 +59,18 @@ def _new_file_beside(path: Path) -> str:
 
 
 @contextlib.contextmanager
-def replaced_atomically(path: str | os.PathLike, *, durable: bool = False) -> Iterator[Path]:
+def replaced_atomically(path: str | os.PathLike, *, durable: bool = False, mode: int | None = None) -> Iterator[Path]:
     """A temporary path beside `path` for the caller to write (by any means); when the block ends without an
     exception it replaces `path` in one rename (durably: its data fsynced first, the directory after), else it
-    is removed and `path` is left as it was. The parent directory is created if missing."""
+    is removed and `path` is left as it was. The parent directory is created if missing. `mode`: the file's
+    permissions (default: what the umask gives a new file)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _new_file_beside(path)
     try:
         yield Path(tmp)
+        if mode is not None:
+            os.chmod(tmp, mode)
         if durable:
             fsync_file(tmp)
         os.replace(tmp, path)
@@ -79,7 +82,8 @@ def replaced_atomically(path: str | os.PathLike, *, durable: bool = False) -> It
         fsync_directory(path.parent)
 
 
-def write_atomically(path: str | os.PathLike, data: str | bytes, *, durable: bool = False) -> None:
+def write_atomically(path: str | os.PathLike, data: str | bytes, *, durable: bool = False,
+                     mode: int | None = None) -> None:
     """Replace the file `path` with `data` (text as UTF-8) in one rename; see `replaced_atomically`."""
-    with replaced_atomically(path, durable=durable) as tmp:
+    with replaced_atomically(path, durable=durable, mode=mode) as tmp:
         tmp.write_bytes(data.encode() if isinstance(data, str) else data)

@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import stat
 import uuid
 from pathlib import Path
 
@@ -103,6 +104,42 @@ def is_complete_checkpoint(tag_dir: str | os.PathLike) -> bool:
 def complete_checkpoints(root: str | os.PathLike) -> list[Path]:
     """The complete checkpoints under `root`, oldest first ([] when there is no such directory)."""
     return [p for p in checkpoint_tags(root) if is_complete_checkpoint(p)]
+
+
+class UntrustedCheckpoint(PermissionError):
+    """A checkpoint someone other than this user wrote, or could have rewritten: loading it would unpickle
+    what they put there (DeepSpeed's files are pickles)."""
+
+
+def check_checkpoint_is_ours(tag_dir: str | os.PathLike) -> None:
+    """Raise UntrustedCheckpoint unless every file and directory of the checkpoint `tag_dir` belongs to this
+    process's user and no one else can write it (the rule ssh applies to its keys): a run unpickles only what it,
+    or its user, wrote."""
+    root = Path(tag_dir)
+    uid = os.getuid()
+    for path in [root, *root.rglob("*")]:
+        info = path.lstat()
+        if stat.S_ISLNK(info.st_mode):
+            raise UntrustedCheckpoint(f"{path} is a symbolic link: a checkpoint is loaded only from its own files "
+                                      "(they are pickles)")
+        if info.st_uid != uid:
+            raise UntrustedCheckpoint(f"{path} belongs to user id {info.st_uid}, not to this user ({uid}): a "
+                                      "checkpoint is loaded only when its own user wrote it (its files are pickles)")
+        if info.st_mode & 0o022:
+            raise UntrustedCheckpoint(f"{path} can be written by others (mode {stat.S_IMODE(info.st_mode):o}): "
+                                      f"a checkpoint is loaded only when no one else could have changed it (its "
+                                      f"files are pickles); chmod -R go-w {root} if its contents are yours")
+
+
+def seal_checkpoint(tag_dir: str | os.PathLike) -> None:
+    """Make what check_checkpoint_is_ours asks true of the files of `tag_dir` this user owns: no write bit for
+    the group or others (a umask of 002, many distributions' default, leaves new files group-writable)."""
+    root = Path(tag_dir)
+    uid = os.getuid()
+    for path in [root, *root.rglob("*")]:
+        info = path.lstat()
+        if info.st_uid == uid and info.st_mode & 0o022 and not stat.S_ISLNK(info.st_mode):
+            os.chmod(path, stat.S_IMODE(info.st_mode) & ~0o022)
 
 
 class DamagedLatest(ValueError):

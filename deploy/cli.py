@@ -101,7 +101,7 @@ def cmd_eval(args) -> int:
         from deploy.system import checkpoint_location
         try:
             checkpoint_location(args.checkpoint)
-        except FileNotFoundError as exc:
+        except (FileNotFoundError, PermissionError) as exc:
             raise UsageError(str(exc)) from None
     splits = [s.strip() for s in args.splits.split(",") if s.strip()] if args.splits else [cfg.env.eval_split]
     for split in splits:       # each split is checked like env.eval_split (its games are there), before any start

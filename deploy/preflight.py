@@ -17,8 +17,8 @@ from urllib.parse import urlsplit
 
 from common.config import ExperimentConfig
 from common.redaction import password_of
-from common.run_dir import (DamagedLatest, checkpoints_dir, complete_checkpoints, is_complete_checkpoint,
-                            other_runs_checkpoints, resume_point)
+from common.run_dir import (DamagedLatest, UntrustedCheckpoint, check_checkpoint_is_ours, checkpoints_dir,
+                            complete_checkpoints, is_complete_checkpoint, other_runs_checkpoints, resume_point)
 from deploy.models import PINNED, ModelError, check_gguf, models_dir
 
 
@@ -297,15 +297,21 @@ def check_resume_tag(cfg: ExperimentConfig) -> None:
     root = checkpoints_dir(cfg.run.output_dir)
     if not cfg.run.resume_tag:
         try:
-            resume_point(root)
-        except DamagedLatest as damaged:
-            raise PreflightError(str(damaged)) from None
+            found, _ = resume_point(root)
+            if found is not None:
+                check_checkpoint_is_ours(found)
+        except (DamagedLatest, UntrustedCheckpoint) as problem:
+            raise PreflightError(str(problem)) from None
         return
     if not is_complete_checkpoint(root / cfg.run.resume_tag):
         have = [p.name for p in complete_checkpoints(root)]
         fix = f"use one of {', '.join(have)}" if have else "there is none there: drop run.resume_tag"
         raise PreflightError(f"run.resume_tag {cfg.run.resume_tag!r} is not a complete checkpoint under {root}; "
                              f"{fix}")
+    try:
+        check_checkpoint_is_ours(root / cfg.run.resume_tag)
+    except UntrustedCheckpoint as problem:
+        raise PreflightError(str(problem)) from None
 
 
 def check_rollout_nodes(cfg: ExperimentConfig, timeout_s: float = 300.0) -> None:

@@ -36,8 +36,8 @@ from common.log_files import Terminal, run_output
 from common.metrics import ActorMetrics
 from common.placement import PLACEMENT_TIMEOUT_S, job_needs, node_label, wait_placeable
 from common.redis_server import connect, redis_for
-from common.run_dir import (LEARNER_STATE, REDIS_DIR, eval_dir, eval_result_file, is_complete_checkpoint, logs_dir,
-                            prepare_output_dir)
+from common.run_dir import (LEARNER_STATE, REDIS_DIR, check_checkpoint_is_ours, eval_dir, eval_result_file,
+                            is_complete_checkpoint, logs_dir, prepare_output_dir)
 from common.stream import stream_key
 from deploy.control import ControlChannel, write_job_file
 from deploy.inference_pool import INFERENCE_STOP_S, InferencePool
@@ -392,11 +392,13 @@ def train(cfg: ExperimentConfig) -> dict:
 
 def checkpoint_location(checkpoint: str) -> tuple[str, str]:
     """(run.output_dir, run.resume_tag) of a checkpoint directory <output_dir>/checkpoints/<tag>;
-    FileNotFoundError when it is not a complete checkpoint."""
+    FileNotFoundError when it is not a complete checkpoint, UntrustedCheckpoint when this user did not write it
+    (common.run_dir.check_checkpoint_is_ours)."""
     path = Path(checkpoint).resolve()
     if not is_complete_checkpoint(path):
         raise FileNotFoundError(f"{checkpoint} is not a checkpoint directory (no {LEARNER_STATE} in it); "
                                 f"pass one of <run.output_dir>/checkpoints/update_*")
+    check_checkpoint_is_ours(path)
     return str(path.parent.parent), path.name
 
 

@@ -35,8 +35,8 @@ import torch.distributed as dist
 from common.atomic_write import fsync_tree, write_atomically
 from common.config import LearnerConfig, served_lora_rank
 from common.placement import free_port
-from common.run_dir import (LATEST, LEARNER_STATE, checkpoint_tag, checkpoint_tags, complete_checkpoints,
-                            is_complete_checkpoint, resume_point, tag_update)
+from common.run_dir import (LATEST, LEARNER_STATE, check_checkpoint_is_ours, checkpoint_tag, checkpoint_tags,
+                            complete_checkpoints, is_complete_checkpoint, resume_point, seal_checkpoint, tag_update)
 from learner.batching import (MicroBatch, MicroBatchPlan, TrainBatch, collate, collate_packed, mini_batches,
                               plan_micro_batches)
 from learner.grammar_mask import GrammarMasks, allowed_tokens
@@ -451,11 +451,12 @@ class PolicyTrainer:
         # DeepSpeed's own `latest` is written in place, neither atomically nor durably: written below instead.
         self.engine.save_checkpoint(str(root), tag=tag, client_state={"learner": state}, save_latest=False,
                                     exclude_frozen_parameters=bool(self.cfg.lora_rank))
+        seal_checkpoint(root / tag)     # loaded only if no one else could have written it: no group/other write
         fsync_tree(root / tag)          # on each process's node: its own files, wherever they are
         if self.world_size > 1:
             dist.barrier()
         if self.rank == 0:
-            write_atomically(root / tag / LEARNER_STATE, json.dumps(state), durable=True)
+            write_atomically(root / tag / LEARNER_STATE, json.dumps(state), durable=True, mode=0o644)
             write_atomically(root / LATEST, tag, durable=True)
             prune_checkpoints(root, keep, tag)
         if self.world_size > 1:
@@ -485,6 +486,7 @@ class PolicyTrainer:
             said = lambda fields: ", ".join(f"learner.{k}={v}" for k, v in fields.items())  # noqa: E731
             raise ValueError(f"{saved.parent} was trained with {said(trained)}, this learner has "
                              f"{said(self._what_trains())}: resume with the checkpoint's settings")
+        check_checkpoint_is_ours(root / tag)      # DeepSpeed unpickles its files
         path, client = self.engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
                                                    load_lr_scheduler_states=True,
                                                    load_module_strict=not self.cfg.lora_rank)

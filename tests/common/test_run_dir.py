@@ -3,6 +3,7 @@ production module spells the layout again."""
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 import pytest
@@ -155,3 +156,32 @@ def test_resume_point_follows_latest_and_a_save_cut_short(tmp_path):
         assert str(caught.value) == (f"{tmp_path / LATEST} {problem}, naming no checkpoint (complete ones: "
                                      "update_0000002, update_0000004, update_0000009): resume with "
                                      "run.resume_tag=update_0000009")
+
+
+def test_a_checkpoint_loads_only_when_its_user_wrote_it_and_no_one_else_could_change_it(tmp_path):
+    """Its files are pickles (DeepSpeed's): loading one runs what its writer put there. A file others can write
+    (group or world write bit), a symbolic link, another user's file: refused, saying which; seal_checkpoint
+    (what the learner does to what it saved) takes the write bits a 002 umask gave away."""
+    from common.run_dir import UntrustedCheckpoint, check_checkpoint_is_ours, seal_checkpoint
+
+    tag = tmp_path / checkpoint_tag(4)
+    (tag / "global_step4").mkdir(parents=True)
+    shard = tag / "global_step4" / "mp_rank_00_model_states.pt"
+    shard.write_bytes(b"pickle")
+    (tag / LEARNER_STATE).write_text("{}")
+    for path in (tag, tag / "global_step4", shard, tag / LEARNER_STATE):
+        path.chmod(0o775 if path.is_dir() else 0o664)         # as a 002 umask makes them
+    with pytest.raises(UntrustedCheckpoint, match="can be written by others .mode 775.: a checkpoint is loaded only"):
+        check_checkpoint_is_ours(tag)
+    seal_checkpoint(tag)
+    check_checkpoint_is_ours(tag)
+    assert oct(shard.stat().st_mode & 0o777) == "0o644"
+    link = tag / "global_step4" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    link.symlink_to(tmp_path / "elsewhere.pt")
+    with pytest.raises(UntrustedCheckpoint, match="is a symbolic link"):
+        check_checkpoint_is_ours(tag)
+    link.unlink()
+    if os.getuid() == 0:                                       # handing a file to another user needs root
+        os.chown(shard, 65534, 65534)
+        with pytest.raises(UntrustedCheckpoint, match=f"{shard} belongs to user id 65534"):
+            check_checkpoint_is_ours(tag)

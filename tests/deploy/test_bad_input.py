@@ -137,6 +137,26 @@ def test_a_resume_that_cannot_follow_its_checkpoints(tmp_path):
     assert snapshot(out) == before
 
 
+def test_a_checkpoint_others_could_have_written_is_not_loaded(tmp_path):
+    """Resumed from, or evaluated with --checkpoint: a checkpoint whose files others can write is refused in one
+    line before anything starts (its files are pickles), and left as it was."""
+    from common.run_dir import LATEST, LEARNER_STATE
+
+    out = tmp_path / "run"
+    tag = out / "checkpoints" / "update_0000004"
+    tag.mkdir(parents=True)
+    (tag / LEARNER_STATE).write_text("{}")
+    (tag / "mp_rank_00_model_states.pt").write_bytes(b"not ours to unpickle")
+    (tag / "mp_rank_00_model_states.pt").chmod(0o666)
+    (out / "checkpoints" / LATEST).write_text(tag.name)
+    before = snapshot(out)
+    for proc in (gigpo("train", EMBEDDED, f"run.output_dir={out}", "run.resume=true"),
+                 gigpo("eval", EMBEDDED, "--checkpoint", str(tag))):
+        one_line_error(proc, f"{tag / 'mp_rank_00_model_states.pt'} can be written by others (mode 666)",
+                       f"chmod -R go-w {tag}")
+    assert snapshot(out) == before
+
+
 def test_model_directory_without_config_json(tmp_path, out):
     (tmp_path / "model").mkdir()
     one_line_error(gigpo("eval", EMBEDDED, f"run.output_dir={out}", f"model.path={tmp_path / 'model'}"),

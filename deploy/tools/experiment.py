@@ -165,10 +165,9 @@ def read_curves(run_dir: Path) -> list[dict]:
 # -- records: what each finished run gave, kept in the repository --------------------------------------------
 
 # Per update, kept in the record: the training batch's success and length, DIAGNOSTICS' keys and what says why
-# a run learned or not (groups with no signal, rows with a zero advantage, how far each update moved the policy).
-CURVE_KEYS = ("update", "batch/success_rate", "batch/episode_steps_mean", "batch/groups_skipped_equal_returns",
-              "batch/groups", "batch/invalid_action_share", "adv/zero_share", "train/approx_kl", "train/clip_frac",
-              "train/entropy")
+# a run learned or not (invalid actions, rows with a zero advantage, how far each update moved the policy).
+CURVE_KEYS = ("update", "batch/success_rate", "batch/episode_steps_mean", "batch/invalid_action_share",
+              "adv/zero_share", "train/approx_kl", "train/clip_frac", "train/entropy")
 
 
 def make_record(study: Study, arm: Arm, seed: int, run_dir: Path, info: dict) -> dict:
@@ -441,17 +440,16 @@ def _success(episodes: list[dict]) -> float:
     return sum(bool(e["success"]) for e in episodes) / max(len(episodes), 1)
 
 
-def _curve_mean(curve: list[dict], key: str, per: str | None = None) -> float:
-    """The mean over a run's updates of `key` (divided by `per` in each update), NaN where the record lacks it."""
-    vals = [m[key] / m[per] if per else m[key] for m in curve if key in m and (per is None or m.get(per))]
+def _curve_mean(curve: list[dict], key: str) -> float:
+    """The mean over a run's updates of `key`, NaN where the record lacks it."""
+    vals = [m[key] for m in curve if key in m]
     return sum(vals) / len(vals) if vals else math.nan
 
 
 def seed_markdown(study: Study, runs: dict) -> list[str]:
     """Each seed on its own (the plan's and the replications): both arms' held-out success before and after,
     their difference, and what the first arm's training saw (its batch success, the groups whose rollouts all
-    succeeded, those whose returns were all equal: no signal for the episode advantage, the rows with a zero
-    advantage, how far each update moved the policy); then the
+    succeeded, the rows with a zero advantage: no signal, how far each update moved the policy); then the
     after-training difference by task type. Where the seeds disagree, these say how."""
     first, second = study.arm_names
     seeds = sorted({int(r["seed"]) for r in runs.values() if r.get("ok")})
@@ -464,8 +462,8 @@ def seed_markdown(study: Study, runs: dict) -> list[str]:
     lines = ["", f"**Each seed** (held-out success before -> after; {first}'s training: mean over its updates; "
              "r: a replication outside the plan):", "",
              f"| seed | commit | {first} | {second} | {first} - {second} after | {first} training success | "
-             "groups all successful | groups with equal returns | rows with zero advantage | approx KL per update |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "groups all successful | rows with zero advantage | approx KL per update |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for s, (a, b) in done.items():
         curve = a.get("curves", [])
         tag = f"{s}{' r' if s >= study.protocol.max_seeds else ''}"
@@ -474,7 +472,6 @@ def seed_markdown(study: Study, runs: dict) -> list[str]:
             f"{pct(_success(b['before']))} -> {pct(_success(b['after']))} | "
             f"{100 * (_success(a['after']) - _success(b['after'])):+.1f} | {pct(_curve_mean(curve, 'batch/success_rate'))} | "
             f"{pct(_curve_mean(curve, 'diag/groups_all_success_share'))} | "
-            f"{pct(_curve_mean(curve, 'batch/groups_skipped_equal_returns', per='batch/groups'))} | "
             f"{pct(_curve_mean(curve, 'adv/zero_share'))} | "
             + ("-" if math.isnan(k := _curve_mean(curve, "train/approx_kl")) else f"{k:.4f}") + " |")
     types = sorted({e.get("task_type") or "?" for a, b in done.values() for r in (a, b) for e in r["after"]})

@@ -115,13 +115,12 @@ def test_a_replication_is_reported_beside_the_plan_not_pooled(tmp_path):
     cap = STUDIES["tiny-six"].protocol.max_seeds
     for seed, (gigpo_won, grpo_won) in ((0, (4, 2)), (1, (3, 1)), (cap + 3, (0, 4))):
         for algo, won in (("gigpo", gigpo_won), ("grpo", grpo_won)):
-            _write_record(records, "tiny-six", algo, seed, won, **{"batch/groups": 8.0,
-                                                                   "batch/groups_skipped_equal_returns": 2.0})
+            _write_record(records, "tiny-six", algo, seed, won, **{"adv/zero_share": 0.25})
     assert main(["--report", "--records", str(records), "--doc", str(doc)]) == 0
     md = doc.read_text().split("### tiny-six:", 1)[1].split("###", 1)[0]
     assert "| success | +50.0% | ± 0.0% (2 seeds) |" in md          # the replication's -100 left out
-    # Per seed: the replication marked; GiGPO's training: 50% batch success, 2 of 8 groups without signal.
-    assert f"| {cap + 3} r | abc1234 | 0.0% -> 0.0% | 0.0% -> 100.0% | -100.0 | 50.0% | - | 25.0% | - | - |" in md, md
+    # Per seed: the replication marked; GiGPO's training: 50% batch success, a quarter of its rows without signal.
+    assert f"| {cap + 3} r | abc1234 | 0.0% -> 0.0% | 0.0% -> 100.0% | -100.0 | 50.0% | - | 25.0% | - |" in md, md
     assert "| 0 | abc1234 | 0.0% -> 100.0% | 0.0% -> 50.0% | +50.0 |" in md
     # By task type (g1, g3 heat; g0, g2 pick): seed 1, GiGPO solves g0-g2 and GRPO g0: heat +50, pick +50.
     assert "| heat | pick |" in md and "| 1 | +50 (2) | +50 (2) |" in md

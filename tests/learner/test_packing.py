@@ -183,6 +183,17 @@ def test_several_training_steps_packed_and_padded_stay_within_rounding(tiny_mode
     model32, model64 = tiny_models
     cfg = replace(LearnerConfig(), lr=3e-4)         # configs/embedded.yaml's; the rest the config's defaults
     steps, budget = 8, 300
+    # One thread: the same arithmetic for every run compared, ~10 s in all; two threads on cores other work
+    # keeps busy stall in each other's spin-waits (tens of times slower).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _compare_several_steps(model32, model64, cfg, steps, budget)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _compare_several_steps(model32, model64, cfg: LearnerConfig, steps: int, budget: int) -> None:
     batch = _batch(1000, 4, seed=5)
     # The behaviour policy: the start's own log-probs (float64 model), as a sampler's would be, stored float32.
     start, _ = _train_steps(model64, batch, False, budget, cfg, steps=0)
@@ -200,6 +211,7 @@ def test_several_training_steps_packed_and_padded_stay_within_rounding(tiny_mode
     assert learned > 1000 * max(np.linalg.norm(run[-1] - exact[-1]) for run, _ in padded.values())
     w_drift = max(np.linalg.norm(w - w_exact) for _, w in padded.values())
     assert np.linalg.norm(w_packed - w_exact) <= 3 * w_drift
+
 
 def test_rows_of_a_pack_do_not_see_each_other(tiny_models):
     """Row C's log-probs in a pack [A, B, C] stay when B is replaced by other tokens of another length (within

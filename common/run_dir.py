@@ -142,8 +142,9 @@ def seal_checkpoint(tag_dir: str | os.PathLike) -> None:
             os.chmod(path, stat.S_IMODE(info.st_mode) & ~0o022)
 
 
-class DamagedLatest(ValueError):
-    """`latest` says nothing a resume can follow (empty, unreadable, not a checkpoint's name)."""
+class DamagedLatest(FileNotFoundError):
+    """`latest` names no checkpoint a resume can follow (empty, unreadable, not a checkpoint's name, or the name
+    of one that is not there)."""
 
 
 def resume_point(root: str | os.PathLike) -> tuple[Path | None, str]:
@@ -156,7 +157,8 @@ def resume_point(root: str | os.PathLike) -> tuple[Path | None, str]:
     before that order, cut short by a crash, leaves `latest` naming an incomplete one: then the newest complete
     checkpoint numbered below it (those above it belong to a history the run branched off, run.resume_tag).
     Without `latest` (a crash before the first was written): the newest complete checkpoint. A `latest` that
-    names no checkpoint at all raises DamagedLatest: which history to follow is then the user's choice."""
+    names no checkpoint, or one that is not there (deleted), raises DamagedLatest: which history to follow is
+    then the user's choice."""
     root = Path(root)
     complete = complete_checkpoints(root)
     try:
@@ -164,14 +166,15 @@ def resume_point(root: str | os.PathLike) -> tuple[Path | None, str]:
     except FileNotFoundError:
         return (complete[-1] if complete else None), ""
     except (OSError, UnicodeDecodeError) as exc:
-        named, problem = None, f"cannot be read ({exc})"
+        named, problem = None, f"cannot be read ({exc}), naming no checkpoint"
     else:
-        problem = "is empty" if not named else "" if tag_update(named) is not None else f"holds {named[:40]!r}"
+        problem = ("is empty, naming no checkpoint" if not named
+                   else f"holds {named[:40]!r}, naming no checkpoint" if tag_update(named) is None
+                   else f"names {named}, which is not there" if not (root / named).is_dir() else "")
     if problem:
         have = ", ".join(p.name for p in complete) or "none"
         fix = f"run.resume_tag={complete[-1].name}" if complete else "run.overwrite=true to start afresh"
-        raise DamagedLatest(f"{root / LATEST} {problem}, naming no checkpoint (complete ones: {have}): resume with "
-                            f"{fix}")
+        raise DamagedLatest(f"{root / LATEST} {problem} (complete ones: {have}): resume with {fix}")
     if is_complete_checkpoint(root / named):
         return root / named, ""
     older = [p for p in complete if tag_update(p.name) < tag_update(named)]

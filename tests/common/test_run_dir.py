@@ -149,13 +149,14 @@ def test_resume_point_follows_latest_and_a_save_cut_short(tmp_path):
     assert found == tmp_path / checkpoint_tag(4)
     assert note == f"{tmp_path / LATEST} names update_0000006, which is not complete (a save cut short): resuming " \
                    "from update_0000004"
-    for damaged, problem in (("", "is empty"), ("../../etc", "holds '../../etc'")):
+    for damaged, problem in (("", "is empty, naming no checkpoint"), ("../../etc", "holds '../../etc', naming no "
+                                                                                   "checkpoint"),
+                             ("update_0000011", "names update_0000011, which is not there")):
         (tmp_path / LATEST).write_text(damaged)
         with pytest.raises(DamagedLatest) as caught:
             resume_point(tmp_path)
-        assert str(caught.value) == (f"{tmp_path / LATEST} {problem}, naming no checkpoint (complete ones: "
-                                     "update_0000002, update_0000004, update_0000009): resume with "
-                                     "run.resume_tag=update_0000009")
+        assert str(caught.value) == (f"{tmp_path / LATEST} {problem} (complete ones: update_0000002, "
+                                     "update_0000004, update_0000009): resume with run.resume_tag=update_0000009")
 
 
 def test_a_checkpoint_loads_only_when_its_user_wrote_it_and_no_one_else_could_change_it(tmp_path):

@@ -190,18 +190,10 @@ def check_cpu_placement(system) -> None:
     split its CPUs' torch threads, one at least (their logs say so)."""
     import psutil
 
-    procs = psutil.Process().children(recursive=True)
-
-    def command(proc: psutil.Process) -> str:
-        try:
-            return (proc.cmdline() or [""])[0]
-        except psutil.Error:     # a child that has ended since the listing (a zombie until Ray reaps it)
-            return ""
-
-    def actors(cls: str) -> list[psutil.Process]:
-        found = [p for p in procs if command(p).startswith(f"ray::{cls}")]
-        assert found, f"no ray::{cls} process"
-        return found
+    def processes(handles) -> list[psutil.Process]:
+        """The processes of this run's actors (an earlier test's Ray workers, still ending, are not theirs)."""
+        return [psutil.Process(pid) for pid in ray.get([h.__ray_call__.remote(lambda actor: os.getpid())
+                                                         for h in handles])]
 
     def placement(proc: psutil.Process) -> tuple[set, int]:
         """The CPU sets of all its threads, and its niceness (its main thread's: some of Ray's own threads
@@ -209,12 +201,12 @@ def check_cpu_placement(system) -> None:
         return {frozenset(os.sched_getaffinity(t.id)) for t in proc.threads()}, proc.nice()
 
     learner_cpu, rollout_cpu = CPUS
-    learners = actors("LearnerWorker")
+    learners = processes(system.learners.ranks)
     assert len(learners) == system.cfg.learner.num_processes
     learner_cpus, learner_nice = placement(learners[0])
     assert learner_cpus == {frozenset([learner_cpu])}
     assert all(placement(rank) == (learner_cpus, learner_nice) for rank in learners[1:])
-    rollout_side = actors("InferenceEngine") + actors("Rollout")
+    rollout_side = processes(system.inference.serving) + processes([a.handle for a in system.rollouts.live])
     rollout_side += [psutil.Process(c.pid) for p in list(rollout_side) for c in p.children(recursive=True)]
     assert len(rollout_side) > 3           # the actors, vLLM's engine processes, the env workers
     nice = min(19, learner_nice + system.cfg.run.rollout_nice)

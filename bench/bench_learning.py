@@ -30,12 +30,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from common.config import load_config  # noqa: E402
 from deploy.tools.experiment import paired, per_game, read_evals  # noqa: E402
 
 CONFIG = "configs/embedded.yaml"
 UPDATES = 24                      # what `make run` trains
 EVAL_GAMES = 128                  # the generator's eval split: a quarter of the training games
-STEP_BUDGET = 15                  # configs/embedded.yaml's env.max_steps
 BROKEN = ROOT / "bench" / "broken_learner"
 # Held-out success gain (points, after minus before) of recorded runs of this protocol, by seed (2026-12-06, at
 # 61d4b35, 7.2-7.3 min each): 19.5% -> 48.4% and 12.5% -> 43.8%. The broken learner's: 19.5% -> 19.5%, +0.0 (the
@@ -86,7 +86,8 @@ def main() -> int:
             print(f"learning canary: the run failed (exit {rc}, {wall / 60:.1f} min); its log: "
                   f"{out_dir / 'canary.log'}" + ("" if args.keep else " (removed: rerun with --keep DIR)"))
             return 1
-        tables = {w: per_game(evals[w], STEP_BUDGET, STEP_BUDGET) for w in ("before", "after")}
+        budget = load_config(ROOT / CONFIG).env.max_steps       # (only success is compared)
+        tables = {w: per_game(evals[w], budget, budget) for w in ("before", "after")}
         gain = paired({0: tables["after"]}, {0: tables["before"]}, "success")
         before = sum(g["success"] for g in tables["before"].values()) / len(tables["before"])
         passed = 100 * gain["diff"] >= MIN_GAIN

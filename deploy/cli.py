@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 from common.config import ConfigError, describe, load_config, to_dict
-from common.redaction import redact_text
 from common.placement import PlacementError
+from common.redaction import redact_text
 from common.run_dir import JOB_FILE
 from deploy.models import PINNED, SMOLLM2, ModelError, prepare_pinned
 from deploy.preflight import PreflightError, run_checks

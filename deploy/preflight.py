@@ -240,12 +240,17 @@ def check_redis(cfg: ExperimentConfig, timeout_s: float = 3.0) -> None:
         client.close()
 
 
+def gpus_asked(cfg: ExperimentConfig) -> list[str]:
+    """The fields that ask for GPUs (above 0), by name."""
+    return [name for name, value in (("inference.gpus_per_actor", cfg.inference.gpus_per_actor),
+                                     ("learner.gpus_per_process", cfg.learner.gpus_per_process)) if value > 0]
+
+
 def check_gpus(cfg: ExperimentConfig) -> None:
     """GPUs asked for on a local Ray need a GPU on this machine; otherwise the actors wait for them forever."""
     if cfg.run.ray_address or os.environ.get("RAY_ADDRESS"):
         return                                # a cluster: its nodes have the GPUs
-    asked = [name for name, value in (("inference.gpus_per_actor", cfg.inference.gpus_per_actor),
-                                      ("learner.gpus_per_process", cfg.learner.gpus_per_process)) if value > 0]
+    asked = gpus_asked(cfg)
     if asked and shutil.which("nvidia-smi") is None:
         raise PreflightError(f"{' and '.join(asked)} ask for GPUs, but this machine has none (no nvidia-smi) and "
                              "no Ray cluster is named; pass --address of a GPU cluster, or set "
@@ -270,7 +275,7 @@ def check_build(cfg: ExperimentConfig) -> None:
     GPUs). Otherwise the engine fails minutes in, deep in vLLM. A cluster's nodes bring their own build."""
     if cfg.run.ray_address or os.environ.get("RAY_ADDRESS"):
         return
-    needed = "cuda" if cfg.inference.gpus_per_actor > 0 or cfg.learner.gpus_per_process > 0 else "cpu"
+    needed = "cuda" if gpus_asked(cfg) else "cpu"
     have = installed_build()
     if have is not None and have != needed:
         why = "it asks for GPUs" if needed == "cuda" else "it asks for no GPU, and the cuda build serves only on GPUs"
@@ -295,22 +300,16 @@ def check_resume_tag(cfg: ExperimentConfig) -> None:
     if not cfg.run.resume:
         return
     root = checkpoints_dir(cfg.run.output_dir)
-    if not cfg.run.resume_tag:
-        try:
-            found, _ = resume_point(root)
-            if found is not None:
-                check_checkpoint_is_ours(found)
-        except (DamagedLatest, UntrustedCheckpoint) as problem:
-            raise PreflightError(str(problem)) from None
-        return
-    if not is_complete_checkpoint(root / cfg.run.resume_tag):
+    if cfg.run.resume_tag and not is_complete_checkpoint(root / cfg.run.resume_tag):
         have = [p.name for p in complete_checkpoints(root)]
         fix = f"use one of {', '.join(have)}" if have else "there is none there: drop run.resume_tag"
         raise PreflightError(f"run.resume_tag {cfg.run.resume_tag!r} is not a complete checkpoint under {root}; "
                              f"{fix}")
     try:
-        check_checkpoint_is_ours(root / cfg.run.resume_tag)
-    except UntrustedCheckpoint as problem:
+        found = root / cfg.run.resume_tag if cfg.run.resume_tag else resume_point(root)[0]
+        if found is not None:
+            check_checkpoint_is_ours(found)
+    except (DamagedLatest, UntrustedCheckpoint) as problem:
         raise PreflightError(str(problem)) from None
 
 

@@ -34,7 +34,7 @@ PYTEST_ARGS ?=
 # Set-up choices, all overridable from the environment: DeepSpeed installed without pre-built ops
 # (DS_BUILD_OPS is read by its setup only), compiled ops cached in the checkout, data and models in ./data.
 # What the project needs (vLLM's, DeepSpeed's and the tokenizers' variables) it sets itself in every process it
-# starts: common/process_env.py.
+# starts: common/processes/process_env.py.
 export DS_BUILD_OPS ?= 0
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 export ALFWORLD_DATA ?= $(CURDIR)/data/alfworld

@@ -11,9 +11,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.rollout import RolloutActor
 from common.config import ExperimentConfig
-from common.model_files import ModelSource
-from common.placement import actor_need, pinned_node
-from common.records import EpisodeGroup
+from common.processes.model_files import ModelSource
+from common.processes.placement import actor_need, pinned_node
+from common.stream.records import EpisodeGroup
 
 
 def eval_config(cfg: ExperimentConfig) -> ExperimentConfig:

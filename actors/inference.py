@@ -1,6 +1,6 @@
 """The inference actor: one vLLM async engine behind a Ray actor, shared by many rollout actors.
 
-    actor = create_inference_actors(cfg, model)[0]          # model: common.model_files.ModelSource
+    actor = create_inference_actors(cfg, model)[0]          # model: common.processes.model_files.ModelSource
     out = await actor.generate.remote(prompt_ids, {"temperature": 1.0, "max_tokens": 512, "seed": 17})
     # out = {"response_ids": [...], "logprobs": [...], "text": "...", "policy_version": 3,
     #        "finish_reason": "stop" | "length" | "abort", "weight_wait_s": 0.0}
@@ -18,8 +18,8 @@ Design:
 - Where this node does not see the model's directory, the engine starts from the config and tokenizer shipped
   through Ray with vLLM's dummy weights (`has_weights() == False`) and holds every request at its gate until
   the learner's first push (version 0).
-- Weights: the engine's `WeightReceiver` (common/weight_receiver.py, the receiving half of
-  common/weight_transfer.py) updates them between requests, in place, through one request gate, so every
+- Weights: the engine's `WeightReceiver` (common/weights/receiver.py, the receiving half of
+  common/weights/sender.py) updates them between requests, in place, through one request gate, so every
   response comes from exactly the policy version it reports; the actor's weight methods
   (`update_weights_from_files`, `init_weight_transfer_engine`, `start_weight_update`, ...) delegate to it. A
   load that fails half-way makes the actor exit (Ray restarts it) with its gate kept closed.
@@ -41,16 +41,16 @@ import uuid
 
 import ray
 
-from common import shm_cleanup, weight_transfer
-from common.actor_calls import call_all
+from common.processes.actor_calls import call_all
+from common.weights import sender, shm_cleanup
 from common.config import (ExperimentConfig, InferenceConfig, ModelConfig, served_lora_rank, vllm_max_lora_rank,
                            with_fields)
-from common.cpu_placement import place_this_process
-from common.log_files import send_output_to
 from common.metrics import ActorMetrics
-from common.model_files import ModelSource
-from common.process_env import apply_project_env
-from common.weight_receiver import RequestGate, WeightReceiver, transfer_backend
+from common.processes.cpu_placement import place_this_process
+from common.processes.log_files import send_output_to
+from common.processes.model_files import ModelSource
+from common.processes.process_env import apply_project_env
+from common.weights.receiver import RequestGate, WeightReceiver, transfer_backend
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ def engine_args(model_path: str, model_cfg: ModelConfig, infer_cfg: InferenceCon
                      max_num_batched_tokens=max(4096, model_cfg.max_prompt_tokens + model_cfg.max_response_tokens))
     if adapter_rank:
         # One adapter serves at a time (the policy's); two fit in the CPU cache, so that the next version's
-        # loads before the current one is removed (common/weight_receiver.py).
+        # loads before the current one is removed (common/weights/receiver.py).
         extra.update(enable_lora=True, max_lora_rank=vllm_max_lora_rank(adapter_rank), max_loras=1, max_cpu_loras=2)
     return AsyncEngineArgs(
         model=model_path, dtype=dtype, seed=seed,
@@ -160,7 +160,7 @@ class InferenceEngine:
         self.stats_ = {"requests": 0, "generated_tokens": 0, "prompt_tokens": 0}
         self.metrics = ActorMetrics("inference", f"{_run_tag()}-{seed}")
         self.metrics.set("inference_queue_depth", 0)
-        weights_dir = infer_cfg.weights_dir or weight_transfer.default_weights_dir(_run_tag())
+        weights_dir = infer_cfg.weights_dir or sender.default_weights_dir(_run_tag())
         # Disk weights are version 0, the learner's initial policy, unless this is a restart: then they are
         # older than what the learner pushed since (the manifest, if any, brings the newest back).
         self.receiver = WeightReceiver(
@@ -172,7 +172,7 @@ class InferenceEngine:
                      "dummy weights: the model's files are not on this node" if dummy else
                      "added to a running job" if wait_for_weights and not _reconstructed() else "restarted")
         # The shared memory this engine's processes map, noted beside the weights: if this actor is killed,
-        # its restarted self (here, now) or the driver at the end of the run removes it (common.shm_cleanup).
+        # its restarted self (here, now) or the driver at the end of the run removes it (common.weights.shm_cleanup).
         self._shm_note = os.path.join(weights_dir, f".engine-shm-{seed}.json")
         shm_cleanup.remove_noted(self._shm_note, wait_s=10)     # a killed predecessor's
         shm_cleanup.write_note(self._shm_note, shm_cleanup.mapped_by(shm_cleanup.descendants(os.getpid()))
@@ -242,7 +242,7 @@ class InferenceEngine:
                 "policy_version": version, "finish_reason": comp.finish_reason or "abort",
                 "weight_wait_s": weight_wait}
 
-    # -- weights: common.weight_receiver's WeightReceiver (the Ray actor's methods the sender calls) ---------
+    # -- weights: common.weights.receiver's WeightReceiver (the Ray actor's methods the sender calls) ---------
 
     async def update_weights_from_files(self, files: list[str], version: int) -> dict:
         return await self.receiver.update_weights_from_files(files, version)
@@ -284,7 +284,7 @@ class InferenceEngine:
         return self.receiver.has_weights
 
     def node(self) -> dict:
-        from common.placement import this_node
+        from common.processes.placement import this_node
         return this_node()
 
     async def weights_digest(self) -> str:
@@ -304,7 +304,7 @@ class InferenceEngine:
 
     def shutdown(self) -> list[str]:
         """Stop the engine and remove the shared memory its processes leave in /dev/shm (vLLM's CPU engine
-        leaves a 160 MB ring buffer even when shut down cleanly: common.shm_cleanup). Returns the files
+        leaves a 160 MB ring buffer even when shut down cleanly: common.weights.shm_cleanup). Returns the files
         removed. Call it before `ray.kill`, which leaves ~400 MB there for the driver to find."""
         shm_cleanup.write_note(self._shm_note, shm_cleanup.mapped_by(shm_cleanup.descendants(os.getpid())))
         self.engine.shutdown()
@@ -368,8 +368,8 @@ def with_weights_dir(cfg: ExperimentConfig) -> ExperimentConfig:
     weights_dir = cfg.inference.weights_dir
     if not weights_dir:
         # A killed driver could not remove its own: the next one does (owner file, swept at start).
-        shm_cleanup.sweep_orphaned(weight_transfer.default_weights_dir("*"))
-        weights_dir = weight_transfer.default_weights_dir(f"{_run_tag()}-{uuid.uuid4().hex[:8]}")
+        shm_cleanup.sweep_orphaned(sender.default_weights_dir("*"))
+        weights_dir = sender.default_weights_dir(f"{_run_tag()}-{uuid.uuid4().hex[:8]}")
         shm_cleanup.claim(weights_dir)
         _MADE_WEIGHTS_DIRS.append(weights_dir)
     return with_fields(cfg, {"inference.weights_dir": weights_dir})

@@ -26,15 +26,15 @@ import ray
 
 from actors.prompts.shared import build_user_message, parse_action, prompt_token_ids, response_regex
 from common.config import ExperimentConfig, RolloutConfig
-from common.cpu_placement import place_this_process
-from common.log_files import send_output_to
 from common.metrics import ActorMetrics
-from common.model_files import ModelSource
-from common.placement import this_node
-from common.process_env import apply_project_env
-from common.records import EpisodeGroup, StepRow, Termination, Trajectory
+from common.processes.cpu_placement import place_this_process
+from common.processes.log_files import send_output_to
+from common.processes.model_files import ModelSource
+from common.processes.placement import this_node
+from common.processes.process_env import apply_project_env
 from common.staleness import policy_lag_bound
-from common.transport import InMemoryTrajectories, TrajectorySink
+from common.stream.interface import InMemoryTrajectories, TrajectorySink
+from common.stream.records import EpisodeGroup, StepRow, Termination, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class Rollout:
     def __init__(self, cfg: ExperimentConfig, actor_id: str, inference_actors: list,
                  trajectories: str | TrajectorySink | None, cpus: str = "", nice: int = 0, log_dir: str = "",
                  model: ModelSource | None = None):
-        """trajectories: where finished groups go (common.transport.TrajectorySink): a Redis URL (the run's
+        """trajectories: where finished groups go (common.stream.interface.TrajectorySink): a Redis URL (the run's
         stream) or the sink itself; None: an in-memory one (`self.stream`, for tests and benches).
         model: where the tokenizer comes from (a ModelSource shipped by the driver, which this node may not
         see on disk); None: model.path as this node sees it (in-process use on one node)."""
@@ -75,7 +75,7 @@ class Rollout:
             raise ValueError(f"env {self.cfg.env.name!r} has no tasks in split {self.cfg.env.train_split!r}")
 
         if isinstance(trajectories, str) and trajectories:
-            from common.stream import TrajectoryStream
+            from common.stream.redis_stream import TrajectoryStream
             trajectories = TrajectoryStream(trajectories, self.cfg.stream, consumer_name=f"producer-{actor_id}",
                                             lag_bound=policy_lag_bound(self.cfg))
         self.stream: TrajectorySink = trajectories or InMemoryTrajectories()
@@ -241,7 +241,7 @@ class Rollout:
 
     async def _renew_admitted(self) -> None:
         """Keeps the slots of the groups being played alive (a killed actor's lapse within the slot's TTL)."""
-        from common.stream import RENEW_EVERY_S
+        from common.stream.redis_stream import RENEW_EVERY_S
         while True:
             await asyncio.sleep(RENEW_EVERY_S)
             if self._admitted:

@@ -162,7 +162,7 @@ def part_push_and_resume(trainer, batch) -> None:
     """The weight push's learner side (`write_buckets` of `named_weights()`, as the shm transfer does,
     into /dev/shm where there is one) and a checkpoint round trip: after save, one more update, and load,
     the log-probs of the same rows are bit for bit those at the save."""
-    from common.weight_transfer import write_buckets
+    from common.weights.sender import write_buckets
 
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
     with tempfile.TemporaryDirectory(dir=shm) as folder:
@@ -460,7 +460,7 @@ def _nccl_rank(rank: int, world: int, port: int, mb: int, done) -> None:
 def part_nccl(args) -> None:
     import torch.multiprocessing as mp
 
-    from common.placement import free_port
+    from common.processes.placement import free_port
     ctx = mp.get_context("spawn")
     done = ctx.Queue()
     port = free_port()
@@ -511,7 +511,7 @@ def main() -> int:
                                                        "(a check of this script, not a measurement)")
     args = ap.parse_args()
     if args.threads:
-        from common.cpu_placement import use_compute_threads
+        from common.processes.cpu_placement import use_compute_threads
         use_compute_threads(args.threads)
     if not torch.cuda.is_available() and not args.cpu:
         print("bench_gpu: no CUDA device here: skipped (run it on a GPU node)")

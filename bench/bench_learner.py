@@ -11,11 +11,11 @@ learner's tokens/s inside a real run. < ~3 minutes on 2 cores (+ ~8 minutes for 
   measured in this process with the same thread count, and the share of computed tokens that were padding
   (learner/utilization.py; the learner reports the same per update, and so does the in-run part below);
 - weight push, learner side: gathering `named_weights()` and writing them as safetensors buckets into shared
-  memory (`common.weight_transfer.write_buckets`) per update, against the bare gather;
+  memory (`common.weights.sender.write_buckets`) per update, against the bare gather;
 - in a real run (`--system-updates`, default 6; 0 skips it): a short `gigpo train` of configs/embedded.yaml
   (warm start off, so both sides train the same initial model), async and with `run.sync=true`; its
   `perf/tokens_per_s` against this bench's on the same groups (tapped off the Redis stream, trained in the
-  same order and batch size) with the learner's threads (common.cpu_placement.compute_threads) and with one
+  same order and batch size) with the learner's threads (common.processes.cpu_placement.compute_threads) and with one
   (how much of one core the learner gets). Target (issue 31): >= 0.9 where the learner has the machine to
   itself (sync); async, on cores both sides share, the ratio is the learner's share of them.
   `--system-only --config configs/alfworld-smollm2.yaml --system-updates 4`: the sync run of SmolLM2's config
@@ -103,14 +103,14 @@ class StreamTap:
     group, no ack) polled by a thread, which sees each entry long before the learner's ack deletes it."""
 
     def __init__(self, url: str, key: str):
-        from common.redis_server import connect
+        from common.stream.redis_client import connect
         self.redis, self.key, self.groups = connect(url), key, []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        from common.records import decode_group
+        from common.stream.codec import decode_group
         last = "0-0"
         while not self._stop.is_set():
             for _, entries in self.redis.xread({self.key: last}, count=100, block=200) or []:
@@ -129,8 +129,8 @@ def in_system(updates: int, sync: bool, config: str = "configs/embedded.yaml", o
     import json
 
     from common.config import load_config
-    from common.cpu_placement import compute_threads
-    from common.stream import stream_key
+    from common.processes.cpu_placement import compute_threads
+    from common.stream.redis_stream import stream_key
     from deploy.system import System
 
     with tempfile.TemporaryDirectory(prefix="gigpo-bench-learner-", ignore_cleanup_errors=True) as out:
@@ -178,7 +178,7 @@ def in_system(updates: int, sync: bool, config: str = "configs/embedded.yaml", o
 def train_alone(model_path: str, cfg, batches: list, threads: int) -> list[float]:
     """Tokens/s of a fresh learner (the run's config and initial model) training `batches` in order with
     `threads` torch threads, nothing else running; the first update warms up and is left out."""
-    from common.cpu_placement import use_compute_threads
+    from common.processes.cpu_placement import use_compute_threads
     use_compute_threads(threads)
     trainer = PolicyTrainer(model_path, cfg.learner, dtype=cfg.model.dtype, head_dtype=cfg.model.head_dtype,
                             seed=cfg.run.seed, temperature=cfg.rollout.temperature)
@@ -257,7 +257,7 @@ def main() -> None:
           f"{build_g - build_r:+.2f} MB)")
 
     # Weight push, learner side.
-    from common.weight_transfer import write_buckets
+    from common.weights.sender import write_buckets
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
     gather, push = [], []
     for _ in range(5):

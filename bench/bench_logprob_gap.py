@@ -48,7 +48,7 @@ def measure(name: str, model_path: str, args, out_dir: str) -> list[dict]:
     from actors.inference import create_inference_actors, stop_inference_actors
     from actors.rollout import Rollout
     from common.config import load_config
-    from common.model_files import ModelSource
+    from common.processes.model_files import ModelSource
     from learner.batching import build_batch
     from learner.gigpo import logprob_gap
     from learner.loop import Learner
@@ -113,12 +113,12 @@ def main() -> int:
 
     import ray
 
-    from common.process_env import apply_project_env
+    from common.processes.process_env import apply_project_env
     from deploy.models import prepare_pinned
 
     apply_project_env()
     if args.model == "tiny":
-        from common.tiny_model import build_tiny_model
+        from deploy.tiny_model import build_tiny_model
         model_path = build_tiny_model(str(Path(__file__).resolve().parents[1] / ".cache" / "bench-logprob-gap-tiny"))
     else:
         model_path = str(prepare_pinned())

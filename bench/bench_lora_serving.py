@@ -75,7 +75,7 @@ def bench_model(name: str, path: str, args) -> list[str]:
 
     from actors.inference import create_inference_actors, stop_inference_actors
     from common.config import ExperimentConfig, InferenceConfig, LearnerConfig, ModelConfig
-    from common.weight_transfer import WeightTransfer
+    from common.weights.sender import WeightTransfer
     from learner.lora import adapter_weights, merged_weights
 
     weights_dir = tempfile.mkdtemp(prefix="bench-lora-serving-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
@@ -146,7 +146,7 @@ def main() -> None:
 
     import ray
 
-    from common.process_env import apply_project_env
+    from common.processes.process_env import apply_project_env
     apply_project_env()
     commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip() or "?"

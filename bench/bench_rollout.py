@@ -32,7 +32,7 @@ def main() -> None:
     from actors.inference import create_inference_actors, stop_inference_actors
     from actors.rollout import create_rollout_actor
     from common.config import EnvConfig, ExperimentConfig, InferenceConfig, ModelConfig, RolloutConfig
-    from common.weight_transfer import ShmTransfer as WeightPublisher
+    from common.weights.sender import ShmTransfer as WeightPublisher
     from tests.support.tiny_policy import tiny_policy
 
     t_start = time.perf_counter()

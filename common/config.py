@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import yaml
 
-from common.cpu_placement import parse_cpu_list
+from common.processes.cpu_placement import parse_cpu_list
 from common.redaction import redact_text
 from common.run_dir import resume_overwrite_conflict
 

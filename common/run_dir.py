@@ -7,7 +7,7 @@ that the CLI, the viewer and the reports read it without torch.
       redis/                  driver: the embedded Redis's append-only file while the run lasts (none with
                               stream.redis_url or stream.embedded_dir); a finished run removes it
       logs/                   absolute path made on the driver; each actor writes its <component>.log there on
-                              its own node (common/log_files.py); logs/ray links the driver node's Ray logs
+                              its own node (common/processes/log_files.py); logs/ray links the driver node's Ray logs
       metrics.jsonl           driver: one line per update (deploy/tracking.py), and TensorBoard's tensorboard/
       evals.jsonl             driver: one line per evaluation of a training run (deploy/reports.py)
       groups.jsonl            driver: learner rank 0 builds each update's line, the driver writes it

@@ -3,7 +3,7 @@
 A group is stale when the learner stands more than `stream.max_policy_lag` policy versions past the version
 that sampled it: the learner's read policy drops it untrained (`learner.read_policy`). So that this stays
 rare, producers obey one admission rule (after SkyRL's staleness manager): they start a group only while
-fewer than `policy_lag_bound(cfg)` groups are admitted and not yet trained (common/stream.py's `admit`).
+fewer than `policy_lag_bound(cfg)` groups are admitted and not yet trained (common/stream/redis_stream.py's `admit`).
 Across a resume the learner's version numbers jump (a resumed learner pushes under a new number above every
 number used before), so lags are counted in versions of the learner's own history (`policy_lag`).
 """

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from common.config import ConfigError, describe, load_config, to_dict
-from common.placement import PlacementError
+from common.processes.placement import PlacementError
 from common.redaction import redact_text
 from common.run_dir import JOB_FILE
 from deploy.models import PINNED, SMOLLM2, ModelError, prepare_pinned
@@ -50,7 +50,7 @@ def _load(args) -> "object":
     if args.command in ("train", "eval"):
         # The password of a user's Redis from stream.redis_password_file or $GIGPO_REDIS_PASSWORD into the
         # URL, which reaches the actors only as an argument; no process started from here inherits it.
-        from common.redis_server import PASSWORD_ENV, resolve_password
+        from common.stream.redis_client import PASSWORD_ENV, resolve_password
         resolve_password(cfg.stream)
         os.environ.pop(PASSWORD_ENV, None)
     return cfg
@@ -116,7 +116,7 @@ def cmd_eval(args) -> int:
 
 
 def _channel(output_dir: str):
-    from common.redis_server import connect
+    from common.stream.redis_client import connect
     from deploy.control import ControlChannel, job_redis_url, read_job_file
     try:
         job = read_job_file(output_dir)
@@ -217,7 +217,7 @@ def cmd_model(args) -> int:
 def cmd_redis(args) -> int:
     import ray
 
-    from common.redis_server import serve_detached
+    from common.stream.redis_server import serve_detached
     # Not every interface: the loopback and the address the cluster's nodes reach this one by (Ray's).
     bind = args.bind or " ".join(dict.fromkeys(["127.0.0.1", ray.util.get_node_ip_address()]))
     try:
@@ -318,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from common.process_env import apply_project_env
+    from common.processes.process_env import apply_project_env
     apply_project_env()      # vLLM's, DeepSpeed's, ... variables, before anything imports them
     args = build_parser().parse_args(argv)
     try:

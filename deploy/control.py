@@ -13,8 +13,8 @@ import redis
 
 from common.metrics import SECTIONS
 from common.redaction import is_redacted, redact
-from common.redis_server import PASSWORD_ENV, password_file_for, read_password_file, with_password
 from common.run_dir import JOB_FILE
+from common.stream.redis_client import PASSWORD_ENV, password_file_for, read_password_file, with_password
 
 
 def write_job_file(output_dir: str, run_name: str, redis_url: str, ray_address: str, run_id: str = "",

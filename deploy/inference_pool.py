@@ -10,7 +10,7 @@ from typing import Callable
 import ray
 
 from actors.inference import stop_inference_actors
-from common.actor_calls import answered
+from common.processes.actor_calls import answered
 
 log = logging.getLogger("gigpo")
 

@@ -2,7 +2,7 @@
 checked and closed together.
 
     learners = LearnerPool()
-    learners.start(cfg, model, stream_url, inference_actors)   # model: a common.model_files.ModelSource
+    learners.start(cfg, model, stream_url, inference_actors)   # model: a common.processes.model_files.ModelSource
     metrics, record = learners.step(timeout_s=600)   # one update on every rank; rank 0's metrics and
                                                      # groups.jsonl line (the driver writes it)
     learners.use_inference(inference_actors, timeout_s=1200)   # `gigpo scale --inference`
@@ -26,10 +26,10 @@ import time
 
 import ray
 
-from common.actor_calls import call_all, wait_all
 from common.config import ExperimentConfig
-from common.placement import (LEARNER_CPUS_PER_PROCESS, PLACEMENT_TIMEOUT_S, PlacementError, actor_need,
-                              alive_nodes, format_need, node_label, wait_placeable)
+from common.processes.actor_calls import call_all, wait_all
+from common.processes.placement import (LEARNER_CPUS_PER_PROCESS, PLACEMENT_TIMEOUT_S, PlacementError, actor_need,
+                                        alive_nodes, format_need, node_label, wait_placeable)
 from learner.actor import LearnerWorker
 
 log = logging.getLogger("gigpo")
@@ -57,7 +57,7 @@ class LearnerPool:
               read_only: bool = False, log_dir: str = "", placement_timeout_s: float = PLACEMENT_TIMEOUT_S,
               rendezvous_timeout_s: float = RENDEZVOUS_TIMEOUT_S) -> None:
         """`learner.num_processes` ranks, each reserving one process's share of GPUs (or one CPU) and
-        `learner.resources` on its node; model: a common.model_files.ModelSource; read_only: they serve a
+        `learner.resources` on its node; model: a common.processes.model_files.ModelSource; read_only: they serve a
         checkpoint for evaluation (see `Learner`); log_dir: rank r's output goes to <log_dir>/learner-<r>.log.
         Raises PlacementError (after killing them) when they cannot be placed or cannot meet in time."""
         n = cfg.learner.num_processes
@@ -108,7 +108,7 @@ class LearnerPool:
              on_wait=None) -> tuple[dict, dict | None] | None:
         """One update on every rank; rank 0's (metrics, groups.jsonl line), None when no batch came within
         timeout_s. Raises TimeoutError when they have not finished within timeout_s (the wait for data) +
-        deadline_s. on_wait: called every common.actor_calls.ON_WAIT_EVERY_S while the update runs."""
+        deadline_s. on_wait: called every common.processes.actor_calls.ON_WAIT_EVERY_S while the update runs."""
         limit = (timeout_s or 0.0) + deadline_s
         return self._rank0_answer("step", (timeout_s,), limit, on_wait,
                                   f"finish an update within {limit:.0f} s (a hung collective or a dead node?)")

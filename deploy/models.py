@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.run_dir import TINY_DIR
-from common.tiny_model import BUILD_INFO, build_tiny_model, save_model_atomically
+from deploy.tiny_model import BUILD_INFO, build_tiny_model, save_model_atomically
 
 SOURCE_INFO = "gigpo_model_source.json"     # beside a converted model: what it was made from
 GGUF_MAGIC = b"GGUF"

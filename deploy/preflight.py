@@ -209,7 +209,7 @@ def check_redis(cfg: ExperimentConfig, timeout_s: float = 3.0) -> None:
 
     url = cfg.stream.redis_url
     if not url:
-        from common.redis_server import find_redis_server
+        from common.stream.redis_server import find_redis_server
         try:
             find_redis_server()
         except FileNotFoundError as exc:
@@ -323,7 +323,7 @@ def check_rollout_nodes(cfg: ExperimentConfig, timeout_s: float = 300.0) -> None
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from common.placement import job_needs, node_label, nodes_offering
+    from common.processes.placement import job_needs, node_label, nodes_offering
     from env_servers.registry import data_env
     need = job_needs(cfg)["rollout actor"][0]
     probe = ray.remote(num_cpus=0, max_retries=0)(_env_data_problem)
@@ -344,7 +344,7 @@ def check_rollout_nodes(cfg: ExperimentConfig, timeout_s: float = 300.0) -> None
 
 def _env_data_problem(cfg: ExperimentConfig) -> tuple[dict, str]:
     """(this node, what check_env_data finds missing here or "")."""
-    from common.placement import this_node
+    from common.processes.placement import this_node
     try:
         check_env_data(cfg)
         return this_node(), ""

@@ -6,8 +6,8 @@ import contextlib
 import json
 from pathlib import Path
 
-from common.actor_calls import wait_all
 from common.metrics import update_figures
+from common.processes.actor_calls import wait_all
 from common.run_dir import EVALS_FILE, GROUPS_FILE, METRICS_FILE
 from deploy.stats import paired_change
 

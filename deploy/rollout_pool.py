@@ -9,9 +9,9 @@ from typing import Callable
 
 import ray
 
-from common.actor_calls import answered, call_all, wait_all
 from common.config import ExperimentConfig
-from common.placement import format_need, job_needs
+from common.processes.actor_calls import answered, call_all, wait_all
+from common.processes.placement import format_need, job_needs
 
 log = logging.getLogger("gigpo")
 

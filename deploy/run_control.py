@@ -13,14 +13,14 @@ from pathlib import Path
 import ray
 import redis
 
-from common import shm_cleanup
 from common.config import ExperimentConfig
 from common.metrics import ray_init_metrics_options
-from common.placement import node_label
-from common.process_env import apply_project_env, driver_runtime_env
+from common.processes.placement import node_label
+from common.processes.process_env import apply_project_env, driver_runtime_env
 from common.redaction import redact
-from common.redis_server import connect
 from common.run_dir import DamagedLatest, checkpoints_dir, resume_point, tag_update
+from common.stream.redis_client import connect
+from common.weights import shm_cleanup
 from deploy.learner_pool import LearnerPool
 from env_servers.registry import data_env
 
@@ -43,7 +43,7 @@ def start_ray(cfg: ExperimentConfig) -> str:
     with stopped_at_once_by_signals():
         if address:
             # Actors on other nodes write their log files there; streaming their output to the driver (into
-            # its driver.log, see common.log_files) keeps one copy of everything where the run was started.
+            # its driver.log, see common.processes.log_files) keeps one copy of everything where the run was started.
             ray.init(address=address, runtime_env=env, namespace="gigpo", log_to_driver=True)
         else:
             # log_to_driver=False: every actor writes its own log file under the run's logs/ already.

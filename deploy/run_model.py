@@ -7,8 +7,8 @@ import os
 from pathlib import Path
 
 from common.config import ExperimentConfig
-from common.model_files import ModelSource
-from common.placement import alive_nodes
+from common.processes.model_files import ModelSource
+from common.processes.placement import alive_nodes
 from common.run_dir import LATEST, WARM_DIR, checkpoints_dir
 from deploy.models import prepare_model_path
 from deploy.warm_start import existing_warm_model, warm_start

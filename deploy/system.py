@@ -30,15 +30,16 @@ from tqdm import tqdm
 from actors.evaluation import evaluate_tasks
 from actors.inference import create_inference_actors, remove_made_weights_dirs, with_weights_dir
 from actors.rollout import create_rollout_actor
-from common import shm_cleanup
 from common.config import ExperimentConfig, to_dict, with_fields
-from common.log_files import Terminal, run_output
 from common.metrics import ActorMetrics
-from common.placement import PLACEMENT_TIMEOUT_S, job_needs, node_label, wait_placeable
-from common.redis_server import connect, redis_for
+from common.processes.log_files import Terminal, run_output
+from common.processes.placement import PLACEMENT_TIMEOUT_S, job_needs, node_label, wait_placeable
+from common.stream.redis_client import connect
+from common.stream.redis_server import redis_for
+from common.weights import shm_cleanup
 from common.run_dir import (LEARNER_STATE, REDIS_DIR, check_checkpoint_is_ours, eval_dir, eval_result_file,
                             is_complete_checkpoint, logs_dir, prepare_output_dir)
-from common.stream import stream_key
+from common.stream.redis_stream import stream_key
 from deploy.control import ControlChannel, write_job_file
 from deploy.inference_pool import INFERENCE_STOP_S, InferencePool
 from deploy.learner_pool import LearnerPool

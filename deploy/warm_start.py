@@ -25,7 +25,7 @@ from pathlib import Path
 from actors.prompts.shared import build_user_message, is_admissible, prompt_token_ids, response_text
 from common.config import ExperimentConfig
 from common.run_dir import WARM_DIR
-from common.tiny_model import save_model_atomically
+from deploy.tiny_model import save_model_atomically
 from env_servers.webshop.engine import split_shop_action
 
 log = logging.getLogger("gigpo.warm_start")

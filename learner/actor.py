@@ -10,10 +10,10 @@ import os
 import ray
 
 from common.config import ExperimentConfig
-from common.cpu_placement import compute_threads, place_this_process, use_compute_threads
-from common.log_files import send_output_to
-from common.placement import free_port, this_node
-from common.process_env import apply_project_env
+from common.processes.cpu_placement import compute_threads, place_this_process, use_compute_threads
+from common.processes.log_files import send_output_to
+from common.processes.placement import free_port, this_node
+from common.processes.process_env import apply_project_env
 
 log = logging.getLogger("gigpo")
 
@@ -56,7 +56,7 @@ class LearnerWorker:
         setup_distributed()
 
     def build(self, model, stream_url: str | None, inference_actors: list, read_only: bool = False) -> None:
-        """Load the model (`model`: a common.model_files.ModelSource, as this node sees it) and build the
+        """Load the model (`model`: a common.processes.model_files.ModelSource, as this node sees it) and build the
         learner; rank 0 reads the stream and pushes weights."""
         from learner.loop import Learner
         rank0 = self.rank == 0

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from common.config import LearnerConfig
-from common.records import EpisodeGroup, Termination, check_values
+from common.stream.records import EpisodeGroup, Termination, check_values
 from learner.gigpo import ADVANTAGE_ESTIMATORS, AdvantageRows, estimate_grpo
 
 
@@ -67,7 +67,7 @@ class TrainBatch:
 
 def check_group(group: EpisodeGroup, vocab_size: int | None = None) -> None:
     """Raise a ValueError naming the group when its rows cannot be trained on: values the row schema refuses
-    (`common.records.check_values`), positive log-probs, an empty prompt, token ids outside [0, vocab_size)
+    (`common.stream.records.check_values`), positive log-probs, an empty prompt, token ids outside [0, vocab_size)
     (one past the embedding table would crash the forward pass)."""
     rows = group.rows
     problem = check_values(rows)

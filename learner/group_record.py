@@ -40,8 +40,8 @@ from pathlib import Path
 import numpy as np
 
 from common.config import ExperimentConfig, LearnerConfig
-from common.records import EpisodeGroup
 from common.run_dir import GROUPS_FILE
+from common.stream.records import EpisodeGroup
 from learner.batching import TrainBatch, advantage_rows, known_outcomes, usable_rows
 from learner.gigpo import estimate_grpo, factorize, gigpo_parts_of
 

@@ -32,9 +32,9 @@ import numpy as np
 
 from common.atomic_write import write_atomically
 from common.config import ExperimentConfig
-from common.records import EpisodeGroup
-from common.staleness import policy_lag
 from common.run_dir import PUSHED_VERSION, checkpoints_dir, prepare_checkpoint_dir
+from common.staleness import policy_lag
+from common.stream.records import EpisodeGroup
 from learner.batching import build_batch, check_group
 from learner.group_record import GroupRecorder
 from learner.learner_metrics import LearnerMetrics
@@ -42,7 +42,8 @@ from learner.read_policy import groups_to_train
 from learner.trainer import PolicyTrainer, TrainStepResult, setup_distributed
 
 if TYPE_CHECKING:
-    from common.transport import TrajectorySource, WeightPublisher
+    from common.stream.interface import TrajectorySource
+    from common.weights.interface import WeightPublisher
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +57,9 @@ class Learner:
                  consumer_name: str = "learner-0", read_block_ms: int = 1000, read_only: bool = False):
         """
         model_path: the initial policy (local, Hugging Face format). trajectories: where rank 0 reads groups, a
-        Redis URL or a common.transport.TrajectorySource (None: groups come through `step(groups)`).
-        publisher: a common.transport.WeightPublisher (`needs_push` optional); None builds
-        `common.weight_transfer.create_weight_transfer` over `inference_actors` when given. checkpoint_dir:
+        Redis URL or a common.stream.interface.TrajectorySource (None: groups come through `step(groups)`).
+        publisher: a common.weights.interface.WeightPublisher; None builds
+        `common.weights.sender.create_weight_transfer` over `inference_actors` when given. checkpoint_dir:
         default <run.output_dir>/checkpoints, "" none. resume: load the latest checkpoint there, or
         cfg.run.resume_tag (default cfg.run.resume); without it, existing checkpoints are refused unless
         cfg.run.overwrite (`common.run_dir.prepare_checkpoint_dir`). consumer_name: the Redis consumer, stable
@@ -79,16 +80,13 @@ class Learner:
         self.rank, self.world_size = self.trainer.rank, self.trainer.world_size
         self.read_block_ms = read_block_ms
         if self.rank == 0 and isinstance(trajectories, str) and trajectories:
-            from common.stream import TrajectoryStream
+            from common.stream.redis_stream import TrajectoryStream
             trajectories = TrajectoryStream(trajectories, cfg.stream, consumer_name=consumer_name)
         self.stream: TrajectorySource | None = trajectories if self.rank == 0 and trajectories else None
         if publisher is None and inference_actors and self.rank == 0:
-            from common.weight_transfer import create_weight_transfer
+            from common.weights.sender import create_weight_transfer
             publisher = create_weight_transfer(cfg, inference_actors)
         self.publisher = publisher if self.rank == 0 else None
-        if self.publisher is not None and self.trainer.pushes_adapter and not hasattr(self.publisher, "push_adapter"):
-            raise ValueError(f"learner.lora_push=adapter, but the weight publisher {type(self.publisher).__name__} "
-                             "cannot push adapters (no push_adapter); set learner.lora_push=merged")
         # Every rank must know whether rank 0 pushes (ZeRO-3 gathers need all ranks).
         self._pushes = bool(self._broadcast(self.publisher is not None))
 
@@ -356,7 +354,7 @@ class Learner:
         if not self._pushes:
             return {}
         need = False
-        if self.rank == 0 and hasattr(self.publisher, "needs_push"):
+        if self.rank == 0 and self.publisher is not None:
             try:
                 need = bool(self.publisher.needs_push(self.policy_version))
             except Exception as exc:  # noqa: BLE001 - an actor restarting right now: ask again next time

@@ -1,6 +1,6 @@
 """The learner's read policy: which of the groups a trajectory source hands out it trains on.
 
-A source (`common.transport.TrajectorySource`: the Redis stream, or in memory) delivers each complete group
+A source (`common.stream.interface.TrajectorySource`: the Redis stream, or in memory) delivers each complete group
 at least once and knows nothing of policy versions. Whatever the source, the learner judges every group:
 
 * one claiming a policy version above the newest the learner published is dead-lettered (no weights of this
@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Callable, Container, Iterable
 
 from common.staleness import is_stale
-from common.transport import Received, TrajectorySource
+from common.stream.interface import Received, TrajectorySource
 
 
 def groups_to_train(source: TrajectorySource, received: list[Received], *, trained_ids: Container[str],

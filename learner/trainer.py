@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from common.atomic_write import fsync_tree, write_atomically
 from common.config import LearnerConfig, served_lora_rank
-from common.placement import free_port
+from common.processes.placement import free_port
 from common.run_dir import (LATEST, LEARNER_STATE, check_checkpoint_is_ours, checkpoint_tag, checkpoint_tags,
                             complete_checkpoints, is_complete_checkpoint, resume_point, seal_checkpoint, tag_update)
 from learner.batching import (MicroBatch, MicroBatchPlan, TrainBatch, collate, collate_packed, mini_batches,

@@ -62,7 +62,7 @@ def free_port():
 
 @pytest.fixture(scope="module")
 def redis_server():
-    from common.redis_server import EmbeddedRedis
+    from common.stream.redis_server import EmbeddedRedis
 
     with EmbeddedRedis() as server:       # leaving the block stops it and removes its temporary directory
         yield server

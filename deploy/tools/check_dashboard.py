@@ -35,7 +35,7 @@ if str(ROOT) not in sys.path:          # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
 from common.metrics import exported_name, metrics_urls, ray_init_metrics_options  # noqa: E402
-from common.placement import free_port  # noqa: E402
+from common.processes.placement import free_port  # noqa: E402
 from deploy.tools.dashboard import DASHBOARD_PATH, dashboard_queries  # noqa: E402
 
 PROMETHEUS_CONFIG_PATH = ROOT / "deploy" / "prometheus" / "prometheus.yml"

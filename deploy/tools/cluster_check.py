@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:          # run as a script from anywhere
     sys.path.insert(0, str(ROOT))
 
-from common.placement import format_need, job_needs  # noqa: E402
+from common.processes.placement import format_need, job_needs  # noqa: E402
 
 GPU_ROLES = ("learner process", "inference actor")      # on GPU node types only
 CPU_ROLES = ("rollout actor",)                           # on node types without GPUs only
@@ -135,7 +135,7 @@ def _pack(cluster: Cluster, needs: dict[str, tuple[dict, int]]) -> tuple[dict[st
 
 
 def check(needs: dict[str, tuple[dict, int]], cluster: Cluster) -> tuple[list[str], list[str]]:
-    """(problems, report lines) of one job's needs (common.placement.job_needs) on one cluster."""
+    """(problems, report lines) of one job's needs (common.processes.placement.job_needs) on one cluster."""
     problems = list(cluster.problems)
     lines = []
     if not cluster.types:

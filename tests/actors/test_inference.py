@@ -44,7 +44,7 @@ def setup(tiny_model_path, local_ray, tmp_path_factory):
 def _serve_initial_weights(actor, path) -> None:
     """Put the tiny model's own weights back, as version 0: a test that pushed others leaves the engine as
     every test expects it to start (whatever the order they run in)."""
-    from common.weight_transfer import ShmTransfer as WeightPublisher
+    from common.weights.sender import ShmTransfer as WeightPublisher
 
     WeightPublisher([actor]).push(hf_model(path).state_dict().items(), version=0)
     assert ray.get(actor.policy_version.remote()) == 0
@@ -150,7 +150,7 @@ def test_bad_requests_are_clear_errors(setup):
 
 
 def test_weight_update_in_place_between_requests(setup):
-    from common.weight_transfer import ShmTransfer as WeightPublisher, read_manifest
+    from common.weights.sender import ShmTransfer as WeightPublisher, read_manifest
 
     path, actor = setup
     model = hf_model(path)
@@ -204,8 +204,8 @@ def test_restarted_actor_resumes_with_the_newest_weights(setup):
     engine left in /dev/shm (~400 MB) is removed by the restarted actor."""
     import signal
 
-    from common import shm_cleanup
-    from common.weight_transfer import ShmTransfer as WeightPublisher
+    from common.weights import shm_cleanup
+    from common.weights.sender import ShmTransfer as WeightPublisher
 
     path, actor = setup
     greedy = {"temperature": 0.0, "max_tokens": 24}

@@ -10,7 +10,7 @@ import ray
 
 from common.config import (EnvConfig, ExperimentConfig, InferenceConfig, ModelConfig, RolloutConfig,
                            StreamConfig)
-from common.records import Termination
+from common.stream.records import Termination
 from tests.support.synthetic import step_rows, steps_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -45,7 +45,7 @@ def setup(tiny_model_path, local_ray, redis_url, tmp_path_factory):
 
 
 def _read_all(url: str, cfg: ExperimentConfig, expect: int | None = None, timeout_s: float = 10.0):
-    from common.stream import TrajectoryStream
+    from common.stream.redis_stream import TrajectoryStream
 
     stream = TrajectoryStream(url, cfg.stream, consumer_name="test-learner")
     got, deadline = [], time.monotonic() + timeout_s
@@ -185,7 +185,7 @@ def test_add_and_remove_rollout_actors_during_a_run(setup):
     # a weight update while both play: rows say which version sampled them, nothing stops
     from transformers import AutoModelForCausalLM
 
-    from common.weight_transfer import ShmTransfer as WeightPublisher
+    from common.weights.sender import ShmTransfer as WeightPublisher
     model = AutoModelForCausalLM.from_pretrained(path)
     WeightPublisher(inference).push(model.state_dict().items(), version=v0 + 1)
     published_a = ray.get(a.stats.remote())["groups_published"]
@@ -219,7 +219,7 @@ def test_an_actor_starts_no_group_past_the_lag_bound(setup):
     # common.staleness.policy_lag_bound: (max_policy_lag + 1) x groups_per_batch = 2 groups admitted and not yet
     # trained. The actor's two slots play one group each, then wait for the learner before starting more.
     from actors.rollout import create_rollout_actor
-    from common.stream import TrajectoryStream
+    from common.stream.redis_stream import TrajectoryStream
 
     path, inference, url = setup
     cfg = _cfg(path, "test:admission")
@@ -275,7 +275,7 @@ def test_a_hung_inference_engine_is_given_up_after_the_deadline(setup):
     the actor and the setting. Listed twice, the first request times out and is retried on the second
     entry, by which time the engine runs again (SIGCONT once the timeout is counted): the episode ends."""
     from actors.rollout import create_rollout_actor
-    from common.shm_cleanup import descendants
+    from common.weights.shm_cleanup import descendants
 
     path, inference, url = setup
     engine = inference[0]

@@ -1,5 +1,5 @@
 """common/staleness.py: the admission bound, lags across a resume, the stale test (the rule at work:
-tests/common/test_stream.py, tests/actors/test_rollout.py; the learner's read policy: test_stream.py)."""
+tests/common/stream/test_stream.py, tests/actors/test_rollout.py; the learner's read policy: test_stream.py)."""
 from common.config import ExperimentConfig
 from common.staleness import is_stale, policy_lag, policy_lag_bound
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from common.config import load_config
-from common.redis_server import EmbeddedRedis
+from common.stream.redis_server import EmbeddedRedis
 from deploy import preflight
 from deploy.cli import build_parser
 

@@ -5,7 +5,8 @@ import pytest
 
 from common.config import ConfigError
 from common.metrics import METRICS, SECTIONS, update_figures
-from common.redis_server import EmbeddedRedis, connect
+from common.stream.redis_client import connect
+from common.stream.redis_server import EmbeddedRedis
 from deploy import cli
 from deploy.control import ControlChannel, format_status, job_redis_url, read_job_file, write_job_file
 
@@ -134,8 +135,8 @@ def test_a_lost_part_is_said_in_a_few_lines_with_the_resume_point_and_the_resume
     them). The run itself: tests/deploy/test_train_interrupt.py."""
     import shlex
 
-    from deploy.run_control import RunLost, lost_run_message
     from common.run_dir import LATEST, LEARNER_STATE
+    from deploy.run_control import RunLost, lost_run_message
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr("sys.argv", [".venv/bin/gigpo"])
@@ -184,7 +185,7 @@ def test_status_lists_the_groups_the_learner_set_aside(tmp_path, redis_url, caps
     """`gigpo status --dead-letters N`: the newest N entries of the run's dead-letter stream (job.json names
     the stream), newest first, each with its reason; the rest counted."""
     from common.config import StreamConfig
-    from common.stream import TrajectoryStream, stream_key
+    from common.stream.redis_stream import TrajectoryStream, stream_key
 
     cfg = StreamConfig(run_id="dl-demo")
     write_job_file(str(tmp_path), "demo", redis_url, "", run_id=cfg.run_id, stream=stream_key(cfg))

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from common.cpu_placement import parse_cpu_list
+from common.processes.cpu_placement import parse_cpu_list
 
 
 def test_parse_cpu_list():
@@ -25,7 +25,7 @@ def test_place_this_process_moves_every_thread_and_lowers_priority():
     cpu = min(os.sched_getaffinity(0))
     code = textwrap.dedent(f"""
         import os, threading, time
-        from common.cpu_placement import place_this_process
+        from common.processes.cpu_placement import place_this_process
         stop = threading.Event()
         worker = threading.Thread(target=stop.wait)          # a thread that exists before placement
         worker.start()
@@ -48,6 +48,6 @@ def test_place_this_process_moves_every_thread_and_lowers_priority():
 
 
 def test_place_this_process_refuses_cpus_it_cannot_have():
-    from common.cpu_placement import place_this_process
+    from common.processes.cpu_placement import place_this_process
     with pytest.raises(ValueError, match="not available to this process"):
         place_this_process("4096")

@@ -286,7 +286,7 @@ def test_the_check_covers_every_shipped_cluster_file_and_cluster_config():
 @pytest.mark.parametrize("cluster_file", _cluster_files(), ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_every_cluster_config_fits_every_shipped_cluster_with_each_role_on_its_node_kind(config, cluster_file):
     from common.config import load_config
-    from common.placement import job_needs
+    from common.processes.placement import job_needs
     from deploy.tools.cluster_check import check, read_clusters
     needs = job_needs(load_config(config))
     clusters = read_clusters(cluster_file)
@@ -322,7 +322,7 @@ def test_node_types_declare_the_node_kinds_the_docs_and_the_config_name():
 
 def test_cluster_check_catches_misplaced_and_unplaceable_roles():
     from common.config import load_config
-    from common.placement import job_needs
+    from common.processes.placement import job_needs
     from deploy.tools.cluster_check import check, kuberay_cluster, launcher_cluster, read_clusters
 
     def problems(cluster, *overrides) -> str:

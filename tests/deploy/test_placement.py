@@ -15,8 +15,8 @@ import pytest
 import ray
 
 from common.config import EnvConfig, ExperimentConfig, RolloutConfig
-from common.model_files import CACHE_DIR_NAME, ModelSource
-from common.placement import POLL_S, PlacementError, actor_need, pinned_node, this_node, wait_placeable
+from common.processes.model_files import CACHE_DIR_NAME, ModelSource
+from common.processes.placement import POLL_S, PlacementError, actor_need, pinned_node, this_node, wait_placeable
 
 # What this node offers besides CPUs (logical: 4, so that two learner ranks and a rollout actor all fit).
 KINDS = {"learner_node": 2, "rollout_node": 4}
@@ -175,7 +175,7 @@ def test_rollout_actor_lands_by_resources_and_loads_the_shipped_tokenizer(kinds_
 
 
 def test_status_groups_the_actors_by_node(redis_server):
-    from common.redis_server import connect
+    from common.stream.redis_client import connect
     from deploy.control import format_status
     from deploy.control import ControlChannel
 

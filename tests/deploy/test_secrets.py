@@ -22,11 +22,12 @@ import pytest
 import redis
 
 from common.config import ConfigError, StreamConfig, load_config, to_dict
-from common.process_env import project_env
+from common.processes.placement import node_for_messages
+from common.processes.process_env import project_env
 from common.redaction import redact, redact_text
-from common.redis_server import (PASSWORD_ENV, EmbeddedRedis, connect, password_file_for, redis_for, resolve_password,
-                                 node_for_messages)
 from common.run_dir import JOB_FILE
+from common.stream.redis_client import PASSWORD_ENV, connect, password_file_for, resolve_password
+from common.stream.redis_server import EmbeddedRedis, redis_for
 from deploy import cli
 from deploy.control import job_redis_url, read_job_file, write_job_file
 

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from common.tiny_model import IM_END, TAG_TOKENS, build_tiny_model
+from deploy.tiny_model import IM_END, TAG_TOKENS, build_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from common import shm_cleanup
 from common.run_dir import JOB_FILE
+from common.weights import shm_cleanup
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

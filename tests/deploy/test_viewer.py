@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from common.config import ExperimentConfig, LearnerConfig
-from common.records import EpisodeGroup, StepRow, Termination, Trajectory
 from common.run_dir import GROUPS_FILE
+from common.stream.records import EpisodeGroup, StepRow, Termination, Trajectory
 from deploy import cli
 from learner.batching import build_batch
 from learner.group_record import MAX_TEXT_CHARS, GroupRecorder, cut, group_record

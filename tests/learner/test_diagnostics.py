@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from common.config import ExperimentConfig, LearnerConfig
-from common.records import EpisodeGroup, Termination, Trajectory
+from common.stream.records import EpisodeGroup, Termination, Trajectory
 from learner.batching import build_batch, collate, plan_micro_batches
 from learner.gigpo import LossSettings, grpo_advantages, policy_loss
 from tests.support.synthetic import synthetic_groups

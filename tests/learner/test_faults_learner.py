@@ -106,6 +106,9 @@ class VersionRecorder:
         self.versions.append(version)
         return {}
 
+    def needs_push(self, version: int) -> bool:
+        return False          # no actor restarts in this test
+
     @property
     def latest(self) -> int:
         return self.versions[-1] if self.versions else 0
@@ -119,8 +122,8 @@ class VersionRecorder:
 ], ids=["lost-after-checkpoint", "lost-before-first-checkpoint"])
 def test_groups_of_lost_updates_are_retrained_after_a_crash_not_dropped_stale(
         tiny_model_path, tmp_path, checkpoint_every, crash_after, second_consumer):
-    from common.redis_server import EmbeddedRedis
-    from common.stream import TrajectoryStream
+    from common.stream.redis_server import EmbeddedRedis
+    from common.stream.redis_stream import TrajectoryStream
 
     cfg = learner_worker.learner_experiment("test:faults-lost-updates")
     cfg.run.output_dir = str(tmp_path)
@@ -156,7 +159,7 @@ def test_groups_of_lost_updates_are_retrained_after_a_crash_not_dropped_stale(
         lost = {g for u in life1 for g in u} - committed
         # The learner's half of the admission rule: the lost updates' groups, trained and awaiting a checkpoint's
         # ack, were marked trained (the producers' lag bound leaves them out; handed out again, they count as
-        # untrained: tests/common/test_stream.py).
+        # untrained: tests/common/stream/test_stream.py).
         assert producer.redis.scard(producer.trained_key) == len(lost)
 
         # Life 2: resumes on the same Redis and output dir, and drains the stream.
@@ -187,8 +190,8 @@ def test_run_id_is_new_for_a_fresh_run_and_kept_on_resume(tmp_path):
     """Runs sharing one Redis are kept apart by their run id (stream key, consumer group, control keys,
     records): a fresh run gets a new one, a resumed run continues with its own."""
     from common.config import ExperimentConfig
-    from common.stream import stream_key
     from common.run_dir import RUN_ID_FILE, prepare_output_dir
+    from common.stream.redis_stream import stream_key
 
     def cfg_for(**run):
         cfg = ExperimentConfig()
@@ -217,7 +220,7 @@ def test_poison_groups_are_dead_lettered_and_the_rest_of_their_batch_trains(tiny
     its reason on read and counted; the good groups read between them are trained, and nothing is left."""
     import uuid
 
-    from common.stream import TrajectoryStream
+    from common.stream.redis_stream import TrajectoryStream
     cfg = learner_worker.learner_experiment(f"test:{uuid.uuid4().hex[:8]}")     # 2 groups per batch
     learner = Learner(cfg, tiny_model_path, redis_url, checkpoint_dir="")
     groups = synthetic_groups(5, 2, vocab_size=200, seed=5, max_steps=2)

@@ -11,7 +11,7 @@ import torch
 
 from actors.prompts.shared import action_regex
 from common.config import ExperimentConfig, LearnerConfig
-from common.records import EpisodeGroup, StepRow, Trajectory
+from common.stream.records import EpisodeGroup, StepRow, Trajectory
 from learner.batching import build_batch
 from learner.gigpo import token_logprobs_and_entropy
 from learner.grammar_mask import GrammarMasks, allowed_tokens

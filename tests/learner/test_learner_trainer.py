@@ -18,7 +18,8 @@ import torch
 
 from common.config import ExperimentConfig, LearnerConfig
 from common.run_dir import PUSHED_VERSION
-from common.transport import InMemoryTrajectories, InMemoryWeights
+from common.stream.interface import InMemoryTrajectories
+from common.weights.interface import InMemoryWeights
 from learner.batching import build_batch
 from learner.loop import Learner
 from tests.support.synthetic import synthetic_groups
@@ -339,7 +340,7 @@ def test_two_process_lora_learner_at_zero3_pushes_the_base_once_then_the_adapter
     every push sends the gathered adapters, which train."""
     from safetensors.torch import load_file
 
-    from common.stream import TrajectoryStream
+    from common.stream.redis_stream import TrajectoryStream
 
     cfg = learner_worker.learner_experiment("test:learner-zero3-lora")
     producer = TrajectoryStream(redis_url, cfg.stream, consumer_name="producer")
@@ -447,7 +448,7 @@ def test_two_learner_processes_agree_with_one(tiny_model_path, one_process_stage
 
 @pytest.mark.fault
 def test_killed_learner_resumes_without_duplicate_or_gap(tiny_model_path, tmp_path, redis_url):
-    from common.stream import TrajectoryStream
+    from common.stream.redis_stream import TrajectoryStream
     from learner.loop import Learner
 
     cfg = learner_worker.learner_experiment("test:learner-resume")
@@ -564,7 +565,7 @@ def test_two_process_learner_at_zero3_reads_trains_pushes_and_acks(tiny_model_pa
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    from common.stream import TrajectoryStream
+    from common.stream.redis_stream import TrajectoryStream
 
     cfg = learner_worker.learner_experiment("test:learner-zero3")
     groups = synthetic_groups(4, 3, vocab_size=1000, seed=31, max_steps=2)

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from common.config import ExperimentConfig, LearnerConfig
-from common.records import EpisodeGroup, StepRow, Trajectory
+from common.stream.records import EpisodeGroup, StepRow, Trajectory
 from tests.support.synthetic import steps_of
-from learner.gigpo import gigpo_parts, grpo_advantages
 from learner.batching import build_batch
+from learner.gigpo import gigpo_parts, grpo_advantages
 from learner.trainer import PolicyTrainer
 
 # What these tests leave at the config's defaults, passed explicitly: build_batch's invalid-action penalty,

@@ -6,8 +6,8 @@ from __future__ import annotations
 def stream_counts(redis_url: str, stream_cfg) -> dict:
     """In one transaction (rollout actors may still publish meanwhile): Redis's count of XADD calls since it
     started, and the lengths of the run's stream and of its dead-letter stream."""
-    from common.redis_server import connect
-    from common.stream import stream_key
+    from common.stream.redis_client import connect
+    from common.stream.redis_stream import stream_key
 
     key = stream_key(stream_cfg)
     pipe = connect(redis_url).pipeline(transaction=True)

@@ -162,7 +162,7 @@ def main() -> None:
 
 
 class BucketFilePublisher:
-    """The learner-side half of `common.weight_transfer.ShmTransfer.push` (gathered weights written as
+    """The learner-side half of `common.weights.sender.ShmTransfer.push` (gathered weights written as
     safetensors buckets), without inference actors to load them: the test reads the files instead."""
 
     def __init__(self, out_dir: str):
@@ -170,9 +170,12 @@ class BucketFilePublisher:
         self.base_sent = False
 
     def push(self, named_tensors, version: int) -> dict:
-        from common.weight_transfer import write_buckets
+        from common.weights.sender import write_buckets
         files = write_buckets(named_tensors, f"{self.out_dir}/v{version}", 64 * 2 ** 20)
         return {"buckets": len(files), "version": version}
+
+    def needs_push(self, version: int) -> bool:
+        return False          # no inference actors to restart
 
     def needs_base(self) -> bool:
         return not self.base_sent          # as an inference actor started with dummy weights would say

@@ -5,7 +5,7 @@ import time
 
 import numpy as np
 
-from common.records import EpisodeGroup, StepRow, Termination, Trajectory
+from common.stream.records import EpisodeGroup, StepRow, Termination, Trajectory
 from tests.support.synthetic import row_step
 
 

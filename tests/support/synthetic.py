@@ -1,7 +1,7 @@
 """Synthetic episode groups shaped like ALFWorld rollouts (random tokens, sparse success reward, repeated
 anchor observations, some invalid actions), and looking into episode groups row by row (steps as StepRows,
 trajectories kept or dropped, last rows). Seeded: the same arguments give the same groups. The benchmarks
-use the same groups; needs numpy and common.records only (bench_gpu runs without Ray or vLLM)."""
+use the same groups; needs numpy and common.stream.records only (bench_gpu runs without Ray or vLLM)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,7 +9,7 @@ from typing import Callable
 
 import numpy as np
 
-from common.records import COLUMNS, RAGGED, TEXT, EpisodeGroup, Rows, StepRow, Trajectory
+from common.stream.records import COLUMNS, RAGGED, TEXT, EpisodeGroup, Rows, StepRow, Trajectory
 
 
 def synthetic_groups(num_groups: int, group_size: int = 4, *, vocab_size: int = 1000, seed: int = 0,

@@ -8,6 +8,6 @@ TINY_POLICY_DIR = Path(__file__).resolve().parents[2] / ".cache" / "test-tiny-po
 
 def tiny_policy() -> str:
     """The shared tiny policy's folder (built on first use; build_tiny_model is idempotent)."""
-    from common.tiny_model import build_tiny_model
+    from deploy.tiny_model import build_tiny_model
 
     return build_tiny_model(str(TINY_POLICY_DIR))

@@ -15,7 +15,7 @@ import pytest
 import ray
 
 from common.config import load_config
-from common.model_files import ModelSource
+from common.processes.model_files import ModelSource
 from learner.batching import build_batch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -61,7 +61,7 @@ def test_real_model_through_rollout_learner_pushes_and_resume(smollm2_path, loca
     from actors.inference import create_inference_actors, stop_inference_actors
     from actors.prompts.shared import ROLE_LINES
     from actors.rollout import Rollout
-    from common.weight_transfer import WeightTransfer
+    from common.weights.sender import WeightTransfer
     from learner.loop import Learner
 
     cfg = load_config("configs/alfworld-smollm2.yaml", [

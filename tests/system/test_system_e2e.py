@@ -32,7 +32,7 @@ OVERRIDES = [
     "run.iterations=2", "run.eval_every=0",
     "rollout.groups_per_actor=2", "rollout.group_size=2", "learner.groups_per_batch=2",
     "env.max_steps=4", "env.num_generated_games=4", "learner.checkpoint_every=1",
-    # Two learner ranks, one logical CPU each (common.placement.LEARNER_CPUS_PER_PROCESS): all that a local
+    # Two learner ranks, one logical CPU each (common.processes.placement.LEARNER_CPUS_PER_PROCESS): all that a local
     # Ray offers on 2 cores, so the inference and rollout actors reserve none (where they run:
     # run.rollout_cpus below).
     "learner.num_processes=2", "inference.cpus_per_actor=0", "rollout.cpus_per_actor=0",

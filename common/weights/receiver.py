@@ -1,5 +1,5 @@
 """The receiving half of weight sync: what an inference engine does with the learner's pushes. The sending half
-is common/weight_transfer.py; the gloo backend both halves use is common/gloo_weight_transfer.py.
+is common/weights/sender.py; the gloo backend both halves use is common/weights/gloo.py.
 
     gate = RequestGate()
     receiver = WeightReceiver(async_llm, gate, metrics, backend=transfer_backend(gpu, infer.weight_transfer),
@@ -38,8 +38,8 @@ import os
 import shutil
 import time
 
-from common import weight_transfer
-from common.model_files import node_name
+from common.processes.model_files import node_name
+from common.weights import sender
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +52,13 @@ def transfer_backend(gpu: bool, weight_transfer_mode: str) -> str | None:
     gloo plugin is not installed, so only the shm way is available; the learner says so if another is chosen)."""
     if gpu:
         return "ipc" if weight_transfer_mode == "ipc" else "nccl"
-    from common import gloo_weight_transfer
-    if not gloo_weight_transfer.plugin_installed():
+    from common.weights import gloo
+    if not gloo.plugin_installed():
         log.warning("vLLM will not load the gloo weight-transfer plugin (the project's vllm.general_plugins "
                     "entry point is not installed, or VLLM_PLUGINS leaves it out): shm weight transfer only")
         return None
-    gloo_weight_transfer.register()
-    return gloo_weight_transfer.BACKEND
+    gloo.register()
+    return gloo.BACKEND
 
 
 class RequestGate:
@@ -132,7 +132,7 @@ class WeightReceiver:
         self.version = 0
         self.has_weights = has_weights
         self.stats = {"updates": 0, "update_wait_s": 0.0, "update_load_s": 0.0}
-        self._pending_manifest = weight_transfer.read_manifest(weights_dir)
+        self._pending_manifest = sender.read_manifest(weights_dir)
         self._files: list[str] = []          # the bucket files the current weights came from (shm)
         self._group = ""                     # token of the weight-transfer group this engine is in
         self._update: dict | None = None     # the collective update in progress (start .. finish)
@@ -201,7 +201,7 @@ class WeightReceiver:
             return
         manifest, self._pending_manifest = self._pending_manifest, None
         # The newest now: a push since the constructor read it may have replaced (and removed) its files.
-        manifest = weight_transfer.read_manifest(self.weights_dir) or manifest
+        manifest = sender.read_manifest(self.weights_dir) or manifest
         if int(manifest["version"]) > self.version or not self.has_weights:
             try:
                 await self.update_weights_from_files(manifest["files"], int(manifest["version"]))
@@ -224,7 +224,7 @@ class WeightReceiver:
             wait = await self.gate.drain(reopen_if_cancelled=self.has_weights)
             t0 = time.perf_counter()
             with self._exit_on_failure(f"loading weight version {version} from {len(files)} file(s)"):
-                await self.engine.collective_rpc(weight_transfer.load_buckets_into_worker, args=(list(files),))
+                await self.engine.collective_rpc(sender.load_buckets_into_worker, args=(list(files),))
                 await self.engine.reset_prefix_cache()   # cached KV was computed by the old weights
             self._files = list(files)
             return self._serving(version, wait, time.perf_counter() - t0)
@@ -274,7 +274,7 @@ class WeightReceiver:
             await self.engine.reset_prefix_cache()     # (cached KV was computed under the old adapter)
             return dict(self._now_serving(version, wait, time.perf_counter() - t1), write_s=t_write - t0)
 
-    # -- the collective / ipc way: vLLM's weight-transfer protocol, called by common.weight_transfer's client
+    # -- the collective / ipc way: vLLM's weight-transfer protocol, called by common.weights.sender's client
     # in this order: init (once per group), then start, update_weights (concurrently with the learner's
     # broadcast), finish per push.
 
@@ -376,7 +376,7 @@ class WeightReceiver:
 
     async def transfer_state(self) -> dict:
         """What the learner's weight transfer needs to know, in one call."""
-        from common.placement import this_node
+        from common.processes.placement import this_node
 
         await self.load_pending_manifest()
         config = self.engine.vllm_config
@@ -384,5 +384,5 @@ class WeightReceiver:
                 "serves_lora": self.serves_lora, "has_base": self.has_base,
                 "backend": self.backend, "pid": os.getpid(), "node": this_node(),
                 "workers": config.parallel_config.world_size * config.parallel_config.data_parallel_size,
-                "aliases": weight_transfer.tied_aliases(config.model_config.hf_config),
+                "aliases": sender.tied_aliases(config.model_config.hf_config),
                 "updating": self._update is not None}

@@ -19,7 +19,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.placement import node_for_messages as node_name    # (actors.inference imports it from here)
+from common.processes.placement import node_for_messages as node_name    # (actors.inference imports it from here)
 
 # Files that hold weights: left out with weights=False (the inference side then loads dummy weights and
 # waits for the learner's first push).

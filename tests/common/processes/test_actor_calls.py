@@ -1,4 +1,4 @@
-"""common/actor_calls.py on a local Ray with tiny actors: a group's answers sorted into done, lost, failed and
+"""common/processes/actor_calls.py on a local Ray with tiny actors: a group's answers sorted into done, lost, failed and
 late by one deadline; fail_fast ends the wait at the first failure; on_wait runs while waiting."""
 import os
 import time
@@ -6,8 +6,8 @@ import time
 import pytest
 import ray
 
-from common import actor_calls
-from common.actor_calls import answered, call_all, wait_all
+from common.processes import actor_calls
+from common.processes.actor_calls import answered, call_all, wait_all
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -65,7 +65,7 @@ def actor_need(num_cpus: float = 0.0, num_gpus: float = 0.0, resources: dict | N
 
 
 # What each learner process reserves next to its GPUs (what Ray schedules by; its torch threads follow the
-# CPUs it may use: common.cpu_placement.compute_threads).
+# CPUs it may use: common.processes.cpu_placement.compute_threads).
 LEARNER_CPUS_PER_PROCESS = 1.0
 
 

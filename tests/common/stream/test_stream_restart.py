@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 
 from common.config import StreamConfig
-from common.redis_server import EmbeddedRedis
-from common.stream import TrajectoryStream
+from common.stream.redis_server import EmbeddedRedis
+from common.stream.redis_stream import TrajectoryStream
 from learner.read_policy import groups_to_train
 from tests.support.stream_factory import make_group
 

@@ -1,4 +1,4 @@
-"""The project sets its own environment (common.process_env): the variables and their node-dependent values,
+"""The project sets its own environment (common.processes.process_env): the variables and their node-dependent values,
 a user's value winning, the driver's runtime env (never the project's own values, never a key the job's
 runtime env sets), that every actor constructor sets them first, and, with a real Ray in a process started
 with a clean environment (no make, no env.sh), an actor that gets the variables from its own constructor and
@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from ray.runtime_env.runtime_env import _merge_runtime_env
 
-from common.process_env import (GIB, RAY_JOB_CONFIG_VAR, apply_project_env, cpu_kv_cache_gib, driver_runtime_env,
-                                project_env)
+from common.processes.process_env import (GIB, RAY_JOB_CONFIG_VAR, apply_project_env, cpu_kv_cache_gib,
+                                          driver_runtime_env, project_env)
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CPU_ONLY = {"VLLM_ALLOW_INSECURE_SERIALIZATION", "TOKENIZERS_PARALLELISM", "RAY_USAGE_STATS_ENABLED",
             "DS_ACCELERATOR", "VLLM_CPU_KVCACHE_SPACE"}
 
@@ -98,7 +98,7 @@ out = {"driver_before": {k: os.environ.get(k) for k in keys}}
 
 ray.init(address="local", num_cpus=1, include_dashboard=False, object_store_memory=80 * 1024**2)
 from common.config import ExperimentConfig
-from common.process_env import apply_project_env
+from common.processes.process_env import apply_project_env
 
 class ActorShowingItsEnvironment:
     def __init__(self):

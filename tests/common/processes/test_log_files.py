@@ -1,4 +1,4 @@
-"""Where a run's output goes (common.log_files): the driver's terminal keeps only what a person reads, and
+"""Where a run's output goes (common.processes.log_files): the driver's terminal keeps only what a person reads, and
 everything else, C-level writes and child processes included, lands in the log file."""
 import logging
 import os
@@ -6,9 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common.log_files import run_output
+from common.processes.log_files import run_output
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_the_terminal_shows_results_and_own_warnings_the_log_file_everything(tmp_path, capfd):
@@ -36,7 +36,7 @@ def test_the_terminal_shows_results_and_own_warnings_the_log_file_everything(tmp
 def test_an_actor_sends_all_its_output_to_its_file(tmp_path):
     """send_output_to redirects for good (what an actor process wants): run it in a process of its own."""
     code = ("import logging, os, subprocess, sys\n"
-            "from common.log_files import send_output_to\n"
+            "from common.processes.log_files import send_output_to\n"
             f"send_output_to({str(tmp_path)!r}, 'inference-0')\n"
             "print('a print')\n"
             "logging.getLogger('vllm.engine').info('a library log line')\n"

@@ -82,7 +82,7 @@ def disk(tiny_model_path, local_ray, tmp_path_factory):
 
 
 def _restore(disk) -> None:
-    from common.weight_transfer import WeightTransfer
+    from common.weights.sender import WeightTransfer
 
     WeightTransfer([disk["actor"]], mode="shm", timeout_s=TIMEOUT_S).push(_weights(hf_model(disk["path"])),
                                                                           version=0)
@@ -90,7 +90,7 @@ def _restore(disk) -> None:
 
 
 def test_collective_push_serves_what_the_shm_push_serves(disk):
-    from common.weight_transfer import WeightTransfer
+    from common.weights.sender import WeightTransfer
 
     actor, path = disk["actor"], disk["path"]
     model = perturbed(hf_model(path), seed=3)
@@ -99,7 +99,7 @@ def test_collective_push_serves_what_the_shm_push_serves(disk):
         assert collective.mode == "collective" and collective.transport.backend == "gloo"
         info = collective.push(_weights(model), version=5)
         assert info["transfer"] == "collective" and info["version"] == 5 and info["buffers"] >= 2
-        # Every parameter once, and the tied embedding again as lm_head.weight (common.weight_transfer.with_aliases;
+        # Every parameter once, and the tied embedding again as lm_head.weight (common.weights.sender.with_aliases;
         # without it the engine kept computing logits with the old head).
         embedding = model.get_input_embeddings().weight
         assert info["bytes"] == 4 * (sum(p.numel() for p in model.parameters()) + embedding.numel())
@@ -131,7 +131,7 @@ def test_collective_push_serves_what_the_shm_push_serves(disk):
 
 
 def test_auto_picks_shm_on_one_node_and_ipc_needs_cuda(disk):
-    from common.weight_transfer import WeightTransfer, create_weight_transfer
+    from common.weights.sender import WeightTransfer, create_weight_transfer
 
     transfer = create_weight_transfer(disk["cfg"], [disk["actor"]])      # inference.weight_transfer=auto
     assert transfer.mode == "shm" and "share node" in transfer.reason, transfer.reason
@@ -150,7 +150,7 @@ class SilentPeer:
     a real firewall is beyond this machine (2 cores, one network namespace for the test)."""
 
     def transfer_state(self) -> dict:
-        from common.placement import this_node
+        from common.processes.placement import this_node
         return {"has_weights": True, "version": 0, "group": "", "backend": "gloo", "workers": 1,
                 "pid": os.getpid(), "node": this_node(), "aliases": {}, "updating": False}
 
@@ -166,7 +166,7 @@ class SilentPeer:
 
 @pytest.mark.fault
 def test_a_peer_that_never_joins_fails_the_push_within_its_deadline(disk):
-    from common.weight_transfer import WeightTransfer
+    from common.weights.sender import WeightTransfer
 
     actor = disk["actor"]
     peer = SilentPeer.remote()
@@ -197,8 +197,8 @@ def test_actor_without_weights_waits_for_version_0_and_a_failed_load_restarts_it
     the half-loaded engine serves nothing and exits; Ray restarts it, without weights and outside the
     group, and the next push rebuilds the group on a fresh port."""
     from actors.inference import create_inference_actors, stop_inference_actors
-    from common.model_files import CACHE_DIR_NAME, ModelSource
-    from common.weight_transfer import WeightTransfer
+    from common.processes.model_files import CACHE_DIR_NAME, ModelSource
+    from common.weights.sender import WeightTransfer
 
     path = disk["path"]
     shipped = ModelSource.ship(path, max_mb=64)
@@ -258,7 +258,7 @@ def test_an_added_actor_serves_the_current_weights_by_either_transfer(disk):
     taken in, it lacks the current version (`needs_push`), the push rebuilds the group with it; removed
     again, the next push goes to the first actor alone."""
     from actors.inference import create_inference_actors, stop_inference_actors
-    from common.weight_transfer import WeightTransfer
+    from common.weights.sender import WeightTransfer
 
     actor, path = disk["actor"], disk["path"]
     models = {v: _weights(perturbed(hf_model(path), seed=v)) for v in (3, 4, 5, 6)}

@@ -15,16 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from common.records import SCHEMA_VERSION, encode_group
 from common.config import StreamConfig
-from common.redis_server import connect, redis_for
-from common.stream import TrajectoryStream
-from common.transport import InMemoryTrajectories
+from common.stream.codec import SCHEMA_VERSION, encode_group
+from common.stream.interface import InMemoryTrajectories
+from common.stream.redis_client import connect
+from common.stream.redis_server import redis_for
+from common.stream.redis_stream import TrajectoryStream
 from learner.read_policy import groups_to_train
 from tests.support.stream_factory import assert_groups_equal, make_group
 
 pytestmark = pytest.mark.timeout(60)
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 NO_RETRY_S = 1.0         # far below what connect()'s retries would take (see where it is used)
 
@@ -305,7 +306,7 @@ def test_concurrent_producers_never_overshoot_the_bound(redis_server, cfg):
 
 @pytest.mark.fault
 def test_a_producer_that_dies_after_admission_frees_its_slot(redis_server, cfg, monkeypatch):
-    import common.stream as stream_module
+    import common.stream.redis_stream as stream_module
     monkeypatch.setattr(stream_module, "_RESERVATION_TTL_S", 0.5)
     cfg.max_stream_groups = 1
     stream = TrajectoryStream(redis_server.url, cfg)
@@ -382,7 +383,7 @@ def test_groups_a_dead_learner_marked_trained_count_as_untrained_when_handed_out
         stream.admit(timeout_s=0.1)
 
 def test_a_renewed_slot_outlives_its_ttl_and_a_lapsed_one_frees_it(redis_server, cfg, monkeypatch):
-    import common.stream as stream_module
+    import common.stream.redis_stream as stream_module
     ttl = 2.0       # renewed every ~0.2 s (one refused admit): a stall of 1.8 s would fail it, not a slow machine
     monkeypatch.setattr(stream_module, "_RESERVATION_TTL_S", ttl)
     cfg.max_stream_groups = 1
@@ -416,7 +417,7 @@ def test_restarted_consumer_gets_its_own_pending_groups_back(redis_server, cfg):
 _DOOMED_CONSUMER = """
 import sys, time
 from common.config import StreamConfig
-from common.stream import TrajectoryStream
+from common.stream.redis_stream import TrajectoryStream
 cfg = StreamConfig(stream=sys.argv[2], reclaim_idle_s=0.3)
 s = TrajectoryStream(sys.argv[1], cfg, consumer_name="doomed")
 got = s.read(max_groups=3, block_ms=2000)

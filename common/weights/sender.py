@@ -6,7 +6,7 @@
     if transfer.needs_push(version): ...                        # an actor without the current weights
     transfer.close()
 
-This is the sending half; the receiving half, inside each inference actor, is common/weight_receiver.py.
+This is the sending half; the receiving half, inside each inference actor, is common/weights/receiver.py.
 
 The ways (`inference.weight_transfer`):
 - "shm" (`ShmTransfer`): the tensors are packed into a few large safetensors "buckets" (at most
@@ -15,7 +15,7 @@ The ways (`inference.weight_transfer`):
   before the actors are told, so an actor that Ray restarts comes back with the newest weights. One node only
   (/dev/shm is per node), unless inference.weights_dir is a filesystem every node mounts.
 - "collective" (`EngineTransfer`): a process group between learner rank 0 and every vLLM worker, through
-  vLLM's pluggable weight-transfer engines: "gloo" on CPU (common/gloo_weight_transfer.py, a vLLM plugin) or
+  vLLM's pluggable weight-transfer engines: "gloo" on CPU (common/weights/gloo.py, a vLLM plugin) or
   vLLM's own "nccl" on GPU (same client and deadlines; untested on CPU-only machines). Rank 0 broadcasts
   packed buffers that the workers load with vLLM's layer-wise reload. Any nodes; nothing touches disk.
 - "ipc" (`EngineTransfer`, vLLM's "ipc" backend): CUDA IPC handles, when learner rank 0 and the vLLM workers
@@ -34,7 +34,7 @@ Restarts and scaling: a restarted actor has lost its place in the group; the nex
 (`transfer_state()["group"]`), rebuilds the group on a fresh port with every actor, and pushes. A push that
 fails because an actor died is tried once more after it is back. An actor without the current weights
 (restarted, or added through `set_actors` by `gigpo scale --inference`) keeps its request gate closed
-(common/weight_receiver.py, the receiving half) until `needs_push` has the learner push its version
+(common/weights/receiver.py, the receiving half) until `needs_push` has the learner push its version
 (`Learner.repush_if_needed`).
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING
 
 from common.atomic_write import write_atomically
 from common.config import ExperimentConfig, InferenceConfig, choices
-from common.placement import free_port, node_label
+from common.processes.placement import free_port, node_label
 
 if TYPE_CHECKING:
     import torch
@@ -179,7 +179,7 @@ def call_actors(actors: list, method: str, args_of, deadline: float, what: str,
                 states: list[dict] | None = None) -> list:
     """Call `method` on every actor (args_of(i) -> its positional args) and wait for all until `deadline`
     (time.monotonic()). Raises ActorLost, TimeoutError or RuntimeError naming the actors concerned."""
-    from common.actor_calls import wait_all
+    from common.processes.actor_calls import wait_all
 
     refs = [getattr(actor, method).remote(*args_of(i)) for i, actor in enumerate(actors)]
     answers = wait_all(refs, deadline - time.monotonic())
@@ -341,11 +341,11 @@ class EngineTransfer:
 
     def __init__(self, inference_actors: list, backend: str, bucket_mb: float, timeout_s: float):
         """bucket_mb, timeout_s: inference.weight_bucket_mb and transfer_timeout_s."""
-        from common import gloo_weight_transfer
+        from common.weights import gloo
 
         if backend not in ("gloo", "nccl", "ipc"):
             raise ValueError(f"unknown weight-transfer backend {backend!r}")
-        gloo_weight_transfer.register()
+        gloo.register()
         self.actors = list(inference_actors)
         self.backend = backend
         self.bucket_bytes = max(1, int(bucket_mb * 1024 * 1024))
@@ -367,7 +367,7 @@ class EngineTransfer:
         import ray
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-        from common.gloo_weight_transfer import GlooTrainerInitInfo, PeersMissingError
+        from common.weights.gloo import GlooTrainerInitInfo, PeersMissingError
 
         self.close_group()
         self.group = uuid.uuid4().hex[:12]      # (a failed build is abandoned: close_group clears it)
@@ -532,7 +532,7 @@ class WeightTransfer:
 
     def _choose(self, states: list[dict]) -> None:
         """Pick the way for the actors' current placement; builds the transport when it changes."""
-        from common.placement import this_node
+        from common.processes.placement import this_node
 
         here = this_node()
         away = [i for i, s in enumerate(states) if s["node"]["node_id"] != here["node_id"]]

@@ -18,7 +18,7 @@ admitted and not yet trained (those minus the trained ones) are under the stream
 then `publish(group, admitted=slot)` appends at once, or `release(slot)` gives it back.
 
 Entry fields: v (schema version), r (run id), g (group id), p0 / p1 (oldest / newest policy version), then
-the group's parts (`common.records.encode_group`). Version and run sit beside the group so that other
+the group's parts (`common.stream.codec.encode_group`). Version and run sit beside the group so that other
 schemas' and other runs' records (runs sharing a `stream.stream` key) are dead-lettered without decoding;
 the reader checks that id and versions agree with the group.
 
@@ -36,9 +36,10 @@ import redis
 from redis.exceptions import OutOfMemoryError, ResponseError
 
 from common.config import StreamConfig
-from common.records import HEADER, SCHEMA_VERSION, CodecError, EpisodeGroup, decode_group, encode_group
-from common.redis_server import connect
-from common.transport import Received
+from common.stream.codec import HEADER, SCHEMA_VERSION, CodecError, decode_group, encode_group
+from common.stream.interface import Received
+from common.stream.records import EpisodeGroup
+from common.stream.redis_client import connect
 
 # Admission with exact bounds and without sending the payload through Lua (a script argument of ~1 MB
 # costs Redis two extra copies, ~0.4 ms per group on one core): a producer first reserves a slot, atomically,

@@ -1,23 +1,19 @@
-"""The system's two process boundaries, as interfaces, each with a tiny in-memory implementation.
+"""The trajectory boundary, as an interface, with a tiny in-memory implementation.
 
     rollout actors --TrajectorySink.publish--> [stream] --TrajectorySource.read/ack--> learner
-    learner --WeightPublisher.push(weights, version)--> [transfer] --> vLLM inference actors
-            (or .push_adapter(lora_adapters, version) under learner.lora_push=adapter)
 
-The real ones are `common.stream.TrajectoryStream` (Redis) and `common.weight_transfer.WeightTransfer` (shm /
-collective / ipc); `InMemoryTrajectories` and `InMemoryWeights` only work inside one process (unit tests).
-`actors.rollout.Rollout` and `learner.loop.Learner` take a Redis URL or an object with the interface; the
-learner takes a `WeightPublisher` or builds the configured one. Which groups to train on (stale ones,
-duplicates) is the learner's read policy (`learner.read_policy`), the same for every source.
+The real one is `common.stream.redis_stream.TrajectoryStream` (Redis); `InMemoryTrajectories` only works inside
+one process (unit tests). Which groups to train on (stale ones, duplicates) is the learner's read policy
+(`learner.read_policy`), the same for every source.
 """
 from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Protocol
 
-from common.records import EpisodeGroup
+from common.stream.records import EpisodeGroup
 
 
 @dataclass
@@ -74,24 +70,6 @@ class TrajectorySource(Protocol):
     def close(self) -> None: ...
 
 
-class WeightPublisher(Protocol):
-    def push(self, named_tensors: Iterable, version: int) -> dict:
-        """Send the weights as policy `version` to every inference actor; returns timings and sizes."""
-
-    def needs_push(self, version: int) -> bool:
-        """Whether some inference actor lacks `version` (a restarted one): the learner pushes again. Optional:
-        a publisher without it gets the weights after each update only."""
-
-    def push_adapter(self, adapter: dict, version: int, base_weights: Iterable | None = None) -> dict:
-        """Send LoRA adapters alone as policy `version` (learner.lora_push=adapter), with the base model's
-        weights first to an actor that lacks them; returns timings and sizes. Needed with that setting only."""
-
-    def needs_base(self) -> bool:
-        """Whether some inference actor lacks the base model's weights (with push_adapter)."""
-
-    def close(self) -> None: ...
-
-
 class InMemoryTrajectories:
     """Both ends of the trajectory boundary in one process: each group is handed out once, until acked or
     dead-lettered (nothing is redelivered: no reader can die apart from it); no bound, nothing persisted,
@@ -144,34 +122,6 @@ class InMemoryTrajectories:
 
     def depth(self) -> int:
         return len(self._entries)
-
-    def close(self) -> None:
-        pass
-
-
-class InMemoryWeights:
-    """The weight boundary in one process: every push is kept (version, {name: a copy of the tensor});
-    `latest()` is what an inference actor would serve."""
-
-    def __init__(self):
-        self.pushes: list[tuple[int, dict]] = []
-
-    def push(self, named_tensors: Iterable, version: int) -> dict:
-        self.pushes.append((int(version), {name: t.detach().clone() for name, t in named_tensors}))
-        return {"transfer": "memory"}
-
-    def needs_base(self) -> bool:
-        return False
-
-    def push_adapter(self, adapter: dict, version: int, base_weights: Iterable | None = None) -> dict:
-        self.pushes.append((int(version), {"adapter": adapter}))
-        return {"transfer": "memory"}
-
-    def needs_push(self, version: int) -> bool:
-        return not self.pushes or self.pushes[-1][0] != int(version)
-
-    def latest(self) -> tuple[int, dict] | None:
-        return self.pushes[-1] if self.pushes else None
 
     def close(self) -> None:
         pass

@@ -10,8 +10,8 @@ import uuid
 import pytest
 
 from common.config import StreamConfig
-from common.redis_server import connect
-from common.stream import TrajectoryStream, stream_key
+from common.stream.redis_client import connect
+from common.stream.redis_stream import TrajectoryStream, stream_key
 from learner.read_policy import groups_to_train
 from tests.support.stream_factory import make_group
 
@@ -145,7 +145,7 @@ def test_producer_waits_out_a_full_redis_and_says_why(redis_server, redis_url):
 
 
 def test_embedded_redis_memory_is_bounded(tmp_path):
-    from common.redis_server import redis_for
+    from common.stream.redis_server import redis_for
     url, server = redis_for(StreamConfig(embedded_maxmemory_mb=64, embedded_dir=str(tmp_path / "redis")))
     try:
         r = connect(url)

@@ -1,4 +1,4 @@
-"""common/shm_cleanup.py: a run's weights directory is its user's alone, and what a killed driver left in
+"""common/weights/shm_cleanup.py: a run's weights directory is its user's alone, and what a killed driver left in
 /dev/shm is removed by the next one, judging only this user's directories and files (what engines map,
 and the sweep during a real run: tests/actors/test_inference.py, tests/deploy/test_train_interrupt.py)."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from common import shm_cleanup
+from common.weights import shm_cleanup
 
 NOBODY = 65534
 

@@ -8,8 +8,9 @@ import msgpack
 import numpy as np
 import pytest
 
-from common.records import (SCHEMA_VERSION, TABLE, CodecError, EpisodeGroup, Rows, StepRow, Termination, Trajectory,
-                            check_values, decode_group, encode_group, layout)
+from common.stream.codec import SCHEMA_VERSION, CodecError, decode_group, encode_group
+
+from common.stream.records import TABLE, EpisodeGroup, Rows, StepRow, Termination, Trajectory, check_values, layout
 from tests.support.stream_factory import assert_groups_equal, make_group
 from tests.support.synthetic import row_step, steps_of
 
@@ -187,10 +188,10 @@ def test_values_are_checked_once_by_the_learner_not_by_the_decoder():
 
 
 def test_no_pickle_on_the_wire():
-    root = Path(__file__).resolve().parents[2] / "common"
-    for name in ("stream.py", "redis_server.py", "records.py"):
-        text = (root / name).read_text()
-        assert "import pickle" not in text and "pickle.loads" not in text, name
+    stream_package = Path(__file__).resolve().parents[3] / "common" / "stream"
+    for path in stream_package.glob("*.py"):
+        text = path.read_text()
+        assert "import pickle" not in text and "pickle.loads" not in text, path.name
 
 
 def test_encode_refuses_headers_the_decoder_would_refuse():

@@ -3,9 +3,10 @@ checked and closed together.
 
     learners = LearnerPool()
     learners.start(cfg, model, stream_url, inference_actors)   # model: a common.processes.model_files.ModelSource
-    metrics, record = learners.step(timeout_s=600)   # one update on every rank; rank 0's metrics and
-                                                     # groups.jsonl line (the driver writes it)
-    learners.use_inference(inference_actors, timeout_s=1200)   # `gigpo scale --inference`
+    metrics, record = learners.call("step", 10.0, timeout_s=600)   # one update on every rank; rank 0's metrics
+                                                     # and groups.jsonl line (the driver writes it)
+    learners.call("set_inference_actors", actors, timeout_s=1200)   # `gigpo scale --inference`
+    learners.state()                                 # rank 0's counters
     learners.nodes[r]                                # the node rank r runs on
     learners.lost()                                  # after a failure: the ranks Ray reports dead
     learners.stop_all()                              # close (checkpoint), then kill
@@ -15,9 +16,9 @@ instead of hanging: the ranks start and report their nodes (PLACEMENT_TIMEOUT_S)
 torch.distributed at an address rank 0 names on its node (RENDEZVOUS_TIMEOUT_S; the error names each rank's
 node); each rank builds its `learner.loop.Learner` from the model as its node sees it.
 
-A call goes to every rank (they run collectives together) and gives rank 0's answer; a rank that fails ends
-the wait at once (the others may wait for it in a collective that never ends), late ranks are named with
-their nodes.
+Which learner methods the driver calls is declared once (`EVERY_RANK`, after verl's declared fan-out): each
+goes to every rank (they run collectives together) and gives rank 0's answer; a rank that fails ends the wait
+at once (the others may wait for it in a collective that never ends), late ranks are named with their nodes.
 """
 from __future__ import annotations
 
@@ -42,6 +43,15 @@ LOST_CHECK_S = 15.0      # how long the driver waits for a learner rank's answer
 LOST_DECIDE_S = 90.0     # ... and how long it asks again one that Ray calls unavailable (a node that stopped
                          # answering is declared dead by Ray's health checks, 15-60 s by its defaults)
 LOST_ASK_AGAIN_S = 1.0
+
+# The `learner.actor.LearnerWorker` methods the driver calls, each on every rank at once, and what a rank late
+# at the call's deadline did not do (and why that may be), for the error that names it.
+EVERY_RANK = {
+    "step": "finish an update (a hung collective or a dead node?)",
+    "set_inference_actors": "take the new inference actors (a weight push to them that hangs?)",
+    "sync_weights": "push the weights to the inference actors (a push that hangs?)",
+    "save_checkpoint": "save a checkpoint (a slow or full disk?)",
+}
 
 
 class LearnerPool:
@@ -104,41 +114,18 @@ class LearnerPool:
         """Rank 0's counters (`LearnerWorker.state`)."""
         return ray.get(self.ranks[0].state.remote())
 
-    def step(self, timeout_s: float | None = None, deadline_s: float = STEP_TIMEOUT_S,
-             on_wait=None) -> tuple[dict, dict | None] | None:
-        """One update on every rank; rank 0's (metrics, groups.jsonl line), None when no batch came within
-        timeout_s. Raises TimeoutError when they have not finished within timeout_s (the wait for data) +
-        deadline_s. on_wait: called every common.processes.actor_calls.ON_WAIT_EVERY_S while the update runs."""
-        limit = (timeout_s or 0.0) + deadline_s
-        return self._rank0_answer("step", (timeout_s,), limit, on_wait,
-                                  f"finish an update within {limit:.0f} s (a hung collective or a dead node?)")
-
-    def use_inference(self, inference_actors: list, timeout_s: float, on_wait=None) -> dict:
-        """Every rank takes a new list of inference actors (`Learner.set_inference_actors`: an added actor gets
-        the current weights); rank 0's answer. Raises TimeoutError when they have not answered within
-        timeout_s. on_wait: as in step."""
-        return self._rank0_answer("set_inference_actors", (inference_actors,), timeout_s, on_wait,
-                                  f"take the new inference actors within {timeout_s:.0f} s (a weight push to them "
-                                  f"that hangs?)") or {}
-
-    def sync_weights(self) -> None:
-        """Push the current weights as a new version (`LearnerWorker.sync_weights`)."""
-        ray.get(self._every_rank("sync_weights"))
-
-    def save_checkpoint(self) -> None:
-        ray.get(self._every_rank("save_checkpoint"))
-
-    def _every_rank(self, method: str, *args) -> list:
-        return [getattr(worker, method).remote(*args) for worker in self.ranks]
-
-    def _rank0_answer(self, method: str, args: tuple, timeout_s: float, on_wait, late_means: str):
-        """Rank 0's answer to `method(*args)` on every rank; what a rank raised, at once; TimeoutError naming
-        the late ranks and their nodes (`late_means`: what they did not do, and why that may be)."""
-        answers = wait_all(self._every_rank(method, *args), timeout_s, fail_fast=True, on_wait=on_wait)
+    def call(self, method: str, *args, timeout_s: float, on_wait=None):
+        """`LearnerWorker.<method>(*args)` on every rank (a method of `EVERY_RANK`); rank 0's answer. What a rank
+        raised is raised at once; TimeoutError names the ranks still busy after timeout_s, with their nodes.
+        on_wait: called every common.processes.actor_calls.ON_WAIT_EVERY_S while the ranks work."""
+        if method not in EVERY_RANK:
+            raise ValueError(f"{method!r} is not a learner call the driver makes (EVERY_RANK: {sorted(EVERY_RANK)})")
+        answers = wait_all([getattr(worker, method).remote(*args) for worker in self.ranks], timeout_s,
+                           fail_fast=True, on_wait=on_wait)
         answers.raise_first_error()
         if answers.late:
-            raise TimeoutError(f"learner {self.where(answers.late)} did not {late_means}; see learner-<rank>.log "
-                               f"in the run's logs")
+            raise TimeoutError(f"learner {self.where(answers.late)} did not {EVERY_RANK[method]} within "
+                               f"{timeout_s:.0f} s; see learner-<rank>.log in the run's logs")
         return answers.done.get(0)
 
     # -- health and close ------------------------------------------------------------------------------

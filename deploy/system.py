@@ -42,7 +42,7 @@ from common.run_dir import (LEARNER_STATE, REDIS_DIR, check_checkpoint_is_ours, 
 from common.stream.redis_stream import stream_key
 from deploy.control import ControlChannel, write_job_file
 from deploy.inference_pool import INFERENCE_STOP_S, InferencePool
-from deploy.learner_pool import LearnerPool
+from deploy.learner_pool import STEP_TIMEOUT_S, LearnerPool
 from deploy.preflight import PreflightError, check_rollout_nodes
 from deploy.reports import (PlacementWatch, append_eval_record, eval_line, eval_records, first_evaluation,
                             format_eval, format_summary, status_record, trim_records_after, waiting_state)
@@ -59,6 +59,47 @@ RATE_WINDOW = 8          # updates the progress bar's env steps/s is measured ov
 WAIT_FOR_DATA_S = 10.0   # the learner's wait for a batch, between which the driver handles commands and status
 
 
+def wire(system: "System") -> tuple[RolloutPool, InferencePool, LearnerPool]:
+    """The run's three pools of actors, bound to each other here and nowhere else. What each is given:
+
+    | when                                                  | what runs                                                |
+    |-------------------------------------------------------|----------------------------------------------------------|
+    | a rollout actor starts (or `gigpo scale` adds one)    | `create_rollout_actor` with the serving inference actors,|
+    |                                                       | the stream's URL and the run's model                     |
+    | inference actors start (first, or `--inference` adds) | `create_inference_actors` from the run's actor config    |
+    |                                                       | (its weights directory) and model                        |
+    | the serving inference actors change                   | every learner rank takes them (rank 0 pushes its weights |
+    |                                                       | to one that lacks them), then every rollout actor        |
+    | a learner call waits (an update, a push)              | `System.while_updating`: lost rollout actors noticed,    |
+    |                                                       | the status published                                     |
+
+    The hooks read the system's fields when they run (its model and Redis exist only after `start` began)."""
+    learners = LearnerPool()
+
+    def new_rollout_actor(actor_id: str):
+        return create_rollout_actor(system.cfg, actor_id, inference.serving, system.redis_url,
+                                    log_dir=system.log_dir, model=system.model)
+
+    def new_inference_actors(**options) -> list:
+        return create_inference_actors(system.actor_cfg, system.model, log_dir=system.log_dir, **options)
+
+    def serve_with(actors: list) -> dict:
+        info = learners.call("set_inference_actors", actors, timeout_s=push_timeout_s(system.cfg),
+                             on_wait=system.while_updating)
+        rollouts.tell_inference(actors)
+        return info or {}
+
+    rollouts = RolloutPool(system.cfg, new_rollout_actor)
+    inference = InferencePool(new_inference_actors, serve_with, system.cfg.inference.generate_timeout_s)
+    return rollouts, inference, learners
+
+
+def push_timeout_s(cfg: ExperimentConfig) -> float:
+    """How long the learner ranks may take to push their weights to the inference actors (two transfers,
+    the base model's and the adapters' at most, and a gather)."""
+    return 2 * cfg.inference.transfer_timeout_s + 60
+
+
 class System:
     """Starts, runs and stops every part of one training run (or of `gigpo eval`'s evaluation)."""
 
@@ -69,13 +110,10 @@ class System:
         self.log_dir = log_dir or logs_dir(cfg.run.output_dir)      # each actor's log file goes here
         self.terminal: Terminal | None = None     # where the bar and eval lines go (None: stdout/stderr)
         self.signals = SignalTrap()
-        self.rollouts = RolloutPool(cfg, self._new_rollout_actor)
-        self.inference = InferencePool(self._new_inference_actors, self._use_inference,
-                                       cfg.inference.generate_timeout_s)
-        self.learners = LearnerPool()
+        self.rollouts, self.inference, self.learners = wire(self)
         self.placement = PlacementWatch()
         self.model = None                   # the policy as every actor receives it (a ModelSource)
-        self._actor_cfg = cfg               # what inference actors are created from (weights_dir set by start)
+        self.actor_cfg = cfg                # what inference actors are created from (weights_dir set by start)
         self.redis = None                   # the embedded Redis (None: stream.redis_url names the user's)
         self.redis_url: str | None = None
         self.channel: ControlChannel | None = None
@@ -123,7 +161,7 @@ class System:
                            stream=stream_key(cfg.stream))
 
         # One weights directory for the run's inference actors, those `gigpo scale --inference` adds included.
-        self._actor_cfg = with_weights_dir(cfg)
+        self.actor_cfg = with_weights_dir(cfg)
         self.inference.start()
         # Resources no node has would leave an actor pending forever: say which, before waiting on any (the
         # learner checks its own need).
@@ -135,7 +173,7 @@ class System:
         state = self.learners.state()
         if eval_only and state["policy_version"] > 0:
             # The inference actors must serve the checkpoint's weights (a training learner pushes its own).
-            self.learners.sync_weights()
+            self.learners.call("sync_weights", timeout_s=push_timeout_s(cfg))
         self.update = state["updates"]
         if not eval_only:
             # A resumed run retrains the updates after its checkpoint: their lines of the lost run go, so that
@@ -153,21 +191,6 @@ class System:
         if self.channel is not None:     # `gigpo status` shows the placement before the first update
             self._publish_status({"update": self.update, "policy_version": state["policy_version"]},
                                  state="started")
-
-    def _new_rollout_actor(self, actor_id: str):
-        return create_rollout_actor(self.cfg, actor_id, self.inference.serving, self.redis_url,
-                                    log_dir=self.log_dir, model=self.model)
-
-    def _new_inference_actors(self, **options) -> list:
-        return create_inference_actors(self._actor_cfg, self.model, log_dir=self.log_dir, **options)
-
-    def _use_inference(self, actors: list) -> dict:
-        """Make `actors` the run's inference actors: first for the learner (it pushes its current version to
-        one that lacks it), then for every rollout actor. Returns learner rank 0's answer."""
-        info = self.learners.use_inference(actors, timeout_s=2 * self.cfg.inference.transfer_timeout_s + 60,
-                                           on_wait=self._while_updating)
-        self.rollouts.tell_inference(actors)
-        return info
 
     def refresh_placement(self, timeout_s: float = 0.0) -> dict[str, dict | None]:
         """{actor name: its node, None while it has not started} for every actor of the run, in role order,
@@ -241,7 +264,7 @@ class System:
 
     # -- the loop --------------------------------------------------------------------------------------
 
-    def _while_updating(self) -> None:
+    def while_updating(self) -> None:
         """Every ON_WAIT_EVERY_S of a long update: notice lost rollout actors and say so in the status."""
         self.rollouts.check_alive(self.inference.serving)
         self._publish_waiting_status(updating=True)
@@ -292,7 +315,8 @@ class System:
             done = None
             while done is None:
                 self.rollouts.check_alive(self.inference.serving)
-                done = self.learners.step(timeout_s=WAIT_FOR_DATA_S, on_wait=self._while_updating)
+                done = self.learners.call("step", WAIT_FOR_DATA_S, timeout_s=WAIT_FOR_DATA_S + STEP_TIMEOUT_S,
+                                          on_wait=self.while_updating)
                 if done is None:           # no full batch yet: stay responsive (scale commands, status)
                     self._between_updates()
                     self._publish_waiting_status()
@@ -377,7 +401,7 @@ def train(cfg: ExperimentConfig) -> dict:
         t0 = time.perf_counter()
         history = system.train()
         train_s = time.perf_counter() - t0
-        system.learners.save_checkpoint()
+        system.learners.call("save_checkpoint", timeout_s=STEP_TIMEOUT_S)
         system.finished = True
         after = system.evaluate(record="after training") if cfg.run.eval_every else None
         if after:

@@ -57,11 +57,16 @@ class LearnerWorker:
 
     def build(self, model, stream_url: str | None, inference_actors: list, read_only: bool = False) -> None:
         """Load the model (`model`: a common.processes.model_files.ModelSource, as this node sees it) and build the
-        learner; rank 0 reads the stream and pushes weights."""
+        learner; rank 0 reads the stream at `stream_url` and pushes weights to `inference_actors`."""
         from learner.loop import Learner
-        rank0 = self.rank == 0
-        self.learner = Learner(self.cfg, model.local_path(), stream_url if rank0 else None,
-                               inference_actors=inference_actors if rank0 else None, read_only=read_only)
+        stream = publisher = None
+        if self.rank == 0 and stream_url:
+            from common.stream.redis_stream import TrajectoryStream
+            stream = TrajectoryStream(stream_url, self.cfg.stream, consumer_name="learner-0")
+        if self.rank == 0 and inference_actors:
+            from common.weights.sender import create_weight_transfer
+            publisher = create_weight_transfer(self.cfg, inference_actors)
+        self.learner = Learner(self.cfg, model.local_path(), stream, publisher=publisher, read_only=read_only)
 
     def step(self, timeout_s: float | None = None) -> tuple[dict, dict | None] | None:
         """One update: (its metrics, its groups.jsonl line or None), or None when no batch came in time."""

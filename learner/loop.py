@@ -1,6 +1,6 @@
 """The learner loop: stream -> batch -> train -> push weights -> (checkpoint) -> ack.
 
-    learner = Learner(cfg, model_path, stream_url, inference_actors=inference_actors)
+    learner = Learner(cfg, model_path, TrajectoryStream(url, cfg.stream), publisher=create_weight_transfer(cfg, actors))
     while learner.updates < cfg.run.iterations:
         metrics = learner.step()          # one update; None if no full batch arrived in time
     learner.close()
@@ -51,20 +51,19 @@ log = logging.getLogger(__name__)
 class Learner:
     """One learner process: owns the trainer, and on rank 0 the stream reader and weight publisher."""
 
-    def __init__(self, cfg: ExperimentConfig, model_path: str, trajectories: str | TrajectorySource | None = None,
-                 *, publisher: WeightPublisher | None = None, inference_actors: list | None = None,
-                 checkpoint_dir: str | None = None, resume: bool | None = None,
-                 consumer_name: str = "learner-0", read_block_ms: int = 1000, read_only: bool = False):
+    def __init__(self, cfg: ExperimentConfig, model_path: str, trajectories: TrajectorySource | None = None,
+                 *, publisher: WeightPublisher | None = None, checkpoint_dir: str | None = None,
+                 resume: bool | None = None, read_block_ms: int = 1000, read_only: bool = False):
         """
-        model_path: the initial policy (local, Hugging Face format). trajectories: where rank 0 reads groups, a
-        Redis URL or a common.stream.interface.TrajectorySource (None: groups come through `step(groups)`).
-        publisher: a common.weights.interface.WeightPublisher; None builds
-        `common.weights.sender.create_weight_transfer` over `inference_actors` when given. checkpoint_dir:
-        default <run.output_dir>/checkpoints, "" none. resume: load the latest checkpoint there, or
-        cfg.run.resume_tag (default cfg.run.resume); without it, existing checkpoints are refused unless
-        cfg.run.overwrite (`common.run_dir.prepare_checkpoint_dir`). consumer_name: the Redis consumer, stable
-        across restarts. read_only: serve a checkpoint without touching the run (`gigpo eval`): nothing
-        written, `step` refused, weights pushed under the checkpoint's own policy version.
+        model_path: the initial policy (local, Hugging Face format). trajectories: where rank 0 reads groups (a
+        common.stream.interface.TrajectorySource; None: groups come through `step(groups)`). publisher: where
+        rank 0 pushes weights (a common.weights.interface.WeightPublisher; None: nowhere). Both are built by
+        the caller (learner.actor: from the run's Redis URL and inference actors), who owns them; rank 0 alone
+        uses them. checkpoint_dir: default <run.output_dir>/checkpoints, "" none. resume: load the
+        latest checkpoint there, or cfg.run.resume_tag (default cfg.run.resume); without it, existing
+        checkpoints are refused unless cfg.run.overwrite (`common.run_dir.prepare_checkpoint_dir`). read_only:
+        serve a checkpoint without touching the run (`gigpo eval`): nothing written, `step` refused, weights
+        pushed under the checkpoint's own policy version.
         """
         self.cfg = cfg
         self.read_only = read_only
@@ -79,14 +78,8 @@ class Learner:
                                      temperature=cfg.rollout.temperature)
         self.rank, self.world_size = self.trainer.rank, self.trainer.world_size
         self.read_block_ms = read_block_ms
-        if self.rank == 0 and isinstance(trajectories, str) and trajectories:
-            from common.stream.redis_stream import TrajectoryStream
-            trajectories = TrajectoryStream(trajectories, cfg.stream, consumer_name=consumer_name)
-        self.stream: TrajectorySource | None = trajectories if self.rank == 0 and trajectories else None
-        if publisher is None and inference_actors and self.rank == 0:
-            from common.weights.sender import create_weight_transfer
-            publisher = create_weight_transfer(cfg, inference_actors)
-        self.publisher = publisher if self.rank == 0 else None
+        self.stream: TrajectorySource | None = trajectories if self.rank == 0 else None
+        self.publisher: WeightPublisher | None = publisher if self.rank == 0 else None
         # Every rank must know whether rank 0 pushes (ZeRO-3 gathers need all ranks).
         self._pushes = bool(self._broadcast(self.publisher is not None))
 

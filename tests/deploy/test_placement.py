@@ -119,7 +119,7 @@ def test_two_learner_ranks_meet_at_rank0s_node_with_the_shipped_model(kinds_ray,
         # naming the ranks and their nodes once the deadline has passed, not a hang.
         t0 = time.monotonic()
         with pytest.raises(TimeoutError) as err:
-            workers.step(timeout_s=None, deadline_s=3)
+            workers.call("step", None, timeout_s=3)
         # the deadline, one more poll of the ranks' answers, and the message (their nodes are known already)
         assert time.monotonic() - t0 < 3 + CLUSTER_QUERY_MARGIN_S
         assert f"rank 0 on {node['ip']}" in str(err.value) and "rank 1 on" in str(err.value)

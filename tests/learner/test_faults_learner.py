@@ -143,7 +143,7 @@ def test_groups_of_lost_updates_are_retrained_after_a_crash_not_dropped_stale(
 
         # Life 1: sample with the latest weights, train on it, `crash_after` times; then two more groups are
         # sampled (unread), and the learner dies: no close, no checkpoint, no ack.
-        first = Learner(cfg, tiny_model_path, server.url, publisher=actors)
+        first = Learner(cfg, tiny_model_path, TrajectoryStream(server.url, cfg.stream), publisher=actors)
         life1: list[list[str]] = []
         for i in range(crash_after):
             produce(seed=300 + i)
@@ -163,8 +163,8 @@ def test_groups_of_lost_updates_are_retrained_after_a_crash_not_dropped_stale(
         assert producer.redis.scard(producer.trained_key) == len(lost)
 
         # Life 2: resumes on the same Redis and output dir, and drains the stream.
-        second = Learner(cfg, tiny_model_path, server.url, publisher=actors, resume=True,
-                         consumer_name=second_consumer)
+        second = Learner(cfg, tiny_model_path, TrajectoryStream(server.url, cfg.stream, consumer_name=second_consumer),
+                         publisher=actors, resume=True)
         assert second.trained_group_ids == committed
         # One push of the resumed weights, above every version the dead learner pushed.
         assert second.policy_version == pushed_before_crash + 1 == actors.latest
@@ -222,7 +222,7 @@ def test_poison_groups_are_dead_lettered_and_the_rest_of_their_batch_trains(tiny
 
     from common.stream.redis_stream import TrajectoryStream
     cfg = learner_worker.learner_experiment(f"test:{uuid.uuid4().hex[:8]}")     # 2 groups per batch
-    learner = Learner(cfg, tiny_model_path, redis_url, checkpoint_dir="")
+    learner = Learner(cfg, tiny_model_path, TrajectoryStream(redis_url, cfg.stream), checkpoint_dir="")
     groups = synthetic_groups(5, 2, vocab_size=200, seed=5, max_steps=2)
     vocab, nan, positive, good = groups[0], groups[2], groups[3], [groups[1], groups[4]]
     vocab.rows["response_ids"][0] = learner.trainer.vocab_size + 4000

@@ -480,7 +480,8 @@ def test_killed_learner_resumes_without_duplicate_or_gap(tiny_model_path, tmp_pa
     assert len(committed) == 4 and len(lost) == 2 and producer.depth() == 8 - 4
 
     # Run 2 (here): resumes from the checkpoint, gets the lost groups back, drains the stream.
-    learner = Learner(cfg, tiny_model_path, redis_url, checkpoint_dir=str(ckpt), resume=True)
+    learner = Learner(cfg, tiny_model_path, TrajectoryStream(redis_url, cfg.stream), checkpoint_dir=str(ckpt),
+                      resume=True)
     assert learner.policy_version == 2 and learner.trained_group_ids == committed
     run2 = []
     while True:

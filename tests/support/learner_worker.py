@@ -144,12 +144,13 @@ def main() -> None:
         teardown_distributed()
         return
     url, stream_key, ckpt, steps = sys.argv[4], sys.argv[5], sys.argv[6], int(sys.argv[7])
+    from common.stream.redis_stream import TrajectoryStream
     from learner.loop import Learner
     if mode == "zero3":
         run_zero3(model_path, out, url, stream_key, ckpt, steps, lora=sys.argv[8:] == ["lora"])
         return
     cfg = learner_experiment(stream_key)
-    learner = Learner(cfg, model_path, url, checkpoint_dir=ckpt, resume=True)
+    learner = Learner(cfg, model_path, TrajectoryStream(url, cfg.stream), checkpoint_dir=ckpt, resume=True)
     with open(out, "a") as f:
         for _ in range(steps):
             m = learner.step(timeout_s=60)
@@ -190,6 +191,7 @@ class BucketFilePublisher:
 
 def run_zero3(model_path, out, url, stream_key, ckpt, steps, lora: bool = False) -> None:
     import torch.distributed as dist
+    from common.stream.redis_stream import TrajectoryStream
     from learner.loop import Learner
     from learner.trainer import teardown_distributed
 
@@ -199,7 +201,7 @@ def run_zero3(model_path, out, url, stream_key, ckpt, steps, lora: bool = False)
         cfg.learner.lora_rank, cfg.learner.lora_target_modules, cfg.learner.lr = 4, "q_proj,up_proj", 1e-2
         cfg.learner.lora_push = "adapter"
     rank = int(os.environ["RANK"])
-    learner = Learner(cfg, model_path, url if rank == 0 else None, checkpoint_dir=ckpt,
+    learner = Learner(cfg, model_path, TrajectoryStream(url, cfg.stream) if rank == 0 else None, checkpoint_dir=ckpt,
                       publisher=BucketFilePublisher(out + ".d") if rank == 0 else None)
     log = []
     for _ in range(steps):

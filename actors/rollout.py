@@ -14,7 +14,6 @@ its response: actors/prompts/.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import itertools
 import logging
 import random
@@ -32,6 +31,7 @@ from common.processes.log_files import send_output_to
 from common.processes.model_files import ModelSource
 from common.processes.placement import this_node
 from common.processes.process_env import apply_project_env
+from common.seeds import stable_seed
 from common.staleness import policy_lag_bound
 from common.stream.interface import InMemoryTrajectories, TrajectorySink
 from common.stream.records import EpisodeGroup, StepRow, Termination, Trajectory
@@ -79,7 +79,7 @@ class Rollout:
             trajectories = TrajectoryStream(trajectories, self.cfg.stream, consumer_name=f"producer-{actor_id}",
                                             lag_bound=policy_lag_bound(self.cfg))
         self.stream: TrajectorySink = trajectories or InMemoryTrajectories()
-        self._rng = random.Random(_stable_seed(self.cfg.run.seed, actor_id))
+        self._rng = random.Random(stable_seed(self.cfg.run.seed, actor_id))
         self._stopping, self._drain = False, True
         self._running: asyncio.Future | None = None
         self._group_tasks: set[asyncio.Task] = set()
@@ -317,7 +317,7 @@ class Rollout:
             if len(prompt_ids) > cfg.model.max_prompt_tokens:
                 return self._end(traj, steps, Termination.TRUNCATED)
             sampling = {"temperature": cfg.rollout.temperature, "max_tokens": cfg.model.max_response_tokens,
-                        "seed": _stable_seed(cfg.run.seed, traj.traj_id, step)}
+                        "seed": stable_seed(cfg.run.seed, traj.traj_id, step)}
             if cfg.rollout.constrain_actions and report.admissible_actions:
                 sampling["regex"] = response_regex(report.admissible_actions, cfg.model.max_response_tokens)
             out = await self._generate(instance, prompt_ids, sampling)
@@ -413,12 +413,6 @@ STEP_REWARDS = {
 def step_reward(rollout_cfg: RolloutConfig, report) -> float:
     """The reward of the step that led to `report` (an EnvReport), by rollout.reward (STEP_REWARDS)."""
     return STEP_REWARDS[rollout_cfg.reward](rollout_cfg, report)
-
-
-def _stable_seed(*parts) -> int:
-    """A seed from any parts, stable across processes (Python's hash() is salted per process)."""
-    digest = hashlib.sha256("\x1f".join(str(p) for p in parts).encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
 RolloutActor = ray.remote(Rollout)

@@ -13,7 +13,6 @@ the admissible actions sometimes wins within 10-15 steps.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import random
@@ -22,6 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from common.atomic_write import write_atomically
+from common.seeds import stable_seed
 
 TASK_TYPES = (
     "pick_and_place_simple",
@@ -112,10 +112,6 @@ def _package_logic() -> tuple[str, str, dict, dict, set]:
     return domain, grammar, can_hold, props, set(constants.OPENABLE_CLASS_LIST)
 
 
-def _sub_seed(*parts) -> int:
-    return int.from_bytes(hashlib.sha256("/".join(map(str, parts)).encode()).digest()[:8], "little")
-
-
 def _display_names(ids: list[str]) -> dict[str, str]:
     """The names the engine shows ("mug 1"): ALFWorld's demangler over the lower-cased ids (fast-downward
     lower-cases every PDDL name)."""
@@ -177,7 +173,7 @@ def generate_game(options: GeneratorOptions | None = None, seed: int = 0) -> dic
     `task` (the instruction). Deterministic from (options, seed)."""
     options = options or GeneratorOptions.tiny()
     domain, grammar_template, can_hold, props, openable = _package_logic()
-    rng = random.Random(_sub_seed("alfworld-gen", seed))
+    rng = random.Random(stable_seed("alfworld-gen", seed, separator="/", bits=64))
     task_type = rng.choice(sorted(options.task_types))
     tool = TASK_TOOL.get(task_type)
     rooms = sorted(options.rooms)
@@ -214,7 +210,7 @@ def generate_game(options: GeneratorOptions | None = None, seed: int = 0) -> dic
             if starts:
                 candidates.append((target, obj, starts))
     if not candidates:   # this draw of receptacles supports no such task: draw again from a new seed
-        return generate_game(options, _sub_seed("retry", seed))
+        return generate_game(options, stable_seed("retry", seed, separator="/", bits=64))
     target, obj_kind, starts = rng.choice(candidates)
     if task_type == "look_at_obj_in_light":
         target = "DeskLamp"
@@ -307,7 +303,7 @@ def generate_game(options: GeneratorOptions | None = None, seed: int = 0) -> dic
 
 def game_seed(options: GeneratorOptions, split: str, index: int) -> int:
     """Seed of game `index` of a split: train and eval games never share a seed."""
-    return _sub_seed("alfworld-gen-set", options.seed, split, index) % (2 ** 31)
+    return stable_seed("alfworld-gen-set", options.seed, split, index, separator="/", bits=64) % (2 ** 31)
 
 
 def game_name(game: dict, index: int) -> str:

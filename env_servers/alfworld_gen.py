@@ -168,12 +168,50 @@ def _goal(task_type: str, obj: str, target: str, tool: tuple | None) -> str:
             f"(receptacleType ?r {target}Type) (inReceptacle ?o ?r)))))")
 
 
+@dataclass
+class _Draw:
+    """What a game's seed drew: the task, the room and what is in it (see `_draw`)."""
+    task_type: str
+    tool: tuple[str, str] | None      # (the receptacle kind a clean/heat/cool needs, the verb), or None
+    room: str
+    scene: _Scene
+    rids: list[str]                   # the receptacles' ids, in the order added
+    target: str                       # the kind the task's objects go to (or DeskLamp: look at one in its light)
+    obj_kind: str                     # the task's object type
+    task_objs: list[str]              # the task's objects' ids
+
+
 def generate_game(options: GeneratorOptions | None = None, seed: int = 0) -> dict:
     """One solvable game as a `game.tw-pddl` dict, with `walkthrough` (the solution), `task_type` and
-    `task` (the instruction). Deterministic from (options, seed)."""
+    `task` (the instruction). Deterministic from (options, seed): its phases draw from one RNG in order (the
+    scene, the locations in the PDDL problem, the instruction's template)."""
     options = options or GeneratorOptions.tiny()
     domain, grammar_template, can_hold, props, openable = _package_logic()
     rng = random.Random(stable_seed("alfworld-gen", seed, separator="/", bits=64))
+    draw = _draw(options, rng, can_hold, props, openable)
+    if draw is None:   # this draw of receptacles supports no such task: draw again from a new seed
+        return generate_game(options, stable_seed("retry", seed, separator="/", bits=64))
+    problem = _pddl_problem(draw, seed, rng, can_hold, props, openable)
+    import alfworld.gen.goal_library as goal_library
+    template = rng.choice(goal_library.gdict[draw.task_type]["templates"])
+    target = draw.target.lower()
+    task = template.format(obj=draw.obj_kind.lower(), recep=target, toggle=target, mrecep="")
+    return {
+        "pddl_domain": domain,
+        "grammar": grammar_template.replace("UNKNOWN GOAL", task),
+        "pddl_problem": problem,
+        "solvable": True,
+        "walkthrough": _walkthrough(draw, openable),
+        "task_type": draw.task_type,
+        "task": task,
+        "generator": {"options": dataclasses.asdict(options), "seed": seed, "room": draw.room},
+    }
+
+
+def _draw(options: GeneratorOptions, rng: random.Random, can_hold: dict, props: dict,
+          openable: set) -> _Draw | None:
+    """The task type, the room, its receptacles and objects; None when the receptacles drawn support no task
+    of the type drawn."""
     task_type = rng.choice(sorted(options.task_types))
     tool = TASK_TOOL.get(task_type)
     rooms = sorted(options.rooms)
@@ -209,8 +247,8 @@ def generate_game(options: GeneratorOptions | None = None, seed: int = 0) -> dic
                       and (task_type == "look_at_obj_in_light" or scene.receptacles[r] != target)]
             if starts:
                 candidates.append((target, obj, starts))
-    if not candidates:   # this draw of receptacles supports no such task: draw again from a new seed
-        return generate_game(options, stable_seed("retry", seed, separator="/", bits=64))
+    if not candidates:
+        return None
     target, obj_kind, starts = rng.choice(candidates)
     if task_type == "look_at_obj_in_light":
         target = "DeskLamp"
@@ -226,9 +264,15 @@ def generate_game(options: GeneratorOptions | None = None, seed: int = 0) -> dic
         holdable = sorted(can_hold.get(scene.receptacles[rid], set()) - {obj_kind, "DeskLamp", "FloorLamp"})
         if holdable:
             scene.add_object(rng.choice(holdable), rid)
+    return _Draw(task_type, tool, room, scene, rids, target, obj_kind, task_objs)
 
+
+def _pddl_problem(draw: _Draw, seed: int, rng: random.Random, can_hold: dict, props: dict, openable: set) -> str:
+    """The game's PDDL problem: its objects, the facts of the drawn scene (each receptacle at a location
+    drawn here), and the task's goal."""
+    scene = draw.scene
     # Locations: one per receptacle, plus the agent's start in the middle of the room.
-    loc = {rid: f"loc_bar_{i}_bar_{rng.randrange(10)}" for i, rid in enumerate(rids)}
+    loc = {rid: f"loc_bar_{i}_bar_{rng.randrange(10)}" for i, rid in enumerate(draw.rids)}
     start = "loc_bar_start"
     facts = [f"(atLocation agent1 {start})"]
     otypes = sorted(set(scene.objects.values()) | set(DOMAIN_OTYPES))
@@ -251,11 +295,15 @@ def generate_game(options: GeneratorOptions | None = None, seed: int = 0) -> dic
     objects = (["agent1 - agent"] + [f"{i} - object" for i in scene.objects]
                + [f"{t}Type - otype" for t in otypes] + [f"{i} - receptacle" for i in scene.receptacles]
                + [f"{t}Type - rtype" for t in rtypes] + [f"{x} - location" for x in [start, *loc.values()]])
-    goal = _goal(task_type, obj_kind, target, tool)
-    problem = ("(define (problem gen_%d)\n(:domain alfred)\n(:objects\n  %s\n)\n(:init\n  %s\n)\n(:goal %s)\n)\n"
-               % (seed, "\n  ".join(objects), "\n  ".join(facts), goal))
+    goal = _goal(draw.task_type, draw.obj_kind, draw.target, draw.tool)
+    return ("(define (problem gen_%d)\n(:domain alfred)\n(:objects\n  %s\n)\n(:init\n  %s\n)\n(:goal %s)\n)\n"
+            % (seed, "\n  ".join(objects), "\n  ".join(facts), goal))
 
-    # The walkthrough, in the engine's display names.
+
+def _walkthrough(draw: _Draw, openable: set) -> list[str]:
+    """The solution, in the engine's display names: to each task object, take it, use the tool on it, then put
+    it on the target (or use the lamp)."""
+    scene, rids = draw.scene, draw.rids
     names = _display_names([*scene.receptacles, *scene.objects])
     steps: list[str] = []
     here: str | None = None
@@ -270,35 +318,22 @@ def generate_game(options: GeneratorOptions | None = None, seed: int = 0) -> dic
             steps.append(f"open {names[rid]}")
             opened.add(rid)
 
-    goal_rid = next((r for r in rids if scene.receptacles[r] == target), None)
-    for oid in task_objs:
+    goal_rid = next((r for r in rids if scene.receptacles[r] == draw.target), None)
+    for oid in draw.task_objs:
         visit(scene.inside[oid])
         steps.append(f"take {names[oid]} from {names[scene.inside[oid]]}")
-        if tool:
-            tool_rid = next(r for r in rids if scene.receptacles[r] == tool[0])
+        if draw.tool:
+            tool_rid = next(r for r in rids if scene.receptacles[r] == draw.tool[0])
             visit(tool_rid, open_it=False)   # heat/cool/clean work on a closed microwave/fridge
-            steps.append(f"{tool[1]} {names[oid]} with {names[tool_rid]}")
-        if task_type == "look_at_obj_in_light":
+            steps.append(f"{draw.tool[1]} {names[oid]} with {names[tool_rid]}")
+        if draw.task_type == "look_at_obj_in_light":
             lamp = next(i for i, k in scene.objects.items() if k == "DeskLamp")
             visit(scene.inside[lamp], open_it=False)
             steps.append(f"use {names[lamp]}")
         else:
             visit(goal_rid)
             steps.append(f"move {names[oid]} to {names[goal_rid]}")
-
-    import alfworld.gen.goal_library as goal_library
-    template = rng.choice(goal_library.gdict[task_type]["templates"])
-    task = template.format(obj=obj_kind.lower(), recep=target.lower(), toggle=target.lower(), mrecep="")
-    return {
-        "pddl_domain": domain,
-        "grammar": grammar_template.replace("UNKNOWN GOAL", task),
-        "pddl_problem": problem,
-        "solvable": True,
-        "walkthrough": steps,
-        "task_type": task_type,
-        "task": task,
-        "generator": {"options": dataclasses.asdict(options), "seed": seed, "room": room},
-    }
+    return steps
 
 
 def game_seed(options: GeneratorOptions, split: str, index: int) -> int:

@@ -254,101 +254,127 @@ class PolicyTrainer:
         """ppo_epochs passes over the batch, one optimizer step per mini-batch. With `recomputes_old_logprobs`
         it trains with the learner's own old log-probs (and a correction's weights computed from both and the
         sampler's); the sampler-learner log-prob gap is measured every update (train/logprob_gap_*). `batch` is
-        left as it was: the result holds what was computed of it."""
+        left as it was: the result holds what was computed of it. Three phases: what the passes read
+        (`_prepare`), the passes (`_run_passes`), their sums over every process as metrics (`_step_metrics`)."""
         update = self.updates if update is None else update
         if batch.num_rows == 0:
             return TrainStepResult({"train/skipped_empty_batch": 1.0})
         t0 = time.perf_counter()
-        metrics: dict[str, float] = {}
         # Every pass's plan, first: the grammar masks this process needs are those of its rows in them.
         passes = [(rows, self._plan(batch, rows)) for epoch in range(self.cfg.ppo_epochs)
                   for rows in mini_batches(batch.num_rows, self.cfg.mini_batch_rows,
                                            seed=(update * 1000003 + epoch) % (2 ** 32))]
-        trained = batch        # what the passes read: `batch`, or a copy with what is computed below
+        metrics, trained, learner_logprobs, weights = self._prepare(batch, passes)
+        # The gap between the sampler's log-probs and the learner's old ones (learner.gigpo): from the
+        # recompute when there is one (every token, in _prepare), else from the first mini-batch's forward
+        # pass, whose weights are still the old ones (its tokens only: all of them when one mini-batch holds
+        # the batch).
+        gap_in_first_mini_batch = not self.recomputes_old_logprobs
+        sums, gap_max, grad_norms, steps = self._run_passes(trained, passes, measure_gap=gap_in_first_mini_batch)
+        self.updates = update + 1
+        sums, gap_max = self._summed_over_processes(sums, gap_max)
+        if not gap_in_first_mini_batch:      # the recompute: one forward pass over every row, on all processes
+            sums["flops"] += self.shape.forward_flops(*self._row_sizes(batch, np.arange(batch.num_rows)))
+        else:
+            n = max(sums["gap_tokens"], 1.0)
+            metrics.update({"train/logprob_gap_mean": sums["gap_mean_sum"] / n,
+                            "train/logprob_gap_kl": sums["gap_kl_sum"] / n,
+                            "train/logprob_gap_share": sums["gap_share_sum"] / n, "train/logprob_gap_max": gap_max})
+        metrics.update(self._step_metrics(sums, grad_norms, steps, time.perf_counter() - t0))
+        return TrainStepResult(metrics, learner_logprobs=learner_logprobs, weights=weights,
+                               allowed_bits=trained.allowed_bits)
+
+    def _prepare(self, batch: TrainBatch, passes: list) -> tuple[dict, TrainBatch, list | None, list | None]:
+        """(metrics, the batch the passes read, the learner's old log-probs, the correction's weights): `batch`,
+        or a copy with its grammar masks (those of this process's rows) and, with `recomputes_old_logprobs`,
+        the learner's own old log-probs and the correction's weights, the gap measured on every token."""
+        metrics: dict[str, float] = {}
+        trained = batch
         if batch.grammars is not None:
             trained, metrics["time/grammar_mask_s"] = self.constrain(
                 batch, [r for rows, plan in passes for r in self._own_rows(plan, int(rows[0]))])
-        # The gap between the sampler's log-probs and the learner's old ones (learner.gigpo): from the
-        # recompute when there is one (every token), else from the first mini-batch's forward pass, whose
-        # weights are still the old ones (its tokens only: all of them when one mini-batch holds the batch).
-        correction = self.cfg.logprob_correction
-        gap_in_first_mini_batch = not self.recomputes_old_logprobs
-        learner_logprobs = weights = None
-        if not gap_in_first_mini_batch:
-            t = time.perf_counter()
-            learner_logprobs, trained = self._logprobs_and_masks(trained)
-            # Forced tokens (log-prob 0 under the constrained sampler) are not in the loss, nor here.
-            masks = [batch.token_mask(r) for r in range(batch.num_rows)]
-            gap = logprob_gap(np.concatenate([a[m] for a, m in zip(learner_logprobs, masks)]),
-                              np.concatenate([b[m] for b, m in zip(batch.old_logprobs, masks)]))
-            metrics.update({f"train/logprob_gap_{k}": v for k, v in gap.items()})
-            # Where the correction binds: a ratio truncated at the cap (tis), a token dropped (masks).
-            all_weights, metrics["train/correction_share"] = correction_weights(
-                learner_logprobs, batch.old_logprobs, correction, self.cfg.correction_cap, masks)
-            weights = all_weights if correction != "none" else None     # (all ones: the loss skips them)
-            trained = replace(trained, old_logprobs=learner_logprobs, weights=weights)
-            metrics["time/recompute_s"] = time.perf_counter() - t
-        else:
+        if not self.recomputes_old_logprobs:
             metrics["train/correction_share"] = 0.0
-        gap_sums = np.zeros(4)         # |d| sum, k3 sum, count over the threshold, tokens (first mini-batch)
-        gap_max = 0.0
+            return metrics, trained, None, None
+        t = time.perf_counter()
+        correction = self.cfg.logprob_correction
+        learner_logprobs, trained = self._logprobs_and_masks(trained)
+        # Forced tokens (log-prob 0 under the constrained sampler) are not in the loss, nor here.
+        masks = [batch.token_mask(r) for r in range(batch.num_rows)]
+        gap = logprob_gap(np.concatenate([a[m] for a, m in zip(learner_logprobs, masks)]),
+                          np.concatenate([b[m] for b, m in zip(batch.old_logprobs, masks)]))
+        metrics.update({f"train/logprob_gap_{k}": v for k, v in gap.items()})
+        # Where the correction binds: a ratio truncated at the cap (tis), a token dropped (masks).
+        all_weights, metrics["train/correction_share"] = correction_weights(
+            learner_logprobs, batch.old_logprobs, correction, self.cfg.correction_cap, masks)
+        weights = all_weights if correction != "none" else None     # (all ones: the loss skips them)
+        trained = replace(trained, old_logprobs=learner_logprobs, weights=weights)
+        metrics["time/recompute_s"] = time.perf_counter() - t
+        return metrics, trained, learner_logprobs, weights
 
-        sums: dict[str, float] = {}
+    def _run_passes(self, trained: TrainBatch, passes: list, measure_gap: bool) -> tuple[dict, float, list, int]:
+        """Train on this process's micro-batches of every pass, one optimizer step per mini-batch. Returns
+        (sums by name: the loss terms' sums, the tokens, the model FLOPs and, with measure_gap, the first
+        mini-batch's log-prob gap sums; the largest gap; the grad norms; the optimizer steps)."""
+        sums: dict[str, float] = {"tokens_seen": 0.0, "computed_tokens": 0.0, "flops": 0.0,
+                                  "gap_mean_sum": 0.0, "gap_kl_sum": 0.0, "gap_share_sum": 0.0, "gap_tokens": 0.0}
+        gap_max = 0.0
         grad_norms: list[float] = []
-        tokens_seen = 0.0
-        flops = computed_tokens = 0.0           # this process's model FLOPs, and the tokens it computed
         steps = 0
         for rows, plan in passes:
             # Loss x world_size: DeepSpeed averages gradients over processes, we want their sum.
             scale = float(self.world_size) / max(plan.response_tokens, 1)
-            measure = gap_in_first_mini_batch and steps == 0
+            measure = measure_gap and steps == 0
             for rows_mb in plan.per_rank[self.rank]:
                 mb, weight = self._micro(trained, rows_mb, int(rows[0]))
                 ms, logp = self._train_micro(mb, scale * weight)
-                if weight:
-                    for k, v in ms.items():
-                        sums[k] = sums.get(k, 0.0) + v
-                    tokens_seen += float(mb.attention_mask.sum())
-                    computed_tokens += float(mb.input_ids.numel())
-                    lengths, response = self._row_sizes(trained, rows_mb)
-                    flops += self.shape.train_flops(lengths, response)
-                    if self.settings.kl_coef > 0:     # the reference's forward
-                        flops += self.shape.forward_flops(lengths, response)
-                    if measure:
-                        kept = mb.loss_mask.bool()
-                        gap = logprob_gap(logp[kept].numpy(), mb.old_logprobs[kept].numpy())
-                        n = int(kept.sum())
-                        gap_sums += [gap["mean"] * n, gap["kl"] * n, gap["share"] * n, n]
-                        gap_max = max(gap_max, gap["max"])
+                if not weight:
+                    continue
+                for k, v in ms.items():
+                    sums[f"loss:{k}"] = sums.get(f"loss:{k}", 0.0) + v
+                sums["tokens_seen"] += float(mb.attention_mask.sum())
+                sums["computed_tokens"] += float(mb.input_ids.numel())
+                lengths, response = self._row_sizes(trained, rows_mb)
+                sums["flops"] += self.shape.train_flops(lengths, response)
+                if self.settings.kl_coef > 0:     # the reference's forward
+                    sums["flops"] += self.shape.forward_flops(lengths, response)
+                if measure:
+                    kept = mb.loss_mask.bool()
+                    gap = logprob_gap(logp[kept].numpy(), mb.old_logprobs[kept].numpy())
+                    n = int(kept.sum())
+                    for name in ("mean", "kl", "share"):
+                        sums[f"gap_{name}_sum"] += gap[name] * n
+                    sums["gap_tokens"] += n
+                    gap_max = max(gap_max, gap["max"])
             self.engine.step()
             steps += 1
             gn = self.engine.get_global_grad_norm()
             if gn is not None:
                 grad_norms.append(float(gn))
-        self.updates = update + 1
+        return sums, gap_max, grad_norms, steps
 
-        keys = sorted(sums)
-        total = torch.tensor([sums[k] for k in keys] + list(gap_sums) + [flops, computed_tokens, tokens_seen],
-                             dtype=torch.float64)
-        peak = torch.tensor([gap_max], dtype=torch.float64)
-        if self.world_size > 1:
-            dist.all_reduce(total)
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        sums = dict(zip(keys, total[:len(keys)].tolist()))
-        gap_sums, (flops, computed_tokens, tokens_seen) = total[len(keys):-3].tolist(), total[-3:].tolist()
-        if not gap_in_first_mini_batch:      # the recompute: one forward pass over every row, on all processes
-            flops += self.shape.forward_flops(*self._row_sizes(batch, np.arange(batch.num_rows)))
-        if gap_in_first_mini_batch:
-            n = max(gap_sums[3], 1.0)
-            metrics.update({"train/logprob_gap_mean": gap_sums[0] / n, "train/logprob_gap_kl": gap_sums[1] / n,
-                            "train/logprob_gap_share": gap_sums[2] / n, "train/logprob_gap_max": float(peak[0])})
-        n = max(sums.get("tokens", 0.0), 1.0)
-        for k, v in sums.items():
-            if k.endswith("_sum"):
-                metrics[f"train/{k[:-4]}"] = v / n
-        elapsed = time.perf_counter() - t0
+    def _summed_over_processes(self, sums: dict[str, float], peak: float) -> tuple[dict[str, float], float]:
+        """`sums` added up over every learner process, by name, and the largest `peak` (two all-reduces).
+        Every process has the same names: each trains at least one micro-batch of every pass."""
+        if self.world_size == 1:
+            return sums, peak
+        names = sorted(sums)
+        total = torch.tensor([sums[k] for k in names], dtype=torch.float64)
+        largest = torch.tensor([peak], dtype=torch.float64)
+        dist.all_reduce(total)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+        return dict(zip(names, total.tolist())), float(largest[0])
+
+    def _step_metrics(self, sums: dict[str, float], grad_norms: list[float], steps: int,
+                      elapsed: float) -> dict[str, float]:
+        """The update's metrics from its sums over every process: each loss term per response token, the
+        tokens, the optimizer steps, the grad norms, the learning rate, the speed and the padding computed."""
+        response_tokens = sums.get("loss:tokens", 0.0)
+        n = max(response_tokens, 1.0)
+        metrics = {f"train/{k[5:-4]}": v / n for k, v in sums.items() if k.startswith("loss:") and k.endswith("_sum")}
+        tokens_seen, computed_tokens = sums["tokens_seen"], sums["computed_tokens"]
         metrics.update({
-            "train/response_tokens": sums.get("tokens", 0.0),
+            "train/response_tokens": response_tokens,
             "train/optimizer_steps": float(steps),
             "train/grad_norm": float(np.mean(grad_norms)) if grad_norms else float("nan"),
             "train/grad_norm_max": float(np.max(grad_norms)) if grad_norms else float("nan"),
@@ -356,10 +382,9 @@ class PolicyTrainer:
             "time/train_s": elapsed,
             "perf/tokens_per_s": tokens_seen / elapsed if elapsed > 0 else 0.0,
             "perf/padding_share": 1.0 - tokens_seen / computed_tokens if computed_tokens else 0.0,
-            **self._utilization(flops, elapsed),
+            **self._utilization(sums["flops"], elapsed),
         })
-        return TrainStepResult(metrics, learner_logprobs=learner_logprobs, weights=weights,
-                               allowed_bits=trained.allowed_bits)
+        return metrics
 
     @staticmethod
     def _row_sizes(batch: TrainBatch, rows) -> tuple[np.ndarray, np.ndarray]:

@@ -3,7 +3,7 @@ that the CLI, the viewer and the reports read it without torch.
 
     <output_dir>/             (node: who writes it)
       run_id                  driver: the run's id (stream.run_id), made by a new run, read by a resume
-      job.json                driver: how `gigpo status` / `gigpo scale` find the job (deploy/control.py)
+      job.json                driver: how `gigpo status` / `gigpo scale` find the job (deploy/control_channel.py)
       redis/                  driver: the embedded Redis's append-only file while the run lasts (none with
                               stream.redis_url or stream.embedded_dir); a finished run removes it
       logs/                   absolute path made on the driver; each actor writes its <component>.log there on
@@ -23,7 +23,7 @@ that the CLI, the viewer and the reports read it without torch.
 
 Everything but checkpoints/ is on the driver's node. A resume runs its learner wherever Ray places it and
 reads checkpoints/ there: when that is not the node that wrote them, run.output_dir must be on a filesystem
-both nodes mount (`deploy.run_control.lost_run_message` says so after a lost learner).
+both nodes mount (`deploy.run_lifecycle.lost_run_message` says so after a lost learner).
 """
 from __future__ import annotations
 

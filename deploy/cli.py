@@ -16,7 +16,7 @@ A mistake in what was asked (a bad config value, a missing model or game data, a
 password) is one line on stderr, `gigpo: <what is wrong>; <how to fix>`, exit status 2, found before
 anything starts or is written; `--debug` shows the traceback instead. A training run that loses a part it
 cannot go on without (a learner rank or its node, its Redis) ends with a few lines saying what was lost,
-the newest checkpoint and the command that resumes, exit status 3 (deploy.run_control.RunLost).
+the newest checkpoint and the command that resumes, exit status 3 (deploy.run_lifecycle.RunLost).
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def cmd_train(args) -> int:
     cfg = _load(args)
     run_checks(cfg)
     # (imports Ray, torch and the actors: once the checks passed)
-    from deploy.run_control import EXIT_LOST, RunLost, lost_run_message
+    from deploy.run_lifecycle import EXIT_LOST, RunLost, lost_run_message
     from deploy.system import train
     try:
         summary = train(cfg)
@@ -117,7 +117,7 @@ def cmd_eval(args) -> int:
 
 def _channel(output_dir: str):
     from common.stream.redis_client import connect
-    from deploy.control import ControlChannel, job_redis_url, read_job_file
+    from deploy.control_channel import ControlChannel, job_redis_url, read_job_file
     try:
         job = read_job_file(output_dir)
         url = job_redis_url(job)      # the password from $GIGPO_REDIS_PASSWORD or the job's password file
@@ -127,7 +127,7 @@ def _channel(output_dir: str):
 
 
 def cmd_status(args) -> int:
-    from deploy.control import format_dead_letters, format_status, read_job_file
+    from deploy.control_channel import format_dead_letters, format_status, read_job_file
     channel = _channel(args.output_dir)
     if args.dead_letters:
         stream = read_job_file(args.output_dir).get("stream")

@@ -327,7 +327,7 @@ def check_rollout_nodes(cfg: ExperimentConfig, timeout_s: float = 300.0) -> None
     from env_servers.registry import data_env
     need = job_needs(cfg)["rollout actor"][0]
     probe = ray.remote(num_cpus=0, max_retries=0)(_env_data_problem)
-    # With the paths every actor gets (deploy.run_control.start_ray forwards the same), resolved here.
+    # With the paths every actor gets (deploy.run_lifecycle.start_ray forwards the same), resolved here.
     paths = {"env_vars": data_env(cfg.env)}
     asked = {n["node_id"]: probe.options(
         scheduling_strategy=NodeAffinitySchedulingStrategy(n["node_id"], soft=False), runtime_env=paths).remote(cfg)

@@ -40,14 +40,14 @@ from common.weights import shm_cleanup
 from common.run_dir import (LEARNER_STATE, REDIS_DIR, check_checkpoint_is_ours, eval_dir, eval_result_file,
                             is_complete_checkpoint, logs_dir, prepare_output_dir)
 from common.stream.redis_stream import stream_key
-from deploy.control import ControlChannel, write_job_file
+from deploy.control_channel import ControlChannel, write_job_file
 from deploy.inference_pool import INFERENCE_STOP_S, InferencePool
 from deploy.learner_pool import STEP_TIMEOUT_S, LearnerPool
 from deploy.preflight import PreflightError, check_rollout_nodes
 from deploy.reports import (PlacementWatch, append_eval_record, eval_line, eval_records, first_evaluation,
                             format_eval, format_summary, status_record, trim_records_after, waiting_state)
 from deploy.rollout_pool import ROLLOUT_STOP_S, RolloutPool
-from deploy.run_control import RunLost, SignalTrap, link_ray_logs, lost_parts, start_ray, stop_ray
+from deploy.run_lifecycle import RunLost, SignalTrap, link_ray_logs, lost_parts, start_ray, stop_ray
 from deploy.run_model import eval_model, initial_model, ship_model
 from deploy.tracking import Tracker
 from learner.group_record import GroupRecorder
@@ -125,7 +125,7 @@ class System:
         self._evals_started = False         # this run has written evals.jsonl (see evaluate)
         self._training = False              # start() of a training run (not `gigpo eval`) has begun
         self.finished = False               # every update of the run done and checkpointed (`train`)
-        self._lost: list[str] = []          # what the run lost (see run_control.lost_parts), once it has ended
+        self._lost: list[str] = []          # what the run lost (see run_lifecycle.lost_parts), once it has ended
 
     # -- start and stop --------------------------------------------------------------------------------
 

@@ -43,7 +43,7 @@ ALFWORLD_OWN_DEFAULT = os.path.expanduser("~/.cache/alfworld")     # what `impor
 
 def default_data_dir() -> str:
     """$ALFWORLD_DATA, else ./data/alfworld (what `make data` fills), as an absolute path: the driver hands
-    it to every actor (deploy.run_control.start_ray), whose working directory is Ray's, not the driver's.
+    it to every actor (deploy.run_lifecycle.start_ray), whose working directory is Ray's, not the driver's.
     The value ALFWorld's own import puts there when it was unset (~/.cache/alfworld) counts as unset."""
     value = os.environ.get("ALFWORLD_DATA")
     if value == ALFWORLD_OWN_DEFAULT and env_servers.ALFWORLD_DATA_AT_START != value:

@@ -1,6 +1,6 @@
 """The environment variables the project needs in its own processes, set by the project itself.
 
-`apply_project_env()` runs first thing in the `gigpo` command, in `deploy.run_control.start_ray` (the driver
+`apply_project_env()` runs first thing in the `gigpo` command, in `deploy.run_lifecycle.start_ray` (the driver
 and a local Ray's processes) and in every actor constructor, before vLLM or DeepSpeed is imported, so
 `ray job submit`, the container and KubeRay need no `make` or env.sh. A value the user (or a job's runtime
 env) gave wins (setdefault).
@@ -20,7 +20,7 @@ The CPU-node values are computed on each node: `driver_runtime_env` forwards onl
 learner on a GPU node must not get the CPU head's DS_ACCELERATOR=cpu). One machine's choices (HF_HUB_OFFLINE,
 TORCH_EXTENSIONS_DIR, PYTHONPATH, DS_BUILD_OPS) are not here: the Makefile and env.sh set those. The data
 directories (ALFWORLD_DATA / WEBSHOP_DATA) the driver sets itself, absolute, before it forwards them
-(deploy.run_control.start_ray).
+(deploy.run_lifecycle.start_ray).
 """
 from __future__ import annotations
 

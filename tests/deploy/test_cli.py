@@ -8,7 +8,7 @@ from common.metrics import METRICS, SECTIONS, update_figures
 from common.stream.redis_client import connect
 from common.stream.redis_server import EmbeddedRedis
 from deploy import cli
-from deploy.control import ControlChannel, format_status, job_redis_url, read_job_file, write_job_file
+from deploy.control_channel import ControlChannel, format_status, job_redis_url, read_job_file, write_job_file
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +128,7 @@ def test_eval_table_has_the_papers_columns():
 
 
 def test_a_lost_part_is_said_in_a_few_lines_with_the_resume_point_and_the_resume_command(tmp_path, monkeypatch):
-    """deploy.run_control.lost_run_message (what `gigpo train` prints on RunLost, exit status 3): what was lost, the
+    """deploy.run_lifecycle.lost_run_message (what `gigpo train` prints on RunLost, exit status 3): what was lost, the
     checkpoint a resume starts from (common.run_dir.resume_point: without `latest`, the newest *complete* one by
     update number), and the command line that resumes: the same config, program
     and overrides, run.resume=true, without run.resume_tag (an older checkpoint) or run.overwrite (would delete
@@ -136,7 +136,7 @@ def test_a_lost_part_is_said_in_a_few_lines_with_the_resume_point_and_the_resume
     import shlex
 
     from common.run_dir import LATEST, LEARNER_STATE
-    from deploy.run_control import RunLost, lost_run_message
+    from deploy.run_lifecycle import RunLost, lost_run_message
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr("sys.argv", [".venv/bin/gigpo"])

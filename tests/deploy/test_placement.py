@@ -158,7 +158,7 @@ def test_rollout_actor_lands_by_resources_and_loads_the_shipped_tokenizer(kinds_
         assert Path(path).parent.name == CACHE_DIR_NAME and not (Path(path) / "model.safetensors").exists()
         assert ids == AutoTokenizer.from_pretrained(tiny_model_path).encode(SAMPLE)
         # What the driver publishes for `gigpo status`, and how it shows: the actor under its node.
-        from deploy.control import format_status
+        from deploy.control_channel import format_status
         from deploy.reports import placement_record
         from deploy.rollout_pool import RolloutRecord
         from deploy.system import System
@@ -176,8 +176,8 @@ def test_rollout_actor_lands_by_resources_and_loads_the_shipped_tokenizer(kinds_
 
 def test_status_groups_the_actors_by_node(redis_server):
     from common.stream.redis_client import connect
-    from deploy.control import format_status
-    from deploy.control import ControlChannel
+    from deploy.control_channel import format_status
+    from deploy.control_channel import ControlChannel
 
     here = {"ip": "10.0.0.2", "hostname": "head"}
     there = {"ip": "10.0.0.3", "hostname": "gpu-1"}

@@ -29,7 +29,7 @@ from common.run_dir import JOB_FILE
 from common.stream.redis_client import PASSWORD_ENV, connect, password_file_for, resolve_password
 from common.stream.redis_server import EmbeddedRedis, redis_for
 from deploy import cli
-from deploy.control import job_redis_url, read_job_file, write_job_file
+from deploy.control_channel import job_redis_url, read_job_file, write_job_file
 
 REPO = Path(__file__).resolve().parents[2]
 SECRET = "s3cret-never-written"
@@ -283,7 +283,7 @@ def test_a_training_run_that_loses_its_learner_writes_the_password_nowhere_and_s
     """One real `gigpo train` (embedded Redis with a generated password), watched from outside: the password
     is on no command line, in no process's environment, in no output or file of the run. After two
     updates (each checkpointed) its learner's process is killed (a lost learner node does the same to the
-    driver: Ray reports the actor dead; deploy.run_control.lost_parts tells the two apart by whether the
+    driver: Ray reports the actor dead; deploy.run_lifecycle.lost_parts tells the two apart by whether the
     node is still in the cluster, the code path is the same): the run ends with exit status 3 and, on stderr,
     no traceback but three lines: which rank on which node was lost, the newest complete checkpoint, the
     command that resumes."""

@@ -4,7 +4,7 @@ or trained twice; `gigpo scale --rollout 0` pauses the run, which says so, and a
 (commands are read while the driver waits for data); `gigpo scale --inference 2` adds a vLLM engine that
 serves the learner's current weights as soon as it joins (the learner rebuilds its collective group with
 it) and gets the next push, and `--inference 1` removes it once its requests are done, none lost or
-retried; last, the embedded Redis dies, and the run ends saying so (deploy.run_control.RunLost)."""
+retried; last, the embedded Redis dies, and the run ends saying so (deploy.run_lifecycle.RunLost)."""
 from __future__ import annotations
 
 import os
@@ -17,8 +17,8 @@ import ray
 
 from common.config import load_config
 from deploy import cli
-from deploy.control import format_status
-from deploy.run_control import RunLost, lost_run_message
+from deploy.control_channel import format_status
+from deploy.run_lifecycle import RunLost, lost_run_message
 from deploy.system import System
 from tests.support.accounting import assert_no_group_lost, stream_counts
 

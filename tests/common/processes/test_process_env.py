@@ -88,8 +88,9 @@ def test_every_actor_constructor_sets_the_environment_first(path, name):
 
 # The script a clean process runs (no make, no env.sh: only PATH and HOME). Phase 1: a Ray started directly,
 # so its processes inherit none of the project's variables, and a real actor (reporting its environment)
-# sets them in its constructor as the project's actors do. Phase 2: deploy.run_control.start_ray under a simulated `ray job
-# submit` (the supervisor's RAY_JOB_CONFIG_JSON_ENV_VAR, and the job's variable in the environment).
+# sets them in its constructor as the project's actors do. Phase 2: deploy.run_lifecycle.start_ray under a
+# simulated `ray job submit` (the supervisor's RAY_JOB_CONFIG_JSON_ENV_VAR, and the job's variable in the
+# environment).
 CLEAN_PROCESS = r"""
 import json, os, sys
 import ray
@@ -120,7 +121,7 @@ ray.shutdown()
 job_vars = {"VLLM_CPU_KVCACHE_SPACE": "3"}
 os.environ.update(job_vars)
 os.environ["RAY_JOB_CONFIG_JSON_ENV_VAR"] = json.dumps({"runtime_env": {"env_vars": job_vars}})
-from deploy.run_control import start_ray
+from deploy.run_lifecycle import start_ray
 start_ray(ExperimentConfig())
 out["job_task"] = ray.get(plain_task.remote(), timeout=120)
 ray.shutdown()

@@ -57,13 +57,30 @@ def find_redis_server() -> str:
                             "or a redis-server on PATH, or set stream.redis_url to a running Redis")
 
 
+# The run's clients (every rollout node holds the password) get what the stream, the admission script and the
+# control channel use, and nothing that reads or changes the server itself: no CONFIG (`CONFIG SET dir` +
+# `dbfilename` + SAVE writes a file wherever the server's user can), MODULE LOAD, DEBUG, SHUTDOWN, FLUSHALL,
+# KEYS, INFO, CLIENT or ACL (Redis's @admin and @dangerous categories). The server's owner has an admin user
+# whose password never leaves the machine that started it.
+CLIENT_RULES = "~* &* +@all -@admin -@dangerous"
+ADMIN_USER = "gigpo-admin"
+
+
+def _config_arg(text: str) -> str:
+    """`text` as one argument of a redis.conf line (double-quoted: a password may hold spaces or quotes)."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 def server_config(binds: str, port: int, password: str, data_dir: str, aof: bool, appendfsync: str = "everysec",
-                  maxmemory_mb: int = 0, daemonize: bool = False) -> list[str]:
-    """redis.conf lines of a server the project runs (the embedded one, and `gigpo redis` on a cluster)."""
+                  maxmemory_mb: int = 0, daemonize: bool = False, admin_password: str = "") -> list[str]:
+    """redis.conf lines of a server the project runs (the embedded one, and `gigpo redis` on a cluster): the
+    run's password for the default user, limited to `CLIENT_RULES`; with `admin_password`, `ADMIN_USER` may
+    run every command."""
     return [
         f"bind {binds}",
         f"port {port}",
-        f"requirepass {password}",
+        f"user default reset on {_config_arg('>' + password)} {CLIENT_RULES}",
+        *([f"user {ADMIN_USER} reset on {_config_arg('>' + admin_password)} ~* &* +@all"] if admin_password else []),
         f"dir {data_dir}",
         f"daemonize {'yes' if daemonize else 'no'}",
         *(["pidfile redis.pid"] if daemonize else []),
@@ -86,11 +103,15 @@ def _write_owner_only(path: Path, text: str) -> None:
     os.chmod(path, 0o600)          # (an existing file keeps its mode through O_CREAT)
 
 
+ADMIN_PASSWORD_FILE = "admin-password"     # in `gigpo redis`'s data directory, owner-only: `ADMIN_USER`'s
+
+
 def serve_detached(port: int, data_dir: str, password_file: str, bind: str = "127.0.0.1", maxmemory_mb: int = 0,
                    timeout_s: float = 30.0) -> str:
     """A durable Redis for a cluster's trajectory stream, run on this node by `gigpo redis`: AOF on (a restart
     keeps every unacknowledged group), no eviction, the password read from `password_file` (made, owner-only,
-    with a random one when missing) and never on a command line. The server is a daemon: it outlives this
+    with a random one when missing) and never on a command line; the runs' clients are limited to `CLIENT_RULES`,
+    and `ADMIN_USER`'s password is in <data_dir>/admin-password. The server is a daemon: it outlives this
     process and `ray stop`. Returns "running" when a server already answers on 127.0.0.1:`port` with that
     password (nothing is started), else "started" once it answers. RuntimeError when the port is taken by
     another server, or the server did not start (its log's tail in the message)."""
@@ -113,7 +134,12 @@ def serve_detached(port: int, data_dir: str, password_file: str, bind: str = "12
         data = Path(data_dir).expanduser().resolve()
         data.mkdir(parents=True, exist_ok=True, mode=0o700)
         conf = data / "redis.conf"
-        lines = server_config(bind, port, password, str(data), aof=True, maxmemory_mb=maxmemory_mb, daemonize=True)
+        admin_file = data / ADMIN_PASSWORD_FILE
+        if not admin_file.is_file():
+            _write_owner_only(admin_file, secrets.token_hex(24) + "\n")
+        admin_password = read_password_file(str(admin_file), "the admin password file")
+        lines = server_config(bind, port, password, str(data), aof=True, maxmemory_mb=maxmemory_mb, daemonize=True,
+                              admin_password=admin_password)
         _write_owner_only(conf, "\n".join(lines) + "\n")
         done = subprocess.run([find_redis_server(), str(conf)], cwd=data, stdin=subprocess.DEVNULL,
                               capture_output=True, text=True, timeout=timeout_s)
@@ -192,6 +218,7 @@ class EmbeddedRedis:
         self.host = host
         self.maxmemory_mb = maxmemory_mb        # 0: no bound
         self.password = password or secrets.token_urlsafe(24)
+        self.admin_password = secrets.token_urlsafe(24)     # `admin_url`'s: this process's alone
         self.aof = aof
         self.appendfsync = appendfsync
         self.binary = binary or find_redis_server()
@@ -207,6 +234,14 @@ class EmbeddedRedis:
         if self.port is None:
             raise RuntimeError("EmbeddedRedis has no port yet: call start() first")
         return f"redis://:{quote(self.password, safe='')}@{self.host}:{self.port}/0"
+
+    @property
+    def admin_url(self) -> str:
+        """A URL of `ADMIN_USER`, who may run every command (CONFIG, INFO, ...): for the owner and tests,
+        never handed to an actor (`url` is the run's, limited to `CLIENT_RULES`)."""
+        if self.port is None:
+            raise RuntimeError("EmbeddedRedis has no port yet: call start() first")
+        return f"redis://{ADMIN_USER}:{quote(self.admin_password, safe='')}@127.0.0.1:{self.port}/0"
 
     @property
     def password_file(self) -> str:
@@ -234,7 +269,7 @@ class EmbeddedRedis:
         Path(self.data_dir).mkdir(parents=True, exist_ok=True)
         binds = "127.0.0.1" + ("" if _is_loopback(self.host) else f" {self.host}")
         lines = server_config(binds, self.port, self.password, self.data_dir, self.aof, self.appendfsync,
-                              self.maxmemory_mb)
+                              self.maxmemory_mb, admin_password=self.admin_password)
         # The password is in these files: owner-only (it is never on a command line either).
         self._write_secret("password", self.password + "\n")
         return self._write_secret("redis.conf", "\n".join(lines) + "\n")
@@ -274,7 +309,8 @@ class EmbeddedRedis:
                 continue
             where = f"127.0.0.1 and {self.host}" if not _is_loopback(self.host) else "127.0.0.1"
             # (redis-server quotes a config line it refuses: never the password into a message)
-            said = f"{err.strip()} {log.strip()}".replace(self.password, REDACTED)
+            said = f"{err.strip()} {log.strip()}".replace(self.password, REDACTED).replace(self.admin_password,
+                                                                                           REDACTED)
             raise RuntimeError(f"redis-server did not start on {where}, port {self.port}: {said}")
         raise RuntimeError("redis-server did not start")  # pragma: no cover
 

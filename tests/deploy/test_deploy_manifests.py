@@ -27,6 +27,8 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from common.stream.redis_server import CLIENT_RULES
+
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 SCHEMAS = ROOT / "tests" / "schemas"
@@ -201,6 +203,11 @@ def test_manifests_agree_with_each_other_and_the_repo():
     redis_container = redis["spec"]["template"]["spec"]["containers"][0]
     assert _container_env(redis_container)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == secret_ref
     args = redis_container["args"]
+    # The Secret's password grants what the project's own servers grant a run's clients, no more.
+    user = args.index("--user")
+    assert args[user + 1:user + 5] == ["default", "reset", "on", ">$(REDIS_PASSWORD)"]
+    assert args[user + 5:user + 5 + len(CLIENT_RULES.split())] == CLIENT_RULES.split()
+    assert "--requirepass" not in args
     assert args[args.index("--appendonly") + 1] == "yes"
     assert args[args.index("--maxmemory-policy") + 1] == "noeviction"
     assert redis["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"]

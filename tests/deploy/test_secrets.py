@@ -192,7 +192,11 @@ def test_gigpo_redis_starts_the_clusters_stream_redis_once_its_password_on_no_co
         server = psutil.Process(pid)
         # (process_iter's attrs: a process that ends meanwhile, or a zombie, gives None instead of raising)
         assert all(password not in " ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"]))
-        client = redis.Redis(host="127.0.0.1", port=port, password=password)
+        with pytest.raises(redis.exceptions.NoPermissionError):     # the runs' password: data commands only
+            redis.Redis(host="127.0.0.1", port=port, password=password).config_get("appendonly")
+        admin_password = (data / "admin-password").read_text().strip()
+        assert (data / "admin-password").stat().st_mode & 0o077 == 0 and admin_password != password
+        client = redis.Redis(host="127.0.0.1", port=port, username="gigpo-admin", password=admin_password)
         assert client.config_get("appendonly") == {"appendonly": "yes"}
         assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
         assert client.config_get("maxmemory") == {"maxmemory": str(64 * 2**20)}

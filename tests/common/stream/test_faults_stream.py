@@ -114,7 +114,7 @@ def test_dead_letter_stream_is_bounded(redis_url):
 def test_producer_waits_out_a_full_redis_and_says_why(redis_server, redis_url):
     """maxmemory on the real server, noeviction: XADD answers OOM. The producer retries until its deadline,
     then raises an error that says what happened; once there is room again, the same group goes through."""
-    r = connect(redis_url)
+    r = connect(redis_server.admin_url)
     before = r.config_get("maxmemory")["maxmemory"], r.config_get("maxmemory-policy")["maxmemory-policy"]
     cfg = _cfg()
     producer = TrajectoryStream(redis_url, cfg, "producer")
@@ -148,7 +148,7 @@ def test_embedded_redis_memory_is_bounded(tmp_path):
     from common.stream.redis_server import redis_for
     url, server = redis_for(StreamConfig(embedded_maxmemory_mb=64, embedded_dir=str(tmp_path / "redis")))
     try:
-        r = connect(url)
+        r = connect(server.admin_url)
         assert int(r.config_get("maxmemory")["maxmemory"]) == 64 * 1024 * 1024
         assert r.config_get("maxmemory-policy")["maxmemory-policy"] == "noeviction"
     finally:

@@ -80,7 +80,7 @@ def test_redis_for_starts_a_server_when_no_url(tmp_path):
     url, srv = redis_for(StreamConfig(redis_url="", embedded_dir=str(tmp_path)))
     try:
         assert srv is not None and srv.running
-        r = connect(url)
+        r = connect(srv.admin_url)
         assert r.config_get("appendonly")["appendonly"] == "yes"
         assert r.config_get("bind")["bind"] == "127.0.0.1"
     finally:
@@ -472,8 +472,31 @@ def test_live_consumer_keeps_its_groups_while_it_keeps_reading(redis_server, cfg
     assert b.stats["reclaimed"] == 0 and a.depth() == 0
 
 
+def test_the_runs_password_reads_and_writes_groups_and_cannot_touch_the_server(redis_server, cfg, tmp_path):
+    """Every rollout node holds the run's password: with it the stream works, while every command that reads or
+    changes the server itself is refused (CONFIG SET dir + SAVE would write a file anywhere the server's user
+    can; MODULE LOAD runs code). The owner's admin URL still may."""
+    import redis
+    stream = TrajectoryStream(redis_server.url, cfg)
+    stream.publish(make_group("least-privilege"))
+    got = stream.read(4, 100)
+    assert [r.group.group_id for r in got] == ["least-privilege"]
+    stream.ack(got)
+    client = connect(redis_server.url, retries=0)
+    refused = [("CONFIG", "SET", "dir", str(tmp_path)), ("CONFIG", "GET", "*"), ("SAVE",), ("BGSAVE",),
+               ("MODULE", "LOAD", str(tmp_path / "x.so")), ("DEBUG", "SLEEP", "0"), ("SHUTDOWN", "NOSAVE"),
+               ("FLUSHALL",), ("FLUSHDB",), ("KEYS", "*"), ("INFO",), ("ACL", "LIST"), ("CLIENT", "LIST"),
+               ("MONITOR",), ("REPLICAOF", "127.0.0.1", "1"), ("SLOWLOG", "GET")]
+    for command in refused:
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            client.execute_command(*command)
+    assert redis_server.running
+    admin = connect(redis_server.admin_url)
+    assert admin.config_get("dir")["dir"] == redis_server.data_dir and admin.dbsize() >= 0
+
+
 def test_acl_user_url_works_and_wrong_permissions_fail_fast(redis_server, cfg):
-    admin = connect(redis_server.url)
+    admin = connect(redis_server.admin_url)
     admin.execute_command("ACL", "SETUSER", "rollout", "on", ">s3cret", "~test:*", "+@all")
     admin.execute_command("ACL", "SETUSER", "nobody", "on", ">pw", "~other:*", "+@all")
     url = f"redis://rollout:s3cret@127.0.0.1:{redis_server.port}/0"

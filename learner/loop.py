@@ -36,6 +36,7 @@ from common.run_dir import PUSHED_VERSION, checkpoints_dir, prepare_checkpoint_d
 from common.staleness import policy_lag
 from common.stream.records import EpisodeGroup
 from learner.batching import build_batch, check_group
+from learner.collectives import broadcast, broadcast_groups
 from learner.group_record import GroupRecorder
 from learner.learner_metrics import LearnerMetrics
 from learner.read_policy import groups_to_train
@@ -186,13 +187,9 @@ class Learner:
                 self.stream.dead_letter([r], f"learner: {exc}")
         return good
 
-    def _broadcast(self, obj: Any) -> Any:
-        if self.world_size == 1:
-            return obj
-        import torch.distributed as dist
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+    def _broadcast(self, value: Any) -> Any:
+        """Rank 0's `value` on every process (msgpack's types; no pickle: learner.collectives)."""
+        return value if self.world_size == 1 else broadcast(value)
 
     def step(self, groups: list[EpisodeGroup] | None = None, timeout_s: float | None = None
              ) -> dict[str, float] | None:
@@ -241,7 +238,7 @@ class Learner:
                 raise ValueError("Learner.step() without groups needs a trajectory source")
             received = self._read_groups(timeout_s)
             groups = None if received is None else [r.group for r in received]
-        return self._broadcast(groups), received
+        return (groups if self.world_size == 1 else broadcast_groups(groups)), received
 
     def _build_batch(self, groups: list[EpisodeGroup], received: list | None):
         """(batch, groups, received) with advantages. Groups that passed the checks on read but cannot be batched

@@ -34,11 +34,11 @@ import torch.distributed as dist
 
 from common.atomic_write import fsync_tree, write_atomically
 from common.config import LearnerConfig, served_lora_rank
-from common.processes.placement import free_port
 from common.run_dir import (LATEST, LEARNER_STATE, check_checkpoint_is_ours, checkpoint_tag, checkpoint_tags,
                             complete_checkpoints, is_complete_checkpoint, resume_point, seal_checkpoint, tag_update)
 from learner.batching import (MicroBatch, MicroBatchPlan, TrainBatch, collate, collate_packed, mini_batches,
                               plan_micro_batches)
+from learner.collectives import all_gather_arrays
 from learner.grammar_mask import GrammarMasks, allowed_tokens
 from learner.utilization import ModelShape, matmul_peak
 from learner.gigpo import (LossSettings, correction_weights, logprob_gap, policy_loss,
@@ -65,9 +65,10 @@ def prune_checkpoints(root: str | os.PathLike, keep: int, just_written: str) -> 
 
 
 def setup_distributed() -> tuple[int, int]:
-    """Initialize torch.distributed through DeepSpeed (idempotent; without launcher variables a world of one on
-    a free local port); returns (rank, world_size). On CPU: gloo, and DeepSpeed's shared-memory comm op,
-    which would JIT-compile for ~2 minutes, skipped."""
+    """Initialize torch.distributed through DeepSpeed (idempotent; without launcher variables a world of one);
+    returns (rank, world_size). A world of one meets in an in-process store: no TCPStore, which listens on
+    every interface of the machine whatever MASTER_ADDR says. On CPU: gloo, and DeepSpeed's shared-memory
+    comm op, which would JIT-compile for ~2 minutes, skipped."""
     cuda = torch.cuda.is_available()
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")     # before deepspeed picks its accelerator
@@ -76,12 +77,14 @@ def setup_distributed() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    backend = "nccl" if cuda else "gloo"
     if not cuda:
         # Through sys.modules: `import deepspeed.comm.torch` would bind the torch package instead.
         sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
+    if int(os.environ["WORLD_SIZE"]) == 1:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    deepspeed.init_distributed(dist_backend=backend)      # (takes over a process group already made)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -238,10 +241,7 @@ class PolicyTrainer:
                 mine.update({int(r): s.numpy() for r, s in zip(mb.rows, splits)})
         self.engine.train()
         if self.world_size > 1:
-            gathered: list[dict] = [None] * self.world_size   # type: ignore[list-item]
-            dist.all_gather_object(gathered, mine)
-            for part in gathered:
-                mine.update(part)
+            mine = all_gather_arrays(mine)
         return [mine[r] for r in range(batch.num_rows)], batch
 
     @property

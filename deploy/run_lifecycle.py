@@ -3,6 +3,7 @@ behind, and after a failure, which parts the run lost that it cannot go on witho
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import shlex
@@ -180,10 +181,27 @@ class SignalTrap:
             self._saved = None
 
 
-def lost_parts(learners: LearnerPool, embedded_redis, redis_url: str | None) -> list[str]:
+def disk_full(exc: BaseException | None) -> OSError | None:
+    """The out-of-space error at the root of `exc` (a learner's failed checkpoint reaches the driver wrapped
+    by Ray: its `cause`), or None."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            return exc
+        exc = getattr(exc, "cause", None) or exc.__cause__
+    return None
+
+
+def lost_parts(learners: LearnerPool, embedded_redis, redis_url: str | None,
+               failure: BaseException | None = None) -> list[str]:
     """What the run has lost and cannot go on without, one line each: a learner rank Ray reports dead (its
-    process, or its node: `LearnerPool.lost`), or the Redis."""
+    process, or its node: `LearnerPool.lost`), the Redis, or the space its checkpoints need (`failure`: what
+    ended the run, when a disk filled up)."""
     lost = learners.lost()
+    full = disk_full(failure)
+    if full is not None:
+        lost.append(f"the space its checkpoints need: {full.strerror}")
     if embedded_redis is not None:
         if not embedded_redis.running:
             lost.append(f"its embedded Redis (the trajectory stream and the control channel; redis-server pid "

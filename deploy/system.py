@@ -250,7 +250,7 @@ class System:
         if self._training and isinstance(exc, Exception) and not isinstance(exc, RunLost):
             # Before close() stops everything: was the failure a part the run cannot go on without?
             try:
-                self._lost = lost_parts(self.learners, self.redis, self.redis_url)
+                self._lost = lost_parts(self.learners, self.redis, self.redis_url, failure=exc)
                 nodes = self.learners.nodes
                 if nodes and nodes[0]["node_id"] != ray.get_runtime_context().get_node_id():
                     learner_node = nodes[0]

@@ -18,6 +18,7 @@ on a copy and comes back in its `TrainStepResult`.
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -86,6 +87,24 @@ def setup_distributed() -> tuple[int, int]:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     deepspeed.init_distributed(dist_backend=backend)      # (takes over a process group already made)
     return dist.get_rank(), dist.get_world_size()
+
+
+FULL_DISK_FREE_BYTES = 64 * 2 ** 20     # a save that failed with less than this free ran out of space
+
+
+def _failed_save(root: Path, tag: str, exc: BaseException) -> BaseException:
+    """What a checkpoint save that failed part of the way raises, its half-written directory removed (never a
+    checkpoint: it has no LEARNER_STATE; removed, its space is free again). torch.save reports a full disk as
+    a RuntimeError about an iostream: that becomes an OSError(ENOSPC) that says so and where."""
+    shutil.rmtree(root / tag, ignore_errors=True)
+    free = shutil.disk_usage(root).free if root.exists() else 0
+    full = getattr(exc, "errno", None) == errno.ENOSPC or "no space left" in str(exc).lower() or \
+        free < FULL_DISK_FREE_BYTES
+    if not full:
+        return exc
+    return OSError(errno.ENOSPC, f"No space left on device for the checkpoint {root / tag} (it was removed; "
+                                 f"{free / 2 ** 20:.0f} MiB free there now): no group of the updates since the "
+                                 "last checkpoint was acked; free space, then resume the run to train them again")
 
 
 def _ds_config(cfg: LearnerConfig, bf16: bool) -> dict:
@@ -472,12 +491,15 @@ class PolicyTrainer:
             # A tag of the same number from an abandoned history (see prune_checkpoints) is rewritten in
             # place: unmark it first, so that it never looks complete with half of its files replaced.
             (root / tag / LEARNER_STATE).unlink(missing_ok=True)
-        # With LoRA the frozen base weights are the model's files: the checkpoint holds the adapters alone.
-        # DeepSpeed's own `latest` is written in place, neither atomically nor durably: written below instead.
-        self.engine.save_checkpoint(str(root), tag=tag, client_state={"learner": state}, save_latest=False,
-                                    exclude_frozen_parameters=bool(self.cfg.lora_rank))
-        seal_checkpoint(root / tag)     # loaded only if no one else could have written it: no group/other write
-        fsync_tree(root / tag)          # on each process's node: its own files, wherever they are
+        try:
+            # With LoRA the frozen base weights are the model's files: the checkpoint holds the adapters alone.
+            # DeepSpeed's own `latest` is written in place, neither atomically nor durably: written below.
+            self.engine.save_checkpoint(str(root), tag=tag, client_state={"learner": state}, save_latest=False,
+                                        exclude_frozen_parameters=bool(self.cfg.lora_rank))
+            seal_checkpoint(root / tag)     # loaded only if no one else could have written it: no group/other write
+            fsync_tree(root / tag)          # on each process's node: its own files, wherever they are
+        except (OSError, RuntimeError) as exc:
+            raise _failed_save(root, tag, exc) from exc
         if self.world_size > 1:
             dist.barrier()
         if self.rank == 0:

@@ -127,6 +127,32 @@ def test_eval_table_has_the_papers_columns():
     assert [cell.strip() for cell in lines[2].split("|")] == ["eval", "22.0", "6.2", "32"]
 
 
+def test_a_full_checkpoint_disk_reaches_the_driver_as_a_lost_part_with_its_resume(local_ray, tmp_path):
+    """A learner's checkpoint that ran out of space (learner.trainer: OSError ENOSPC, tests/learner/
+    test_faults_learner.py causes it for real) arrives at the driver wrapped by Ray; the driver names it as
+    what the run lost, with where a resume starts (the checkpoint before) and how."""
+    import errno
+
+    from deploy.run_lifecycle import RunLost, disk_full, lost_run_message
+
+    @local_ray.remote
+    def save():
+        raise OSError(errno.ENOSPC, "No space left on device for the checkpoint /x/update_0000002 (it was removed)")
+
+    with pytest.raises(Exception) as err:
+        local_ray.get(save.remote())
+    full = disk_full(err.value)
+    assert full is not None and full.errno == errno.ENOSPC and "update_0000002" in full.strerror
+    assert disk_full(RuntimeError("another failure")) is None and disk_full(None) is None
+    (tmp_path / "checkpoints" / "update_0000001").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "update_0000001" / "learner_state.json").write_text("{}")
+    lines = lost_run_message(RunLost([f"the space its checkpoints need: {full.strerror}"], str(tmp_path)),
+                             ["gigpo", "train", "c.yaml", "run.resume=true"]).splitlines()
+    assert lines[0].startswith("gigpo: the run lost the space its checkpoints need: No space left on device")
+    assert lines[1].startswith(f"a resume starts from {tmp_path / 'checkpoints' / 'update_0000001'} (update 1)")
+    assert lines[-1] == "resume with: gigpo train c.yaml run.resume=true"
+
+
 def test_a_lost_part_is_said_in_a_few_lines_with_the_resume_point_and_the_resume_command(tmp_path, monkeypatch):
     """deploy.run_lifecycle.lost_run_message (what `gigpo train` prints on RunLost, exit status 3): what was lost, the
     checkpoint a resume starts from (common.run_dir.resume_point: without `latest`, the newest *complete* one by

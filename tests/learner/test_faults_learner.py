@@ -3,7 +3,11 @@ that dies between checkpoints while a weight publisher is in place. Real DeepSpe
 policy, a real Redis (EmbeddedRedis). Run them alone with `pytest -m fault`."""
 from __future__ import annotations
 
+import errno
 import json
+import os
+import shutil
+import subprocess
 from collections import Counter
 from pathlib import Path
 
@@ -240,3 +244,69 @@ def test_poison_groups_are_dead_lettered_and_the_rest_of_their_batch_trains(tiny
     assert "log-probs must be <= 0" in reasons[positive.group_id]
     assert learner.stream.depth() == 0 and learner.stats["bad_groups"] == 3
     learner.close()
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a small tmpfs for the checkpoints: needs root")
+def test_a_full_disk_during_a_checkpoint_acks_nothing_and_the_resume_trains_every_group_once(
+        tiny_model_path, tmp_path):
+    """The checkpoints' disk fills up in the middle of one (a real tmpfs, shrunk below two checkpoints): the
+    update's groups stay unacked, the error says what happened and where, the half-written checkpoint is gone
+    (its space given back), `latest` names the one before; once there is room, the resume retrains exactly
+    the groups that checkpoint lacked."""
+    from common.stream.redis_server import EmbeddedRedis
+    from common.stream.redis_stream import TrajectoryStream
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(disk)], check=True)
+    try:
+        cfg = learner_worker.learner_experiment("test:faults-full-disk")
+        cfg.run.output_dir = str(tmp_path)
+        cfg.learner.checkpoint_every = 1
+        ckpt = disk / "checkpoints"
+        published: list[str] = []
+        with EmbeddedRedis() as server:
+            producer = TrajectoryStream(server.url, cfg.stream, consumer_name="producer")
+
+            def produce(seed: int) -> None:
+                for g in synthetic_groups(2, 3, vocab_size=1000, seed=seed, max_steps=2):
+                    producer.publish(g)
+                    published.append(g.group_id)
+
+            first = Learner(cfg, tiny_model_path, TrajectoryStream(server.url, cfg.stream),
+                            checkpoint_dir=str(ckpt))
+            produce(seed=500)
+            assert first.step(timeout_s=30) is not None          # update 1, checkpointed and acked
+            committed = set(first.trained_group_ids)
+            assert (ckpt / LATEST).read_text() == "update_0000001" and producer.depth() == 0
+            # Room for half of another checkpoint: the next one runs out of space part of the way through.
+            used = shutil.disk_usage(disk).used
+            one = sum(p.stat().st_size for p in (ckpt / "update_0000001").rglob("*") if p.is_file())
+            subprocess.run(["mount", "-o", f"remount,size={used + one // 2}", str(disk)], check=True)
+            produce(seed=501)
+            with pytest.raises(OSError) as err:
+                first.step(timeout_s=30)                          # update 2 trains; its checkpoint cannot
+            assert err.value.errno == errno.ENOSPC and str(ckpt) in str(err.value)
+            assert "no space left" in str(err.value).lower()
+            assert (ckpt / LATEST).read_text() == "update_0000001"
+            assert [p.name for p in checkpoint_tags(ckpt)] == ["update_0000001"]    # the half-written one removed
+            assert producer.depth() == 2                          # update 2's groups: not acked
+            first.stream.close()
+            first.trainer.close()
+            del first
+
+            subprocess.run(["mount", "-o", "remount,size=256m", str(disk)], check=True)    # room again
+            second = Learner(cfg, tiny_model_path, TrajectoryStream(server.url, cfg.stream),
+                             checkpoint_dir=str(ckpt), resume=True)
+            assert second.updates == 1 and second.trained_group_ids == committed
+            retrained: list[str] = []
+            while second.step(timeout_s=2) is not None:
+                retrained += second.last_group_ids
+            second.close()
+            assert producer.depth() == 0 and producer.pending() == 0
+            producer.close()
+        assert Counter(committed) + Counter(retrained) == Counter(published), "a group was dropped or trained twice"
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

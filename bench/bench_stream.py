@@ -10,7 +10,9 @@ publishes while the learner process reads and acks, as deployed). Ratios (target
 CPU-second (client processes + redis-server), which moves less when other jobs share the machine. A round
 moves 96 groups (~80 MB): with fewer, the pipeline's fill and drain weigh so much that both sides look alike.
 "Codec skipped" runs TrajectoryStream with parts encoded beforehand and a decoder that looks the group up: the
-stream's own work without the codec, so its ratio against raw is the ceiling of a faster codec.
+stream's own work without the codec, so its ratio against raw is the ceiling of a faster codec. Durability:
+publish + read + ack with an append-only file in the working directory, fsynced on every write (the run's
+setting, `APPENDFSYNC` "always") against once a second ("everysec").
 
     python bench/bench_stream.py [--groups 96] [--rounds 5]
 """
@@ -23,6 +25,7 @@ import os
 import resource
 import statistics
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -246,6 +249,15 @@ def main() -> None:
             with codec_skipped(groups):
                 seq_free.append(run_sequential(server.url, f"bench:free:{k}", args.batch, groups, raw=False))
                 pipe_free.append(run_pipelined(server.url, f"bench:pfree:{k}", args.batch, groups, raw=False))
+    # What the run's durability costs: its Redis fsyncs every write (APPENDFSYNC "always": a power cut loses no
+    # group a producer counted as published) against "everysec", an AOF on the working directory's disk.
+    fsync_rates: dict[str, list[float]] = {"always": [], "everysec": []}
+    for k in range(args.rounds):
+        for mode in fsync_rates:
+            with tempfile.TemporaryDirectory(dir=".", prefix=".bench-aof-") as data_dir, \
+                    EmbeddedRedis(data_dir=data_dir, aof=True, appendfsync=mode) as server:
+                fsync_rates[mode].append(run_sequential(server.url, f"bench:aof:{k}", args.batch, groups,
+                                                        raw=False)[0])
     seq = _report("sequential, one process (publish + read + ack, every cost on one core):", seq_raw, seq_stream,
                   size)
     pipe = _report("pipelined, producer process + learner process (the deployed shape):", pipe_raw, pipe_stream,
@@ -254,6 +266,10 @@ def main() -> None:
     pipe_ceiling = statistics.median(s[0] / r[0] for s, r in zip(pipe_free, pipe_raw))
     print(f"codec skipped (pre-encoded bytes, lookup for decode; the stream's own work only): wall ratio "
           f"pipelined {pipe_ceiling:.2f}, sequential {seq_ceiling:.2f}: the ceiling of a faster codec")
+    always, everysec = max(fsync_rates["always"]), max(fsync_rates["everysec"])
+    print(f"durability (AOF on this disk, sequential, best of {args.rounds}): appendfsync always {always:.1f} "
+          f"groups/s ({1e3 / always:.1f} ms per group), everysec {everysec:.1f} ({1e3 / everysec:.1f} ms): "
+          f"always at {always / everysec:.2f}x")
     print(f"e2e ratio stream/raw (target >= 0.70): pipelined {pipe:.2f} {'OK' if pipe >= 0.7 else 'BELOW'}, "
           f"sequential {seq:.2f} {'OK' if seq >= 0.7 else 'BELOW'}  [{time.perf_counter() - t_start:.0f} s]")
 

@@ -71,7 +71,14 @@ def _config_arg(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def server_config(binds: str, port: int, password: str, data_dir: str, aof: bool, appendfsync: str = "everysec",
+# Every write reaches the disk before Redis answers it: a producer counts a group as published only once a
+# power cut could no longer take it. "everysec" would lose up to a second of acknowledged writes to a host's
+# crash (not to a killed process: those are in the OS's cache); fsyncing each costs ~1 ms per 0.85 MB group
+# here (bench/bench_stream.py), against groups a few seconds apart.
+APPENDFSYNC = "always"
+
+
+def server_config(binds: str, port: int, password: str, data_dir: str, aof: bool, appendfsync: str = APPENDFSYNC,
                   maxmemory_mb: int = 0, daemonize: bool = False, admin_password: str = "") -> list[str]:
     """redis.conf lines of a server the project runs (the embedded one, and `gigpo redis` on a cluster): the
     run's password for the default user, limited to `CLIENT_RULES`; with `admin_password`, `ADMIN_USER` may
@@ -203,14 +210,14 @@ def _is_loopback(host: str) -> bool:
 
 class EmbeddedRedis:
     """A redis-server child process with a password on 127.0.0.1 (and on `host`, another address of this
-    machine that other nodes connect to). `aof=True`: append-only file in `data_dir` (`appendfsync` "always"
-    loses no acknowledged write even on SIGKILL, "everysec" at most a second); no `data_dir`: a temporary one
+    machine that other nodes connect to). `aof=True`: append-only file in `data_dir` (`appendfsync`: see
+    APPENDFSYNC); no `data_dir`: a temporary one
     (removed by `stop(cleanup=True)`). `start()` after `stop()`/`kill()` reuses port, password and dir.
     The config and `password_file` (owner-only, holding the password) live in the temporary data directory,
     or in a private temporary one that stop() removes: never in a directory the owner chose (maybe shared)."""
 
     def __init__(self, port: int | None = None, password: str | None = None, data_dir: str | None = None,
-                 aof: bool = False, appendfsync: str = "everysec", binary: str | None = None,
+                 aof: bool = False, appendfsync: str = APPENDFSYNC, binary: str | None = None,
                  die_with_parent: bool = True, host: str = "127.0.0.1", maxmemory_mb: int = 0):
         if appendfsync not in ("always", "everysec", "no"):
             raise ValueError(f"appendfsync must be always, everysec or no, got {appendfsync!r}")
@@ -415,7 +422,7 @@ def redis_for(cfg: StreamConfig, host: str | None = None, data_dir: str = "") ->
     sweep_orphaned_dirs()
     host = host or ray_cluster_host() or "127.0.0.1"
     server = EmbeddedRedis(data_dir=cfg.embedded_dir or data_dir or None, aof=cfg.embedded_aof,
-                           appendfsync="everysec", host=host, maxmemory_mb=cfg.embedded_maxmemory_mb)
+                           host=host, maxmemory_mb=cfg.embedded_maxmemory_mb)
     try:
         server.start()
     except RuntimeError as exc:

@@ -27,7 +27,7 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from common.stream.redis_server import CLIENT_RULES
+from common.stream.redis_server import APPENDFSYNC, CLIENT_RULES
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -209,6 +209,7 @@ def test_manifests_agree_with_each_other_and_the_repo():
     assert args[user + 5:user + 5 + len(CLIENT_RULES.split())] == CLIENT_RULES.split()
     assert "--requirepass" not in args
     assert args[args.index("--appendonly") + 1] == "yes"
+    assert args[args.index("--appendfsync") + 1] == APPENDFSYNC
     assert args[args.index("--maxmemory-policy") + 1] == "noeviction"
     assert redis["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"]
     assert service["spec"]["selector"].items() <= redis["spec"]["template"]["metadata"]["labels"].items()

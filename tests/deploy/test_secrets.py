@@ -198,6 +198,7 @@ def test_gigpo_redis_starts_the_clusters_stream_redis_once_its_password_on_no_co
         assert (data / "admin-password").stat().st_mode & 0o077 == 0 and admin_password != password
         client = redis.Redis(host="127.0.0.1", port=port, username="gigpo-admin", password=admin_password)
         assert client.config_get("appendonly") == {"appendonly": "yes"}
+        assert client.config_get("appendfsync") == {"appendfsync": "always"}     # a power cut loses no group
         assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
         assert client.config_get("maxmemory") == {"maxmemory": str(64 * 2**20)}
         assert client.config_get("bind") == {"bind": " ".join(binds)}

@@ -101,7 +101,7 @@ def sigint_reaches_children():
 
 @pytest.fixture
 def warm_start_with_sgd(monkeypatch):
-    """deploy.warm_start.finetune steps with plain SGD at its learning rate instead of AdamW: a step's weight
+    """learner.supervised.finetune steps with plain SGD at its learning rate instead of AdamW: a step's weight
     change is then lr x the gradient, which a test can read off the weights (AdamW's first step is about
     sign(gradient), which amplifies the rounding noise of gradients near 0)."""
     import torch

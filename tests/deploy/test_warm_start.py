@@ -140,7 +140,7 @@ def test_no_warm_start_game_is_held_out(tmp_path, tiny_model_path, monkeypatch):
 
 
 def test_the_learning_rate_falls_linearly_over_the_last_share_of_steps():
-    from deploy.warm_start import warm_start_lr
+    from learner.supervised import warm_start_lr
     assert [warm_start_lr(s, 10, 2.0, 0.3) for s in range(10)] == [2.0] * 7 + [2.0, 2.0 * 2 / 3, 2.0 / 3]
     assert [warm_start_lr(s, 10, 2.0, 0.0) for s in range(10)] == [2.0] * 10      # the default: constant
     assert [warm_start_lr(s, 4, 2.0, 1.0) for s in range(4)] == [2.0, 1.5, 1.0, 0.5]
@@ -154,7 +154,7 @@ def test_finetune_steps_with_the_decayed_learning_rate(tiny_model_path, warm_sta
     import torch
     from transformers import AutoModelForCausalLM
 
-    from deploy.warm_start import Example, finetune
+    from learner.supervised import Example, finetune
 
     rng = torch.Generator().manual_seed(0)
     rows = [Example(ids[:-8], ids[-8:]) for ids in

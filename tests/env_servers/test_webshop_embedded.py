@@ -162,7 +162,7 @@ def test_long_uneven_batches_are_cut_into_micro_batches_with_the_same_gradient(t
     import torch
     from transformers import AutoModelForCausalLM
 
-    from deploy.warm_start import Example, finetune, supervised_batch
+    from learner.supervised import Example, finetune, supervised_batch
     from learner.batching import pack_by_tokens
 
     rng = torch.Generator().manual_seed(0)

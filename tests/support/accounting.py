@@ -3,14 +3,15 @@ dropped, or is still in the stream. Shared by the tests that lose parts of a run
 from __future__ import annotations
 
 
-def stream_counts(redis_url: str, stream_cfg) -> dict:
+def stream_counts(admin_url: str, stream_cfg) -> dict:
     """In one transaction (rollout actors may still publish meanwhile): Redis's count of XADD calls since it
-    started, and the lengths of the run's stream and of its dead-letter stream."""
+    started, and the lengths of the run's stream and of its dead-letter stream. `admin_url`: the embedded
+    Redis's admin user (`EmbeddedRedis.admin_url`): the run's password may not read INFO."""
     from common.stream.redis_client import connect
     from common.stream.redis_stream import stream_key
 
     key = stream_key(stream_cfg)
-    pipe = connect(redis_url).pipeline(transaction=True)
+    pipe = connect(admin_url).pipeline(transaction=True)
     pipe.info("commandstats")
     pipe.xlen(key)
     pipe.xlen(f"{key}:dead")

@@ -567,7 +567,7 @@ def _train_observed(record_path: str, argv: list[str]) -> int:
             "learners": [{"state": ask(w, "state"), "node": ask(w, "node")} for w in run.learners.ranks],
             "rollouts": {name: {"stats": ask(a, "stats"), "node": ask(a, "node")} for name, a in run.rollouts.handles().items()},
             "redis_host": urlsplit(run.redis_url).hostname if run.redis_url else None,
-            "stream": stream_counts(run.redis_url, run.cfg.stream) if run.redis_url else None,
+            "stream": stream_counts(run.redis.admin_url, run.cfg.stream) if run.redis else None,
             "driver_ip": ray.util.get_node_ip_address(),
             "gigpo_status": status.getvalue(),
         }

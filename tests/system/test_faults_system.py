@@ -121,7 +121,7 @@ def test_killed_rollout_actor_restarts_scale_to_zero_pauses_inference_scales_and
             # No group lost: every group published was trained, counted as dropped or is in the stream; and
             # none half-published (an entry that is not a whole group is dead-lettered on read).
             assert state["stream"]["dead_lettered"] == 0
-            assert_no_group_lost(stream_counts(system.redis_url, cfg.stream), state["stream"], state["trained_groups"])
+            assert_no_group_lost(stream_counts(system.redis.admin_url, cfg.stream), state["stream"], state["trained_groups"])
             assert len(system.rollouts.live) == 1
             # No request was lost to the removed inference actor, nor retried elsewhere: it stopped once idle.
             stats = system.rollouts.stats()

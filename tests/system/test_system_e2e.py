@@ -123,7 +123,7 @@ def check_two_learner_ranks(system, history: list[dict]) -> None:
         assert state["updates"] == state["policy_version"] == len(history), state
         assert state["trained_groups"] == want_groups, state
     assert states[0]["stream"]["acked"] > 0 and states[1]["stream"] == {}
-    assert_no_group_lost(stream_counts(system.redis_url, system.cfg.stream), states[0]["stream"],
+    assert_no_group_lost(stream_counts(system.redis.admin_url, system.cfg.stream), states[0]["stream"],
                          states[0]["trained_groups"])
 
     def view(worker) -> tuple:      # runs in each LearnerWorker (the tiny model's weights: ~2 MB)

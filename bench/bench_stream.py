@@ -94,7 +94,9 @@ def bench_codec(groups: list[EpisodeGroup], repeats: int) -> tuple[float, float,
 @contextlib.contextmanager
 def clock(client):
     """{"wall": wall time, "cpu": CPU time of this process plus the redis-server} of the block (CPU time
-    barely moves when other jobs share the machine, so its ratio is the steadier figure on a busy box)."""
+    barely moves when other jobs share the machine, so its ratio is the steadier figure on a busy box). The
+    server's CPU comes from INFO, which a run's password may not read: the bench connects as the admin user
+    (`EmbeddedRedis.admin_url`), whose commands cost the same."""
     def server_cpu() -> float:
         info = client.info("cpu")
         return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
@@ -242,13 +244,13 @@ def main() -> None:
     with EmbeddedRedis() as server:
         seq_raw, seq_stream, seq_free, pipe_raw, pipe_stream, pipe_free = [], [], [], [], [], []
         for k in range(args.rounds):
-            seq_raw.append(run_sequential(server.url, f"bench:raw:{k}", args.batch, blobs, raw=True))
-            seq_stream.append(run_sequential(server.url, f"bench:stream:{k}", args.batch, groups, raw=False))
-            pipe_raw.append(run_pipelined(server.url, f"bench:praw:{k}", args.batch, blobs, raw=True))
-            pipe_stream.append(run_pipelined(server.url, f"bench:pstream:{k}", args.batch, groups, raw=False))
+            seq_raw.append(run_sequential(server.admin_url, f"bench:raw:{k}", args.batch, blobs, raw=True))
+            seq_stream.append(run_sequential(server.admin_url, f"bench:stream:{k}", args.batch, groups, raw=False))
+            pipe_raw.append(run_pipelined(server.admin_url, f"bench:praw:{k}", args.batch, blobs, raw=True))
+            pipe_stream.append(run_pipelined(server.admin_url, f"bench:pstream:{k}", args.batch, groups, raw=False))
             with codec_skipped(groups):
-                seq_free.append(run_sequential(server.url, f"bench:free:{k}", args.batch, groups, raw=False))
-                pipe_free.append(run_pipelined(server.url, f"bench:pfree:{k}", args.batch, groups, raw=False))
+                seq_free.append(run_sequential(server.admin_url, f"bench:free:{k}", args.batch, groups, raw=False))
+                pipe_free.append(run_pipelined(server.admin_url, f"bench:pfree:{k}", args.batch, groups, raw=False))
     # What the run's durability costs: its Redis fsyncs every write (APPENDFSYNC "always": a power cut loses no
     # group a producer counted as published) against "everysec", an AOF on the working directory's disk.
     fsync_rates: dict[str, list[float]] = {"always": [], "everysec": []}
@@ -256,7 +258,7 @@ def main() -> None:
         for mode in fsync_rates:
             with tempfile.TemporaryDirectory(dir=".", prefix=".bench-aof-") as data_dir, \
                     EmbeddedRedis(data_dir=data_dir, aof=True, appendfsync=mode) as server:
-                fsync_rates[mode].append(run_sequential(server.url, f"bench:aof:{k}", args.batch, groups,
+                fsync_rates[mode].append(run_sequential(server.admin_url, f"bench:aof:{k}", args.batch, groups,
                                                         raw=False)[0])
     seq = _report("sequential, one process (publish + read + ack, every cost on one core):", seq_raw, seq_stream,
                   size)

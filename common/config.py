@@ -126,6 +126,9 @@ class RolloutConfig:
                    "success_reward x the env's native score in [0, 1] (WebShop), denser for a rarely winning policy")
     cpus_per_actor: float = F(0.5, "CPUs Ray reserves for one rollout actor", AT_LEAST_0)
     resources: dict = F({}, 'Ray custom resources each rollout actor needs, e.g. {"cpu_node": 1}')
+    max_actors: int = F(0, "most rollout actors a run starts or `gigpo scale` may ask for; 0: the most that can "
+                           "play at once, ceil(stream.max_stream_groups / groups_per_actor) (more would wait on "
+                           "the admission bound)", AT_LEAST_0)
 
 
 @dataclass
@@ -150,6 +153,10 @@ class InferenceConfig:
                                          "request moves to the next actor; with no live actor that long, its "
                                          "trajectory's actor fails", POSITIVE)
     resources: dict = F({}, 'Ray custom resources each inference actor needs, e.g. {"gpu_node": 1} (`ray start`)')
+    max_actors: int = F(0, "most inference actors a run starts or `gigpo scale --inference` may ask for; 0: the "
+                           "most requests that can be in flight at once, stream.max_stream_groups x "
+                           "rollout.group_size (one per trajectory being played: an engine past that idles)",
+                        AT_LEAST_0)
 
 
 @dataclass
@@ -181,6 +188,14 @@ class StreamConfig:
     max_deliveries: int = F(3, "a group is handed to the learner at most this many times, then dead-lettered (a "
                                "learner crashed on it each time)", AT_LEAST_1)
     dead_letter_max: int = F(200, "newest entries (each a whole group) the dead-letter stream keeps", AT_LEAST_1)
+    max_group_mb: float = F(0.0, "largest group the learner reads (a bigger one is dead-lettered undecoded); 0: "
+                                 "the most a group of this config can hold (learner.batching.group_limits: "
+                                 "rollout.group_size x env.max_steps rows of the longest prompt, response and "
+                                 "text)", AT_LEAST_0)
+    max_grammar_bytes: int = F(0, "longest constrained-generation grammar a row may carry (the learner compiles "
+                                  "it); 0: 32 x model.max_prompt_tokens + 256 (its alternatives are actions "
+                                  "printed in the prompt, escaping at most doubles them, and env text averages "
+                                  "far under 16 bytes a token)", AT_LEAST_0)
 
 
 @dataclass
@@ -411,6 +426,12 @@ def validate(cfg: ExperimentConfig) -> None:
             f"({inf.transfer_timeout_s:g}): a request waits for a weight load, and would be given up on a healthy "
             f"actor; raise inference.generate_timeout_s", "inference.generate_timeout_s",
             "inference.transfer_timeout_s")
+    for plane, limit in (("rollout", rollout_actor_limit(cfg)), ("inference", inference_actor_limit(cfg))):
+        if getattr(cfg, plane).num_actors > limit:
+            raise ConfigError(
+                f"{plane}.num_actors ({getattr(cfg, plane).num_actors}) is above {plane}.max_actors' bound "
+                f"({limit}); raise {plane}.max_actors (or stream.max_stream_groups, which the default follows)",
+                f"{plane}.num_actors", f"{plane}.max_actors")
     if cfg.run.sync and cfg.rollout.num_actors < 1:
         raise ConfigError("run.sync=true needs rollout.num_actors >= 1 (sync mode plays each batch with the "
                           "actors it starts with)", "rollout.num_actors", "run.sync")
@@ -425,6 +446,16 @@ def validate(cfg: ExperimentConfig) -> None:
             parse_cpu_list(getattr(cfg.run, name))
         except ValueError as exc:
             raise ConfigError(f"run.{name}: {exc}; use a Linux CPU list such as 0-3,6", f"run.{name}") from None
+
+
+def rollout_actor_limit(cfg: ExperimentConfig) -> int:
+    """Most rollout actors the run may have (rollout.max_actors, or its derived default)."""
+    return cfg.rollout.max_actors or -(-cfg.stream.max_stream_groups // cfg.rollout.groups_per_actor)
+
+
+def inference_actor_limit(cfg: ExperimentConfig) -> int:
+    """Most inference actors the run may have (inference.max_actors, or its derived default)."""
+    return cfg.inference.max_actors or cfg.stream.max_stream_groups * cfg.rollout.group_size
 
 
 # -- Files and overrides, remembering where each key was set (for errors that point at the line)

@@ -151,7 +151,14 @@ def cmd_scale(args) -> int:
         raise UsageError(f"--rollout {args.rollout}: a number of actors must be >= 0")
     if args.inference is not None and args.inference < 1:
         raise UsageError(f"--inference {args.inference}: a run needs at least 1 inference actor")
-    channel = _channel(args.output_dir)
+    from deploy.control_channel import read_job_file
+    channel = _channel(args.output_dir)         # (says what is missing when there is no job file)
+    limits = read_job_file(args.output_dir).get("max_actors", {})
+    for plane, n in (("rollout", args.rollout), ("inference", args.inference)):
+        if n is not None and plane in limits and n > limits[plane]:
+            raise UsageError(f"--{plane} {n}: this run allows at most {limits[plane]} {plane} actors "
+                             f"({plane}.max_actors; by default the most that can work at once); start it with a "
+                             f"higher {plane}.max_actors to go further")
     asked = []
     # Inference first: rollout actors added by the same call then start with the new inference actors.
     if args.inference is not None:

@@ -18,15 +18,17 @@ from common.stream.redis_client import PASSWORD_ENV, password_file_for, read_pas
 
 
 def write_job_file(output_dir: str, run_name: str, redis_url: str, ray_address: str, run_id: str = "",
-                   stream: str = "") -> Path:
+                   stream: str = "", max_actors: dict[str, int] | None = None) -> Path:
     """<output_dir>/job.json: the run, its Redis URL without the password, the file holding the password
-    ("" when there is none: `gigpo status` then needs GIGPO_REDIS_PASSWORD), the Ray address and the
-    trajectory stream's key (its dead-letter stream is `<key>:dead`)."""
+    ("" when there is none: `gigpo status` then needs GIGPO_REDIS_PASSWORD), the Ray address, the
+    trajectory stream's key (its dead-letter stream is `<key>:dead`) and the most actors of each kind
+    `gigpo scale` may ask for ({"rollout": N, "inference": M})."""
     path = Path(output_dir) / JOB_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"run": run_name, "run_id": run_id or run_name, "redis_url": redact(redis_url),
                                 "redis_password_file": password_file_for(redis_url), "ray_address": ray_address,
-                                "stream": stream, "started_at": time.time()}, indent=2))
+                                "stream": stream, "max_actors": max_actors or {}, "started_at": time.time()},
+                               indent=2))
     path.chmod(0o600)      # only its owner's commands need it
     return path
 

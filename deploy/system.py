@@ -30,7 +30,7 @@ from tqdm import tqdm
 from actors.evaluation import evaluate_tasks
 from actors.inference import create_inference_actors, remove_made_weights_dirs, with_weights_dir
 from actors.rollout import create_rollout_actor
-from common.config import ExperimentConfig, to_dict, with_fields
+from common.config import ExperimentConfig, inference_actor_limit, rollout_actor_limit, to_dict, with_fields
 from common.metrics import ActorMetrics
 from common.processes.log_files import Terminal, run_output
 from common.processes.placement import PLACEMENT_TIMEOUT_S, job_needs, node_label, wait_placeable
@@ -158,7 +158,7 @@ class System:
             self.redis_url, self.redis = redis_for(cfg.stream, data_dir=str(self.out / REDIS_DIR))
             self.channel = ControlChannel(connect(self.redis_url), cfg.stream.run_id or cfg.run.name)
             write_job_file(cfg.run.output_dir, cfg.run.name, self.redis_url, address, run_id=cfg.stream.run_id,
-                           stream=stream_key(cfg.stream))
+                           stream=stream_key(cfg.stream), max_actors=self.max_actors)
 
         # One weights directory for the run's inference actors, those `gigpo scale --inference` adds included.
         self.actor_cfg = with_weights_dir(cfg)
@@ -280,10 +280,20 @@ class System:
         self.inference.join_started()
         self.inference.reap_retired()
 
+    @property
+    def max_actors(self) -> dict[str, int]:
+        return {"rollout": rollout_actor_limit(self.cfg), "inference": inference_actor_limit(self.cfg)}
+
     def _apply_commands(self) -> None:
         for command in self.channel.pop_commands():
             op, n = command.get("op"), command.get("num_actors")
-            if op == "scale_rollout" and isinstance(n, int):
+            plane = {"scale_rollout": "rollout", "scale_inference": "inference"}.get(op)
+            if plane and isinstance(n, int) and n > self.max_actors[plane]:
+                # The channel is a boundary: `gigpo scale` checks too, but anyone with the stream's password
+                # can write a command.
+                log.warning("refusing to scale %s actors to %d: %s.max_actors' bound is %d", plane, n, plane,
+                            self.max_actors[plane])
+            elif op == "scale_rollout" and isinstance(n, int):
                 log.info("scaling rollout actors %d -> %d", len(self.rollouts.live), n)
                 self.rollouts.scale(max(0, n), drain=bool(command.get("drain", True)))
             elif op == "scale_inference" and isinstance(n, int) and n >= 1:

@@ -62,7 +62,9 @@ class LearnerWorker:
         stream = publisher = None
         if self.rank == 0 and stream_url:
             from common.stream.redis_stream import TrajectoryStream
-            stream = TrajectoryStream(stream_url, self.cfg.stream, consumer_name="learner-0")
+            from learner.batching import GroupLimits
+            stream = TrajectoryStream(stream_url, self.cfg.stream, consumer_name="learner-0",
+                                      max_group_bytes=GroupLimits.of(self.cfg).group_bytes)
         if self.rank == 0 and inference_actors:
             from common.weights.sender import create_weight_transfer
             publisher = create_weight_transfer(self.cfg, inference_actors)

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from common.config import LearnerConfig
-from common.stream.records import EpisodeGroup, Termination, check_values
+from common.config import ExperimentConfig, LearnerConfig
+from common.stream.records import TABLE, EpisodeGroup, Termination, check_values
 from learner.gigpo import ADVANTAGE_ESTIMATORS, AdvantageRows, estimate_grpo
 
 
@@ -65,12 +65,60 @@ class TrainBatch:
         return np.array([int(self.token_mask(r).sum()) for r in range(self.num_rows)], dtype=np.int64)
 
 
-def check_group(group: EpisodeGroup, vocab_size: int | None = None) -> None:
+# Text bytes a row's anchor and action may hold per token of the longest prompt and response: that text was
+# printed in them, and env text averages far under 16 bytes a token (4 for English under a BPE).
+TEXT_BYTES_PER_TOKEN = 16
+
+
+@dataclass(frozen=True)
+class GroupLimits:
+    """The most a group of this run can hold: a group past one of them was not made by this run's rollout
+    (another config, or someone else's writer), and is refused before it costs the learner memory or time."""
+
+    trajectories: int           # rollout.group_size
+    steps: int                  # env.max_steps, per trajectory
+    prompt_tokens: int          # model.max_prompt_tokens (a longer prompt ends the trajectory, unplayed)
+    response_tokens: int        # model.max_response_tokens (vLLM's max_tokens)
+    grammar_bytes: int          # stream.max_grammar_bytes
+    group_bytes: int            # stream.max_group_mb, or the sum of the above's bytes
+
+    @classmethod
+    def of(cls, cfg: ExperimentConfig) -> GroupLimits:
+        prompt, response = cfg.model.max_prompt_tokens, cfg.model.max_response_tokens
+        # The grammar's alternatives are actions printed in the prompt; escaping at most doubles them.
+        grammar = cfg.stream.max_grammar_bytes or 2 * TEXT_BYTES_PER_TOKEN * prompt + 256
+        # A row: its table entry, prompt ids (4 bytes), response ids and log-probs (4 + 4), anchor and action
+        # text, the grammar; the header (a few fields per trajectory) is far under 64 KiB.
+        row = TABLE.itemsize + 4 * prompt + 8 * response + TEXT_BYTES_PER_TOKEN * (prompt + response) + grammar
+        derived = cfg.rollout.group_size * cfg.env.max_steps * row + 65536
+        return cls(cfg.rollout.group_size, cfg.env.max_steps, prompt, response, grammar,
+                   int(cfg.stream.max_group_mb * 2**20) or derived)
+
+    def problem(self, group: EpisodeGroup) -> str:
+        """What of `group` is past a limit ("" when nothing is)."""
+        trajs, rows = group.trajectories, group.rows
+        if len(trajs) > self.trajectories:
+            return f"{len(trajs)} trajectories, more than rollout.group_size ({self.trajectories})"
+        longest = max((t.num_steps for t in trajs), default=0)
+        if longest > self.steps:
+            return f"a trajectory of {longest} steps, more than env.max_steps ({self.steps})"
+        for name, limit, setting in (("prompt_len", self.prompt_tokens, "model.max_prompt_tokens"),
+                                     ("response_len", self.response_tokens, "model.max_response_tokens")):
+            if len(rows) and rows[name].max() > limit:
+                return f"a row of {int(rows[name].max())} {name[:-4]} tokens, more than {setting} ({limit})"
+        if len(rows) and rows["grammar_len"].max() > self.grammar_bytes:
+            return (f"a grammar of {int(rows['grammar_len'].max())} bytes, more than stream.max_grammar_bytes' "
+                    f"bound ({self.grammar_bytes})")
+        return ""
+
+
+def check_group(group: EpisodeGroup, vocab_size: int | None = None, limits: GroupLimits | None = None) -> None:
     """Raise a ValueError naming the group when its rows cannot be trained on: values the row schema refuses
     (`common.stream.records.check_values`), positive log-probs, an empty prompt, token ids outside [0, vocab_size)
-    (one past the embedding table would crash the forward pass)."""
+    (one past the embedding table would crash the forward pass), anything past `limits`."""
     rows = group.rows
-    problem = check_values(rows)
+    problem = limits.problem(group) if limits is not None else ""
+    problem = problem or check_values(rows)
     if not problem and len(rows["response_logprobs"]) and rows["response_logprobs"].max() > 1e-4:
         problem = "response_logprobs: log-probs must be <= 0"
     if not problem and len(rows) and rows["prompt_len"].min() == 0:

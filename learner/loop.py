@@ -35,7 +35,7 @@ from common.config import ExperimentConfig
 from common.run_dir import PUSHED_VERSION, checkpoints_dir, prepare_checkpoint_dir
 from common.staleness import policy_lag
 from common.stream.records import EpisodeGroup
-from learner.batching import build_batch, check_group
+from learner.batching import GroupLimits, build_batch, check_group
 from learner.collectives import broadcast, broadcast_groups
 from learner.group_record import GroupRecorder
 from learner.learner_metrics import LearnerMetrics
@@ -68,6 +68,7 @@ class Learner:
         """
         self.cfg = cfg
         self.read_only = read_only
+        self.group_limits = GroupLimits.of(cfg)       # what a group this run made can hold (_valid)
         resume = cfg.run.resume if resume is None else resume
         self.checkpoint_dir = (str(checkpoints_dir(cfg.run.output_dir)) if checkpoint_dir is None
                                else checkpoint_dir) or None
@@ -179,7 +180,7 @@ class Learner:
         good = []
         for r in received:
             try:
-                check_group(r.group, self.trainer.vocab_size)
+                check_group(r.group, self.trainer.vocab_size, self.group_limits)
                 good.append(r)
             except ValueError as exc:
                 log.error("dead-lettering group %s: %s", r.group.group_id, exc)

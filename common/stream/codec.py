@@ -80,10 +80,10 @@ def encoded_size(parts: Mapping) -> int:
     return sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts.values())
 
 
-def decode_group(parts: Mapping[str | bytes, Any]) -> EpisodeGroup:
+def decode_group(parts: Mapping[str | bytes, Any], max_bytes: int = MAX_PAYLOAD_BYTES) -> EpisodeGroup:
     """The group encoded in `parts` (names as str or bytes; other names are ignored: the stream's own
-    fields); raises CodecError (with the reason) for anything but a valid group of this schema version.
-    The arrays are read-only views of the parts (of a copy for a part that is not `bytes`)."""
+    fields); raises CodecError (with the reason) for anything but a valid group of this schema version of
+    at most `max_bytes`. The arrays are read-only views of the parts (of a copy for a part that is not `bytes`)."""
     if not isinstance(parts, Mapping):
         raise CodecError(f"expected the parts of a group (a mapping), got {type(parts).__name__}")
     named = {(k.decode(errors="replace") if isinstance(k, bytes) else k): v for k, v in parts.items()}
@@ -99,8 +99,8 @@ def decode_group(parts: Mapping[str | bytes, Any]) -> EpisodeGroup:
             raise CodecError(f"part {name}: expected bytes, got {type(value).__name__}")
         data[name] = value
     size = sum(map(len, data.values()))
-    if size > MAX_PAYLOAD_BYTES:
-        raise CodecError(f"group of {size} bytes exceeds the {MAX_PAYLOAD_BYTES}-byte limit")
+    if size > max_bytes:
+        raise CodecError(f"group of {size} bytes exceeds the {max_bytes}-byte limit")
     doc = _header(data[HEADER])
     where = f"group {doc['group_id']!r}"
     trajectories = _trajectories(doc["trajectories"], f"{where}: trajectories")

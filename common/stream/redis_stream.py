@@ -36,7 +36,7 @@ import redis
 from redis.exceptions import OutOfMemoryError, ResponseError
 
 from common.config import StreamConfig
-from common.stream.codec import HEADER, SCHEMA_VERSION, CodecError, decode_group, encode_group
+from common.stream.codec import HEADER, MAX_PAYLOAD_BYTES, SCHEMA_VERSION, CodecError, decode_group, encode_group
 from common.stream.interface import Received
 from common.stream.records import EpisodeGroup
 from common.stream.redis_client import connect
@@ -84,9 +84,12 @@ class TrajectoryStream:
     among live consumers; a restarted learner reuses its name to get its own pending groups back at once."""
 
     def __init__(self, url: str, cfg: StreamConfig, consumer_name: str = "learner-0",
-                 consumer_group: str | None = None, client: redis.Redis | None = None, lag_bound: int = 0):
+                 consumer_group: str | None = None, client: redis.Redis | None = None, lag_bound: int = 0,
+                 max_group_bytes: int = MAX_PAYLOAD_BYTES):
         """lag_bound: a producer's admission waits while this many groups are admitted and not yet trained
-        (`common.staleness.policy_lag_bound`; 0: only stream.max_stream_groups bounds them)."""
+        (`common.staleness.policy_lag_bound`; 0: only stream.max_stream_groups bounds them). max_group_bytes:
+        a bigger entry is dead-lettered as it is read, undecoded (the learner's `learner.batching.GroupLimits`)."""
+        self.max_group_bytes = min(max_group_bytes, MAX_PAYLOAD_BYTES)
         if cfg.max_stream_groups < 1:
             raise ValueError(f"stream.max_stream_groups must be >= 1, got {cfg.max_stream_groups}")
         if lag_bound < 0:
@@ -422,7 +425,7 @@ class TrajectoryStream:
             gid = fields[b"g"].decode()
             p0, p1 = int(fields[b"p0"]), int(fields[b"p1"])
             try:
-                group = decode_group(fields)
+                group = decode_group(fields, self.max_group_bytes)
             except CodecError as exc:
                 self._dead_letter(raw_id, fields, f"codec: {exc}")
                 continue

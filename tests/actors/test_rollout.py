@@ -10,7 +10,9 @@ import ray
 
 from common.config import (EnvConfig, ExperimentConfig, InferenceConfig, ModelConfig, RolloutConfig,
                            StreamConfig)
+from common.stream.codec import encode_group, encoded_size
 from common.stream.records import Termination
+from learner.batching import GroupLimits
 from tests.support.synthetic import step_rows, steps_of
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -76,6 +78,9 @@ def _check_group(group, cfg: ExperimentConfig, versions: tuple):
     """Invariants every published group satisfies; versions: those that may have sampled its steps."""
     assert len(group.trajectories) == N
     assert len({t.traj_id for t in group.trajectories}) == N
+    # A group this config's rollout made is within what the learner accepts of it (constrained: grammars too).
+    limits = GroupLimits.of(cfg)
+    assert limits.problem(group) == "" and encoded_size(encode_group(group)) <= limits.group_bytes
     first_anchors = set()
     for k, traj in enumerate(group.trajectories):
         steps = steps_of(group, k)

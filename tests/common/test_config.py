@@ -94,6 +94,9 @@ def test_choice_fields_list_the_allowed_values():
     ("run.rollout_cpus=3-1", "run.rollout_cpus: CPU list '3-1': bad range"),
     ("run.resume_tag=update_0000008", "run.resume_tag is set but run.resume is false"),
     ("stream.redis_url=localhost:6379", "stream.redis_url has no scheme; it must start with redis://"),
+    # The default stream.max_stream_groups (64) over rollout.groups_per_actor (2): more could not all play.
+    ("rollout.num_actors=33", "rollout.num_actors (33) is above rollout.max_actors' bound (32)"),
+    ("inference.num_actors=513", "inference.num_actors (513) is above inference.max_actors' bound (512)"),
 ])
 def test_ranges_and_rules_are_checked_at_load(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

@@ -18,7 +18,7 @@ def redis_url():
 
 
 def test_status_and_scale_through_the_job_file(tmp_path, redis_url, capsys):
-    write_job_file(str(tmp_path), "demo", redis_url, "")
+    write_job_file(str(tmp_path), "demo", redis_url, "", max_actors={"rollout": 8, "inference": 4})
     assert (tmp_path / "job.json").stat().st_mode & 0o077 == 0      # names the file with the Redis password
     # (the password itself is in no job file: tests/deploy/test_secrets.py)
     job_channel = ControlChannel(connect(job_redis_url(read_job_file(str(tmp_path)))), "demo")
@@ -38,7 +38,9 @@ def test_status_and_scale_through_the_job_file(tmp_path, redis_url, capsys):
                                           {"op": "scale_rollout", "num_actors": 2, "drain": False}]
     assert "3 inference actors" in capsys.readouterr().out
     for argv, says in ((["--inference", "0"], "--inference 0: a run needs at least 1 inference actor"),
-                       ([], "--rollout N, --inference N, or both")):
+                       ([], "--rollout N, --inference N, or both"),
+                       (["--rollout", "9"], "--rollout 9: this run allows at most 8 rollout actors"),
+                       (["--rollout", "2", "--inference", "5"], "--inference 5: this run allows at most 4")):
         assert cli.main(["scale", "--output-dir", str(tmp_path), *argv]) == 2
         assert says in capsys.readouterr().err
     assert job_channel.pop_commands() == []
@@ -241,7 +243,7 @@ def test_status_watch_refreshes_until_interrupted(tmp_path, redis_url, sigint_re
     import time
     from pathlib import Path
 
-    write_job_file(str(tmp_path), "demo", redis_url, "")
+    write_job_file(str(tmp_path), "demo", redis_url, "", max_actors={"rollout": 8, "inference": 4})
     channel = ControlChannel(connect(redis_url), "demo")
     channel.publish_status({"run": "demo", "state": "training", "iteration": 1, "iterations": 10})
     repo = Path(__file__).resolve().parents[2]

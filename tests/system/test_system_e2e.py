@@ -17,6 +17,7 @@ import ray
 from common.config import load_config
 from common.metrics import METRICS, exported_name, metrics_url
 from common.run_dir import JOB_FILE, LEARNER_STATE, PUSHED_VERSION, checkpoint_tag
+from deploy.control_channel import read_job_file
 from deploy.reports import format_eval
 from deploy import cli
 from deploy.system import System
@@ -55,8 +56,12 @@ def test_two_iterations_of_the_full_system(tmp_path, monkeypatch, capfd):
     cfg = load_config("configs/embedded.yaml", [f"run.output_dir={tmp_path / 'run'}", *OVERRIDES])
     with System(cfg) as system:
         system.start()
-        # `gigpo scale` while running: the command is applied at the next iteration.
+        # `gigpo scale` while running: the command is applied at the next iteration. One past the run's bound
+        # (rollout.max_actors' default: 8 groups in the stream / 2 per actor) is refused by the driver too,
+        # since anyone with the stream's password can write a command.
+        assert read_job_file(cfg.run.output_dir)["max_actors"] == {"rollout": 4, "inference": 16}
         system.channel.send_command({"op": "scale_rollout", "num_actors": 2, "drain": True})
+        system.channel.send_command({"op": "scale_rollout", "num_actors": 5, "drain": True})
         history = system.train()
         assert len(system.rollouts.live) == 2
         assert [int(m["update"]) for m in history] == [1, 2]

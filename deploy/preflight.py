@@ -309,6 +309,8 @@ def check_resume_tag(cfg: ExperimentConfig) -> None:
         found = root / cfg.run.resume_tag if cfg.run.resume_tag else resume_point(root)[0]
         if found is not None:
             check_checkpoint_is_ours(found)
+            from learner.safe_load import check_loadable
+            check_loadable(found)
     except (DamagedLatest, UntrustedCheckpoint) as problem:
         raise PreflightError(str(problem)) from None
 

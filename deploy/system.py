@@ -428,12 +428,14 @@ def train(cfg: ExperimentConfig) -> dict:
 def checkpoint_location(checkpoint: str) -> tuple[str, str]:
     """(run.output_dir, run.resume_tag) of a checkpoint directory <output_dir>/checkpoints/<tag>;
     FileNotFoundError when it is not a complete checkpoint, UntrustedCheckpoint when this user did not write it
-    (common.run_dir.check_checkpoint_is_ours)."""
+    (common.run_dir.check_checkpoint_is_ours) or it would not load weights-only (learner.safe_load)."""
     path = Path(checkpoint).resolve()
     if not is_complete_checkpoint(path):
         raise FileNotFoundError(f"{checkpoint} is not a checkpoint directory (no {LEARNER_STATE} in it); "
                                 f"pass one of <run.output_dir>/checkpoints/update_*")
     check_checkpoint_is_ours(path)
+    from learner.safe_load import check_loadable
+    check_loadable(path)
     return str(path.parent.parent), path.name
 
 

@@ -46,6 +46,7 @@ from learner.gigpo import (LossSettings, correction_weights, logprob_gap, policy
                            token_logprobs_and_entropy)
 from learner.lora import adapter_weights, merged_weights, reference_policy, with_lora
 from learner.packing import packed_logits, use_packed_attention
+from learner.safe_load import weights_only_loading
 
 log = logging.getLogger("gigpo")
 
@@ -533,10 +534,11 @@ class PolicyTrainer:
             said = lambda fields: ", ".join(f"learner.{k}={v}" for k, v in fields.items())  # noqa: E731
             raise ValueError(f"{saved.parent} was trained with {said(trained)}, this learner has "
                              f"{said(self._what_trains())}: resume with the checkpoint's settings")
-        check_checkpoint_is_ours(root / tag)      # DeepSpeed unpickles its files
-        path, client = self.engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
-                                                   load_lr_scheduler_states=True,
-                                                   load_module_strict=not self.cfg.lora_rank)
+        check_checkpoint_is_ours(root / tag)      # its files are pickles: loaded weights-only, and only ours
+        with weights_only_loading(self.engine.checkpoint_engine):
+            path, client = self.engine.load_checkpoint(str(root), tag=tag, load_optimizer_states=True,
+                                                       load_lr_scheduler_states=True,
+                                                       load_module_strict=not self.cfg.lora_rank)
         if path is None:
             return None
         state = (client or {}).get("learner", {})

@@ -155,6 +155,25 @@ def test_a_checkpoint_others_could_have_written_is_not_loaded(tmp_path):
         one_line_error(proc, f"{tag / 'mp_rank_00_model_states.pt'} can be written by others (mode 666)",
                        f"chmod -R go-w {tag}")
     assert snapshot(out) == before
+    # The user's own files, but not a checkpoint: bytes torch cannot read, then a crafted pickle that would write
+    # a file when loaded (DeepSpeed's own load would call it). Refused by the weights-only unpickler, which calls
+    # nothing (learner/safe_load.py): the file is never written.
+    import torch
+    (tag / "mp_rank_00_model_states.pt").chmod(0o644)
+    marker = tmp_path / "written-by-a-checkpoint"
+
+    class WritesAFile:
+        def __reduce__(self):
+            return open, (str(marker), "w")          # unpickled: open(marker, "w"), which creates it
+
+    for content, says in ((None, "cannot be read as a checkpoint file"),
+                          (WritesAFile(), "loading it would call what a checkpoint of this learner never holds")):
+        if content is not None:
+            torch.save({"module": content}, tag / "mp_rank_00_model_states.pt")
+        for proc in (gigpo("train", EMBEDDED, f"run.output_dir={out}", "run.resume=true"),
+                     gigpo("eval", EMBEDDED, "--checkpoint", str(tag))):
+            one_line_error(proc, f"{tag / 'mp_rank_00_model_states.pt'}", says)
+    assert not marker.exists()
 
 
 def test_model_directory_without_config_json(tmp_path, out):

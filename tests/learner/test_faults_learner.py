@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -217,32 +218,104 @@ def test_run_id_is_new_for_a_fresh_run_and_kept_on_resume(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.fault
-def test_poison_groups_are_dead_lettered_and_the_rest_of_their_batch_trains(tiny_model_path, tmp_path, redis_url):
-    """Groups the learner cannot train on, each published as a producer with a bug would (the stream's
-    publish checks the layout, not the values): token ids past the vocabulary (they would crash the forward
-    pass, and after every restart again), a NaN log-prob, a positive log-prob. Each is dead-lettered with
-    its reason on read and counted; the good groups read between them are trained, and nothing is left."""
+def test_a_learner_killed_at_each_point_of_save_and_ack_resumes_and_trains_every_group_once(tiny_model_path,
+                                                                                            tmp_path, redis_url):
+    """A real SIGKILL at each point of a checkpoint's save and ack (tests/support/learner_worker.py, CRASH_POINTS),
+    one learner process after another on the same checkpoints and stream, a checkpoint every update: each
+    resumes where what reached the disk says (half a file or no completion mark: the checkpoint before; the
+    mark and `latest`: this one, its unacked groups acked as already trained, not retrained), and in the end
+    every group is trained exactly once. Which checkpoint each life resumes from, and what the stream holds
+    after each kill, is fixed by the kill's point (issue 64)."""
     import uuid
 
     from common.stream.redis_stream import TrajectoryStream
+
+    cfg = learner_worker.learner_experiment(f"test:{uuid.uuid4().hex[:8]}")        # 2 groups per update
+    cfg.learner.checkpoint_every = 1
+    groups = synthetic_groups(10, 3, vocab_size=1000, seed=31, max_steps=2)
+    producer = TrajectoryStream(redis_url, cfg.stream, consumer_name="producer")
+    for g in groups:
+        producer.publish(g)
+    ckpt = tmp_path / "ckpt"
+    # (the point, the update whose checkpoint it hits, the version the next life resumes from, the entries
+    # left in the stream after the kill)
+    lives = [("mid_save", 2, 1, 8), ("after_files", 2, 1, 8), ("after_latest", 2, 2, 8), ("mid_ack", 3, 3, 5),
+             ("after_ack", 4, 4, 2)]
+    assert [point for point, *_ in lives] == list(learner_worker.CRASH_POINTS)
+    resumed = []
+    for point, update, _, left in lives:
+        proc = subprocess.run([sys.executable, str(Path(learner_worker.__file__)), "crash", tiny_model_path, "-",
+                               redis_url, cfg.stream.stream, str(ckpt), point, str(update)],
+                              env=learner_worker.worker_env(), capture_output=True, text=True, timeout=300)
+        said = [line for line in proc.stdout.splitlines() if line.startswith("RESUMED ")]
+        assert proc.returncode == -9 and len(said) == 1, (point, proc.returncode, proc.stdout[-2000:],
+                                                          proc.stderr[-3000:])
+        resumed.append(int(said[0].split()[1]))
+        assert producer.depth() == left, (point, producer.depth())
+        if point == "mid_save":             # half a file of update 2's checkpoint, no completion mark
+            assert (ckpt / LATEST).read_text() == "update_0000001" and (ckpt / "update_0000002").is_dir()
+    assert resumed == [0] + [version for *_, version, _ in lives[:-1]]
+
+    learner = Learner(cfg, tiny_model_path, TrajectoryStream(redis_url, cfg.stream), checkpoint_dir=str(ckpt),
+                      resume=True)
+    assert learner.policy_version == lives[-1][2]
+    while learner.step(timeout_s=3) is not None:
+        pass
+    version, trained = learner.policy_version, set(learner.trained_group_ids)
+    learner.close()
+    # Ten groups, two an update: five updates in the history that survived, each group in one of them.
+    assert trained == {g.group_id for g in groups} and version == 5
+    assert producer.depth() == 0 and producer.pending() == 0
+    producer.close()
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+def test_poison_groups_are_dead_lettered_and_the_rest_of_their_batch_trains(tiny_model_path, tmp_path, redis_url):
+    """Groups the learner cannot train on, each published as a producer with a bug (or a stranger with the
+    stream's password) would (the stream's publish checks the layout, not the values): token ids past the
+    vocabulary (they would crash the forward pass, and after every restart again), a NaN log-prob, a positive
+    log-prob, and groups past what this run's config lets a group hold (issue 65: more trajectories than
+    rollout.group_size, a response longer than model.max_response_tokens, a grammar past
+    stream.max_grammar_bytes, more bytes than stream.max_group_mb: that one is refused as it is read, before
+    it is decoded). Each is dead-lettered with its reason on read and counted; the good groups read between
+    them are trained, and nothing is left."""
+    import uuid
+
+    from common.stream.redis_stream import TrajectoryStream
+    from learner.batching import GroupLimits
     cfg = learner_worker.learner_experiment(f"test:{uuid.uuid4().hex[:8]}")     # 2 groups per batch
-    learner = Learner(cfg, tiny_model_path, TrajectoryStream(redis_url, cfg.stream), checkpoint_dir="")
+    cfg.rollout.group_size, cfg.env.max_steps, cfg.model.max_response_tokens = 2, 2, 24
+    cfg.stream.max_grammar_bytes, cfg.stream.max_group_mb = 100, 0.01       # 10,485 bytes; a good group: < 3,000
+    learner = Learner(cfg, tiny_model_path, TrajectoryStream(redis_url, cfg.stream, max_group_bytes=GroupLimits.of(
+        cfg).group_bytes), checkpoint_dir="")
     groups = synthetic_groups(5, 2, vocab_size=200, seed=5, max_steps=2)
     vocab, nan, positive, good = groups[0], groups[2], groups[3], [groups[1], groups[4]]
     vocab.rows["response_ids"][0] = learner.trainer.vocab_size + 4000
     nan.rows["response_logprobs"][1] = np.nan
     positive.rows["response_logprobs"][0] = 0.5
+    crowded = synthetic_groups(1, 3, vocab_size=200, seed=6, max_steps=2, prefix="crowded")[0]
+    wordy = synthetic_groups(1, 2, vocab_size=200, seed=7, max_steps=2, response_tokens=(25, 26), prefix="wordy")[0]
+    regex = synthetic_groups(1, 2, vocab_size=200, seed=8, max_steps=2, prefix="regex",
+                             respond=lambda rng: (rng.integers(1, 200, 4), "(a|b)" * 21))[0]     # 105 bytes
+    big = synthetic_groups(1, 2, vocab_size=200, seed=9, max_steps=2, prompt_tokens=(1500, 1501), prefix="big")[0]
     producer = TrajectoryStream(redis_url, cfg.stream, consumer_name="producer")
-    for g in groups:            # a poison group first, read with a good one; the batch ends with the last
+    # A poison group first, read with a good one; the batch ends with the last.
+    for g in [vocab, crowded, wordy, regex, big, *groups[1:]]:
         producer.publish(g)
     metrics = learner.step(timeout_s=30)
     assert metrics is not None and set(learner.last_group_ids) == {g.group_id for g in good}
     reasons = {dead[b"orig.g"].decode(): dead[b"reason"].decode() for dead in learner.stream.dead_letters()}
-    assert set(reasons) == {vocab.group_id, nan.group_id, positive.group_id}, reasons
+    bad = [vocab, nan, positive, crowded, wordy, regex, big]
+    assert set(reasons) == {g.group_id for g in bad}, reasons
     assert "outside the vocabulary" in reasons[vocab.group_id]
     assert "response_logprobs: NaN" in reasons[nan.group_id]
     assert "log-probs must be <= 0" in reasons[positive.group_id]
-    assert learner.stream.depth() == 0 and learner.stats["bad_groups"] == 3
+    assert "3 trajectories, more than rollout.group_size (2)" in reasons[crowded.group_id]
+    assert "25 response tokens, more than model.max_response_tokens (24)" in reasons[wordy.group_id]
+    assert "grammar of 105 bytes, more than stream.max_grammar_bytes' bound (100)" in reasons[regex.group_id]
+    assert "exceeds the 10485-byte limit" in reasons[big.group_id]
+    assert learner.stream.depth() == 0 and learner.stats["bad_groups"] == 6    # (the big one never reached it)
     learner.close()
 
 

@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +26,6 @@ from tests.support import learner_worker
 # Every test here starts DeepSpeed (in this process or in learner processes of its own).
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 
 # What these tests leave at the config's defaults, passed explicitly: build_batch's invalid-action penalty,
 # PolicyTrainer's settings from outside learner.* (dtype: each test's own).
@@ -39,21 +35,11 @@ TRAINER = {"head_dtype": DEFAULTS.model.head_dtype, "temperature": DEFAULTS.roll
            "seed": DEFAULTS.run.seed}
 
 
-def _env(**extra) -> dict:
-    # Not the launcher variables this (pytest) process set for its own world of one.
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(PYTHONPATH=str(REPO), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
-               TOKENIZERS_PARALLELISM="false")
-    env.update(extra)
-    return env
-
-
 def _run_ranks(args: list[str], port: int, world: int = 2, timeout_s: float = 300) -> None:
     """Run tests/support/learner_worker.py with `args` as `world` torchrun-style ranks (one thread each); kill them
     all on failure."""
     procs = [subprocess.Popen([sys.executable, str(Path(__file__).parents[1] / "support" / "learner_worker.py"), *args],
-                              env=_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
+                              env=learner_worker.worker_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
                                        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world)]
@@ -446,63 +432,6 @@ def test_two_learner_processes_agree_with_one(tiny_model_path, one_process_stage
     assert 0 < two["masked_rows"] < one["masked_rows"]
 
 
-@pytest.mark.fault
-def test_killed_learner_resumes_without_duplicate_or_gap(tiny_model_path, tmp_path, redis_url):
-    from common.stream.redis_stream import TrajectoryStream
-    from learner.loop import Learner
-
-    cfg = learner_worker.learner_experiment("test:learner-resume")
-    groups = synthetic_groups(8, 3, vocab_size=1000, seed=21, max_steps=2)
-    all_ids = {g.group_id for g in groups}
-    ckpt = tmp_path / "ckpt"
-    log1 = tmp_path / "run1.jsonl"
-    producer = TrajectoryStream(redis_url, cfg.stream, consumer_name="producer")
-    for g in groups:
-        producer.publish(g)
-    # Run 1: three updates (checkpoint after the 2nd), then SIGKILL while idle after the 3rd.
-    proc = subprocess.Popen([sys.executable, str(Path(__file__).parents[1] / "support" / "learner_worker.py"), "learn",
-                             tiny_model_path, str(log1), redis_url, cfg.stream.stream, str(ckpt), "3"],
-                            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        out = ""
-        deadline = time.monotonic() + 180
-        while "READY" not in out and proc.poll() is None and time.monotonic() < deadline:
-            out += proc.stdout.readline()
-        assert "READY" in out, out[-3000:] + (proc.stdout.read() if proc.poll() is not None else "")
-    finally:
-        if proc.poll() is None:
-            os.kill(proc.pid, signal.SIGKILL)    # the crash under test (or cleanup on failure)
-        proc.wait(timeout=30)
-    run1 = [json.loads(line) for line in log1.read_text().splitlines()]
-    assert [u["checkpointed"] for u in run1] == [False, True, False]
-    committed = {g for u in run1[:2] for g in u["groups"]}
-    lost = set(run1[2]["groups"])        # trained, but the process died before its checkpoint
-    assert len(committed) == 4 and len(lost) == 2 and producer.depth() == 8 - 4
-
-    # Run 2 (here): resumes from the checkpoint, gets the lost groups back, drains the stream.
-    learner = Learner(cfg, tiny_model_path, TrajectoryStream(redis_url, cfg.stream), checkpoint_dir=str(ckpt),
-                      resume=True)
-    assert learner.policy_version == 2 and learner.trained_group_ids == committed
-    run2 = []
-    while True:
-        m = learner.step(timeout_s=3)
-        if m is None:
-            break
-        run2.append(list(learner.last_group_ids))
-    version = learner.policy_version
-    learner.close()
-    trained2 = [g for u in run2 for g in u]
-    assert len(trained2) == len(set(trained2)), "a group was trained twice after resume"
-    assert not (set(trained2) & committed), "a checkpointed group was trained again"
-    assert committed | set(trained2) == all_ids, "a group was never trained"
-    assert lost <= set(trained2)
-    assert version == 2 + len(run2)
-    assert producer.depth() == 0 and producer.pending() == 0
-    state = json.loads(max(ckpt.glob("update_*")).joinpath("learner_state.json").read_text())
-    assert set(state["trained_group_ids"]) == all_ids and state["policy_version"] == version
-    producer.close()
-
-
 def test_learner_reads_trains_pushes_and_commits_through_the_in_memory_interfaces(tiny_model_path):
     """The learner's two boundaries with their in-memory implementations (common.transport): it reads a
     batch from the trajectory source, trains, pushes the new version, and commits (acks) what it used;
@@ -606,24 +535,76 @@ def test_the_learner_keeps_the_newest_checkpoints(tiny_model_path, tmp_path):
 
 
 
-def test_a_checkpoint_is_on_disk_before_save_returns_and_latest_is_written_last(tiny_model_path, tmp_path, fsynced):
+def test_a_checkpoint_is_on_disk_before_save_returns_and_a_power_cut_anywhere_leaves_a_whole_one(
+        tiny_model_path, tmp_path, fsynced, monkeypatch):
     """The learner acks (the stream deletes) a checkpoint's groups once save_checkpoint returns: by then every
     file and directory of the checkpoint is fsynced, its completion mark (LEARNER_STATE) is written durably, and
-    `latest` names it, written durably after the mark (a save cut short leaves `latest` at the previous one)."""
-    from common.run_dir import LATEST, LEARNER_STATE
+    `latest` names it, written durably after the mark (a save cut short leaves `latest` at the previous one).
 
+    Then a power cut is emulated at every point of the second of two saves (issue 64): the disk as it would be
+    if the machine stopped there, at its worst: every file and rename done by then is there, but a file whose
+    data was not yet fsynced is empty. Whatever that disk holds, the checkpoint a resume takes
+    (common.run_dir.resume_point) is whole: the first one, or from the point `latest` names it, the second."""
+    import os
+    import shutil
+
+    from common.run_dir import LATEST, LEARNER_STATE, resume_point
+
+    real_replace = os.replace
+
+    def recording_replace(src, dst):          # the renames, in order among the fsyncs (a string of its own)
+        fsynced.append(f"rename {src} {dst}")
+        real_replace(src, dst)
+    monkeypatch.setattr(os, "replace", recording_replace)
+    root = tmp_path / "ckpt"
     trainer = PolicyTrainer(tiny_model_path, LearnerConfig(zero_stage=2), dtype="float32", **TRAINER)
     try:
-        tag = Path(trainer.save_checkpoint(tmp_path, {"policy_version": 0}))
+        first = Path(trainer.save_checkpoint(root, {"policy_version": 0}))
+        fsynced.clear()
+        trainer.updates = 1                   # a second checkpoint of the same weights, under the next tag
+        tag = Path(trainer.save_checkpoint(root, {"policy_version": 1}))
     finally:
         trainer.close()
+    events = list(fsynced)
+    syncs = [e for e in events if not e.startswith("rename ")]
     # DeepSpeed's files under their names; the mark and `latest` under their temporary names (then the rename
     # and the directory's fsync).
-    written = {str(p) for p in tag.rglob("*") if p.name != LEARNER_STATE} | {str(tag), str(tmp_path)}
-    assert written <= set(fsynced), written - set(fsynced)
-    temps = [Path(p).name for p in fsynced if p.endswith(".tmp")]
+    written = {str(p) for p in tag.rglob("*") if p.name != LEARNER_STATE} | {str(tag), str(root)}
+    assert written <= set(syncs), written - set(syncs)
+    temps = [Path(p).name for p in syncs if p.endswith(".tmp")]
     assert [t.split(".")[1] for t in temps] == [LEARNER_STATE.split(".")[0], LATEST]
-    assert (tmp_path / LATEST).read_text() == tag.name and (tag / LEARNER_STATE).is_file()
+    assert (root / LATEST).read_text() == tag.name and (tag / LEARNER_STATE).is_file()
+
+    whole = {p: p.read_bytes() for p in tag.rglob("*") if p.is_file()}
+    taken = []
+    for cut in range(len(events) + 1):
+        disk = tmp_path / f"cut{cut}"
+        shutil.copytree(root, disk)
+        happened, durable = events[:cut], set()
+        for event in happened:                # data fsynced under a temporary name moves with its rename
+            if event.startswith("rename "):
+                src, dst = event.split()[1:]
+                durable |= {dst} if src in durable else set()
+            else:
+                durable.add(event)
+        for event in events[cut:]:            # renames not done yet: the new name is not there
+            if event.startswith("rename "):
+                dst = Path(event.split()[2])
+                (disk / dst.relative_to(root)).unlink()
+                if dst.name == LATEST:
+                    (disk / LATEST).write_text(first.name)
+        for path in whole:                    # files written, their data not yet on disk: empty
+            copy = disk / path.relative_to(root)
+            if copy.exists() and str(path) not in durable:
+                copy.write_bytes(b"")
+        found, _ = resume_point(disk)
+        taken.append(found.name)
+        if found.name == tag.name:
+            assert all((disk / p.relative_to(root)).read_bytes() == data for p, data in whole.items()), cut
+    # The first checkpoint until `latest` is renamed into place (after the second's mark), the second from there.
+    named = events.index(next(e for e in events if e.startswith("rename ") and e.endswith(f"/{LATEST}")))
+    assert taken == [first.name] * (named + 1) + [tag.name] * (len(events) - named), taken
+
 
 def test_head_dtype_float32_gives_float32_logits_of_the_bf16_hidden_state_and_trains_the_head(tiny_model_path):
     """model.head_dtype=float32 on bf16 weights: the logits are the float32 product of the bf16 final hidden

@@ -2,8 +2,9 @@
 
     python tests/support/learner_worker.py train  MODEL OUT STAGE          # one train step (train_once), results
                                                                   # to OUT
-    python tests/support/learner_worker.py learn  MODEL OUT URL STREAM CKPT STEPS   # Learner.step() x STEPS, then
-                                                                  # prints READY and waits to be killed
+    python tests/support/learner_worker.py crash  MODEL - URL STREAM CKPT POINT UPDATE  # resumes, prints RESUMED
+                                      # and its policy version, trains until update UPDATE's checkpoint and
+                                      # SIGKILLs itself at POINT of its save and ack (CRASH_POINTS)
     python tests/support/learner_worker.py zero3  MODEL OUT URL STREAM CKPT STEPS [lora]  # Learner.step() x STEPS
                                       # at ZeRO-3; rank 0 writes the pushed weights as buckets under OUT.d/
                                       # (lora: LoRA adapters of rank 4, pushed alone, after the base once)
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -32,6 +33,20 @@ DEFAULTS = ExperimentConfig()
 PENALTY = DEFAULTS.rollout.invalid_action_penalty
 TRAINER = {"head_dtype": DEFAULTS.model.head_dtype, "temperature": DEFAULTS.rollout.temperature,
            "seed": DEFAULTS.run.seed}
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def worker_env(**extra) -> dict:
+    """The environment of a worker process: this one's, without the launcher variables a pytest process set for
+    its own world of one, plus `extra` (a rank's RANK, WORLD_SIZE, ...)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONPATH=str(REPO), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
+    env.update(extra)
+    return env
+
 
 # The agreement tests (tests/learner/test_learner_trainer.py) compare one update done in different ways; these
 # settings make the arithmetic of both ways the same up to the order of one sum (the derivation is there).
@@ -143,23 +158,88 @@ def main() -> None:
             torch.save(res, out)
         teardown_distributed()
         return
-    url, stream_key, ckpt, steps = sys.argv[4], sys.argv[5], sys.argv[6], int(sys.argv[7])
+    url, stream_key, ckpt = sys.argv[4], sys.argv[5], sys.argv[6]
     from common.stream.redis_stream import TrajectoryStream
     from learner.loop import Learner
     if mode == "zero3":
-        run_zero3(model_path, out, url, stream_key, ckpt, steps, lora=sys.argv[8:] == ["lora"])
+        run_zero3(model_path, out, url, stream_key, ckpt, int(sys.argv[7]), lora=sys.argv[8:] == ["lora"])
         return
+    # crash: one learner's life, ended by a SIGKILL at the given point of its save and ack.
+    crash_at(sys.argv[7], int(sys.argv[8]))
     cfg = learner_experiment(stream_key)
+    cfg.learner.checkpoint_every = 1
     learner = Learner(cfg, model_path, TrajectoryStream(url, cfg.stream), checkpoint_dir=ckpt, resume=True)
-    with open(out, "a") as f:
-        for _ in range(steps):
-            m = learner.step(timeout_s=60)
-            f.write(json.dumps({"groups": learner.last_group_ids, "update": learner.updates,
-                                "policy_version": learner.policy_version,
-                                "checkpointed": bool(m["checkpointed"])}) + "\n")
-            f.flush()
-    print("READY", flush=True)
-    time.sleep(600)      # the test kills us here: after an update, before the next checkpoint
+    print(f"RESUMED {learner.policy_version}", flush=True)
+    while True:
+        if learner.step(timeout_s=60) is None:
+            raise SystemExit(f"no groups to train for 60 s before the {sys.argv[7]} kill at update {sys.argv[8]}")
+
+
+# The points of a checkpoint's save and ack (learner.loop.Learner.save_checkpoint, learner.trainer.PolicyTrainer.
+# save_checkpoint) where `crash` kills the learner: half of DeepSpeed's second file written; every file written and
+# fsynced, before the completion mark; the mark and `latest` written, before any ack; one of the update's two
+# groups acked; all acked.
+CRASH_POINTS = ("mid_save", "after_files", "after_latest", "mid_ack", "after_ack")
+
+
+def crash_at(point: str, update: int) -> None:
+    """Make this process SIGKILL itself at `point` of the checkpoint of update `update` (a real kill: no
+    handler, no flush; the test then resumes from what is on disk and in Redis)."""
+    import io
+    import signal
+
+    import learner.trainer as trainer_module
+    from common.run_dir import LEARNER_STATE
+    from common.stream.redis_stream import TrajectoryStream
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    from learner.loop import Learner
+
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    saving = {"now": False, "files": 0}
+    save_checkpoint = Learner.save_checkpoint
+
+    def learner_save(self):
+        saving["now"] = self.updates == update
+        try:
+            return save_checkpoint(self)
+        finally:
+            if saving["now"] and point == "after_ack":
+                die()
+            saving["now"] = False
+
+    def engine_save(self, state_dict, path):
+        saving["files"] += saving["now"]
+        if saving["now"] and point == "mid_save" and saving["files"] == 2:
+            buffer = io.BytesIO()
+            torch.save(state_dict, buffer)
+            with open(path, "wb") as f:
+                f.write(buffer.getvalue()[:len(buffer.getvalue()) // 2])
+            die()
+        return engine_file_save(self, state_dict, path)
+
+    def write(path, *args, **kwargs):
+        if saving["now"] and point == "after_files" and Path(path).name == LEARNER_STATE:
+            die()
+        return write_atomically(path, *args, **kwargs)
+
+    def prune(*args, **kwargs):
+        if saving["now"] and point == "after_latest":
+            die()
+        return prune_checkpoints(*args, **kwargs)
+
+    def ack_delete(self, ids):
+        if saving["now"] and point == "mid_ack":
+            ack_delete_ids(self, ids[:1])
+            die()
+        return ack_delete_ids(self, ids)
+
+    engine_file_save, write_atomically = TorchCheckpointEngine.save, trainer_module.write_atomically
+    prune_checkpoints, ack_delete_ids = trainer_module.prune_checkpoints, TrajectoryStream._ack_delete
+    Learner.save_checkpoint, TorchCheckpointEngine.save = learner_save, engine_save
+    trainer_module.write_atomically, trainer_module.prune_checkpoints = write, prune
+    TrajectoryStream._ack_delete = ack_delete
 
 
 class BucketFilePublisher:

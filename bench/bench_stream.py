@@ -115,7 +115,7 @@ def codec_skipped(groups: list[EpisodeGroup]):
     by_id = {g.group_id: g for g in groups}
     saved = common.stream.redis_stream.encode_group, common.stream.redis_stream.decode_group
     common.stream.redis_stream.encode_group = lambda group: parts[group.group_id]
-    common.stream.redis_stream.decode_group = lambda fields: by_id[fields[b"g"].decode()]
+    common.stream.redis_stream.decode_group = lambda fields, max_bytes=None: by_id[fields[b"g"].decode()]
     try:
         yield
     finally:

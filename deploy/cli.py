@@ -3,7 +3,7 @@
     gigpo train configs/embedded.yaml learner.lr=2e-6 rollout.num_actors=4
     gigpo eval  configs/embedded.yaml run.output_dir=runs/embedded
     gigpo status --output-dir runs/embedded [--watch]
-    gigpo scale  --output-dir runs/embedded --rollout 6 [--inference 2]
+    gigpo scale  --output-dir runs/embedded --rollout 2 [--inference 2]
     gigpo config [configs/embedded.yaml] [overrides...]     # every field, its value and its doc
     gigpo model                                  # the pinned pretrained model -> data/models/ (`make model`)
     gigpo view runs/embedded [--out FILE]        # one HTML page: training groups with each step's credit, evals

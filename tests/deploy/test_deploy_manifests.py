@@ -125,11 +125,12 @@ def _validate_manifest(doc: dict) -> None:
 
 
 def test_every_kubernetes_manifest_is_checked():
-    checked = {"raycluster.yaml", "rayjob.yaml", "redis.yaml", "podmonitor.yaml"}
+    checked = {"raycluster.yaml", "rayjob.yaml", "redis.yaml", "podmonitor.yaml", "networkpolicy.yaml"}
     assert {p.name for p in (DEPLOY / "kuberay").glob("*.yaml")} == checked
 
 
-@pytest.mark.parametrize("name", ["raycluster.yaml", "rayjob.yaml", "redis.yaml", "podmonitor.yaml"])
+@pytest.mark.parametrize("name", ["raycluster.yaml", "rayjob.yaml", "redis.yaml", "podmonitor.yaml",
+                                  "networkpolicy.yaml"])
 def test_kubernetes_manifests_match_their_schemas(name):
     docs = _docs(DEPLOY / "kuberay" / name)
     assert docs
@@ -223,6 +224,20 @@ def test_manifests_agree_with_each_other_and_the_repo():
         assert group["rayStartParams"]["metrics-export-port"] == "8080"
         ports = {p["containerPort"] for p in pod["containers"][0]["ports"]}
         assert 8080 in ports
+
+    # The NetworkPolicy covers every pod the run has (Ray's, Redis, the job's submitter) and admits each of them,
+    # the operator on the head's dashboard port and Prometheus on the metrics port; no rule admits anyone else.
+    policy = _by_kind(DEPLOY / "kuberay" / "networkpolicy.yaml", "NetworkPolicy")["spec"]
+    selected = policy["podSelector"]["matchLabels"].items()
+    templates = [g["template"] for g in groups] + [redis["spec"]["template"], job["spec"]["submitterPodTemplate"]]
+    for template in templates:
+        assert selected <= template["metadata"]["labels"].items(), template["metadata"]
+    own, operator, prometheus = policy["ingress"]
+    assert own == {"from": [{"podSelector": {"matchLabels": dict(selected)}}]}
+    head_ports = {p["name"]: p["containerPort"] for p in head["ports"]}
+    assert [p["port"] for p in operator["ports"]] == [head_ports["dashboard"]]
+    assert [p["port"] for p in prometheus["ports"]] == [head_ports["metrics"]]
+    assert policy["policyTypes"] == ["Ingress"]
 
     # The job's entrypoint and config exist in the image (/app is the repository), and it has no `$`
     # (KubeRay's submitter shell would expand it where the password does not exist).
@@ -349,7 +364,7 @@ def test_cluster_check_catches_misplaced_and_unplaceable_roles():
         assert "no node type offers it" in problems(cluster, 'inference.resources={"tpu_node": 1}')
         # More than the cluster holds at its largest (2 GPU nodes: 16 GPUs, 4 of them the learner's).
         assert "only 12 of the 17 inference actors fit" in problems(cluster, "inference.num_actors=17")
-        assert problems(cluster, "rollout.num_actors=64") == ""
+        assert problems(cluster, "rollout.num_actors=64", "rollout.max_actors=64") == ""
 
     # The head must state CPU 0: left out, the AWS launcher fills in the instance's vCPUs.
     bad = copy.deepcopy(launcher_cfg)

@@ -98,6 +98,7 @@ def test_two_iterations_of_the_full_system(tmp_path, monkeypatch, capfd):
         stats = system.rollouts.stats()
         assert len(system.rollouts.live) == 1 and stats.get("groups_discarded", 0) == 0
         check_metrics_endpoint(system, history)     # (the evaluation above fed the driver's eval success rate)
+        check_nothing_of_ours_listens_on_every_interface(system)
         if len(CPUS) == 2:
             check_cpu_placement(system)
     run = tmp_path / "run"
@@ -185,6 +186,49 @@ def check_view(run: Path, cfg, tmp_path) -> None:
         check_page(page, lines)
         evals = (run / "evals.jsonl").read_text().splitlines() if (run / "evals.jsonl").is_file() else []
         assert len(page.find("eval")) == len(evals)
+
+
+def _wildcard_ports(pid: int) -> list[int]:
+    """The ports process `pid` listens on at every interface (0.0.0.0 or ::)."""
+    import psutil
+    return sorted(c.laddr.port for c in psutil.Process(pid).net_connections(kind="inet")
+                  if c.status == psutil.CONN_LISTEN and c.laddr.ip in ("0.0.0.0", "::"))
+
+
+def check_nothing_of_ours_listens_on_every_interface(system) -> None:
+    """Issue 65: what the project starts listens on loopback or the node's address, never on every interface,
+    with one documented exception: a learner of several processes meets in torch's TCPStore on rank 0, which
+    has no address setting (README, Security). Ray's own servers are Ray's: each Ray worker process holds one
+    (its core worker's), counted on a bare actor and allowed in each of ours; their children (vLLM's engine,
+    the env workers) and the embedded Redis may hold none. The processes are this test's descendants (the
+    local Ray it started), found by their titles (`ray::<class>`)."""
+    import psutil
+
+    @ray.remote(num_cpus=0)
+    class Bare:
+        def pid(self) -> int:
+            return os.getpid()
+
+    bare = Bare.remote()
+    rays_own = len(_wildcard_ports(ray.get(bare.pid.remote(), timeout=60)))
+    ray.kill(bare)
+    extra: dict[str, list[int]] = {}
+    for process in psutil.Process().children(recursive=True):
+        try:
+            title = process.cmdline()[0] if process.cmdline() else ""
+        except psutil.Error:
+            continue                    # ended meanwhile
+        kind = title.removeprefix("ray::").split()[0] if title.startswith("ray::") else ""
+        if kind in ("LearnerWorker", "InferenceEngine", "Rollout"):
+            extra.setdefault(kind, []).append(len(_wildcard_ports(process.pid)) - rays_own)
+            for child in process.children(recursive=True):
+                assert not _wildcard_ports(child.pid), (kind, child.cmdline()[:2], _wildcard_ports(child.pid))
+        elif "redis-server" in process.name():
+            assert not _wildcard_ports(process.pid), title
+            extra.setdefault("redis-server", []).append(0)
+    assert set(extra) == {"LearnerWorker", "InferenceEngine", "Rollout", "redis-server"}, extra
+    assert sorted(extra.pop("LearnerWorker")) == [0, 1], "the learner listens wider than its rank 0's TCPStore"
+    assert all(n == [0] * len(n) for n in extra.values()), extra
 
 
 def check_cpu_placement(system) -> None:

@@ -235,7 +235,7 @@ def test_the_doc_applies_the_shipped_manifests():
     assert commands[2][:3] == ["helm", "install", "kuberay-operator"]
     assert commands[3][:5] == ["kubectl", "create", "secret", "generic", "gigpo-redis"]
     assert commands[4] == ["kubectl", "apply", "-f", "deploy/kuberay/redis.yaml", "-f",
-                           "deploy/kuberay/raycluster.yaml"]
+                           "deploy/kuberay/raycluster.yaml", "-f", "deploy/kuberay/networkpolicy.yaml"]
     assert commands[6][:4] == ["kubectl", "exec", "$HEAD_POD", "--"] and commands[6][4:] == [
         "make", "-C", "/app", "data", "ONLY=alfworld"]
     assert commands[7] == ["kubectl", "apply", "-f", "deploy/kuberay/rayjob.yaml"]

@@ -189,7 +189,7 @@ class StreamConfig:
                                "learner crashed on it each time)", AT_LEAST_1)
     dead_letter_max: int = F(200, "newest entries (each a whole group) the dead-letter stream keeps", AT_LEAST_1)
     max_group_mb: float = F(0.0, "largest group the learner reads (a bigger one is dead-lettered undecoded); 0: "
-                                 "the most a group of this config can hold (learner.batching.group_limits: "
+                                 "the most a group of this config can hold (learner.batching.GroupLimits: "
                                  "rollout.group_size x env.max_steps rows of the longest prompt, response and "
                                  "text)", AT_LEAST_0)
     max_grammar_bytes: int = F(0, "longest constrained-generation grammar a row may carry (the learner compiles "

@@ -170,15 +170,16 @@ CURVE_KEYS = ("update", "batch/success_rate", "batch/episode_steps_mean", "batch
               "adv/zero_share", "train/approx_kl", "train/clip_frac", "train/entropy")
 
 
-def make_record(study: Study, arm: Arm, seed: int, run_dir: Path, info: dict) -> dict:
+def make_record(study: Study, arm: Arm, seed: int, run_dir: Path, info: dict, commit: str) -> dict:
     """A finished run as its record: the per-episode evaluations (task, success, steps), the per-update
-    curves and diagnostics, how and when it ran."""
+    curves and diagnostics, how and when it ran; `commit`: the code it started with (code_commit() then: a
+    commit landing while it runs does not relabel it)."""
     keep = ("task_id", "task_type", "success", "steps")
     evals = {w: [{k: e.get(k) for k in keep} for e in eps] for w, eps in read_evals(run_dir).items()}
     keys = CURVE_KEYS + tuple(k for k, *_ in DIAGNOSTICS)
     curves = [{k: m[k] for k in keys if k in m} for m in read_curves(run_dir)]
     return {"study": study.name, "arm": arm.name, "overrides": list(arm.overrides), "seed": seed,
-            "commit": code_commit(), "finished_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "commit": commit, "finished_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "ok": info["ok"], "rc": info["rc"], "wall_s": round(info["wall_s"], 1),
             "protocol": dataclasses.asdict(study.protocol), **evals, "curves": curves}
 
@@ -546,9 +547,10 @@ def main(argv: list[str] | None = None) -> int:
         for seed in seeds:                 # seed-major: a cut-short experiment still compares
             for arm in study.arms:
                 run_dir = work / f"{arm.name}-s{seed}"
+                commit = code_commit()
                 info = run_one(study.config, study.protocol, arm, seed, warm, run_dir, args.overrides,
                                60 * args.timeout_min)
-                rec = make_record(study, arm, seed, run_dir, info)
+                rec = make_record(study, arm, seed, run_dir, info, commit)
                 path = record_path(name, arm.name, seed, records)
                 if not save_record(rec, path):
                     print(f"[experiment] {name} {arm.name} seed {seed} failed (log: {info['log']}); {path} keeps "

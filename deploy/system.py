@@ -37,7 +37,7 @@ from common.processes.placement import PLACEMENT_TIMEOUT_S, job_needs, node_labe
 from common.stream.redis_client import connect
 from common.stream.redis_server import redis_for
 from common.weights import shm_cleanup
-from common.run_dir import (LEARNER_STATE, REDIS_DIR, check_checkpoint_is_ours, eval_dir, eval_result_file,
+from common.run_dir import (LEARNER_STATE, REDIS_DIR, eval_dir, eval_result_file,
                             is_complete_checkpoint, logs_dir, prepare_output_dir)
 from common.stream.redis_stream import stream_key
 from deploy.control_channel import ControlChannel, write_job_file
@@ -428,12 +428,11 @@ def train(cfg: ExperimentConfig) -> dict:
 def checkpoint_location(checkpoint: str) -> tuple[str, str]:
     """(run.output_dir, run.resume_tag) of a checkpoint directory <output_dir>/checkpoints/<tag>;
     FileNotFoundError when it is not a complete checkpoint, UntrustedCheckpoint when this user did not write it
-    (common.run_dir.check_checkpoint_is_ours) or it would not load weights-only (learner.safe_load)."""
+    or it would not load weights-only (learner.safe_load.check_loadable)."""
     path = Path(checkpoint).resolve()
     if not is_complete_checkpoint(path):
         raise FileNotFoundError(f"{checkpoint} is not a checkpoint directory (no {LEARNER_STATE} in it); "
                                 f"pass one of <run.output_dir>/checkpoints/update_*")
-    check_checkpoint_is_ours(path)
     from learner.safe_load import check_loadable
     check_loadable(path)
     return str(path.parent.parent), path.name

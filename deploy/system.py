@@ -217,13 +217,19 @@ class System:
                  ("weights directory", remove_made_weights_dirs),
                  ("tracker", lambda: self.tracker and self.tracker.close()),
                  ("redis", self._close_redis)]
+        took = []       # (part, seconds): where a slow close spent its time, in the driver's log
         try:
             for name, step in steps:
+                t0 = time.monotonic()
                 try:
                     step()
                 except Exception as exc:  # noqa: BLE001 - the next parts must still be stopped
                     say("closing %s failed: %s", name, exc)
+                took.append((name, time.monotonic() - t0))
+            t0 = time.monotonic()
             stop_ray()
+            took.append(("ray", time.monotonic() - t0))
+            log.info("closed in %.1f s: %s", sum(s for _, s in took), ", ".join(f"{n} {s:.1f} s" for n, s in took))
         finally:
             self.redis, self.tracker = None, None
             self.signals.restore()

@@ -7,6 +7,7 @@ checked and closed together.
                                                      # and groups.jsonl line (the driver writes it)
     learners.call("set_inference_actors", actors, timeout_s=1200)   # `gigpo scale --inference`
     learners.state()                                 # rank 0's counters
+    learners.untrained_groups()                      # what the stream holds for the learner to train
     learners.nodes[r]                                # the node rank r runs on
     learners.lost()                                  # after a failure: the ranks Ray reports dead
     learners.stop_all()                              # close (checkpoint), then kill
@@ -113,6 +114,10 @@ class LearnerPool:
     def state(self) -> dict:
         """Rank 0's counters (`LearnerWorker.state`)."""
         return ray.get(self.ranks[0].state.remote())
+
+    def untrained_groups(self, timeout_s: float = 60.0) -> int:
+        """Groups the stream holds that the learner has still to train (rank 0 reads the stream)."""
+        return ray.get(self.ranks[0].untrained_groups.remote(), timeout=timeout_s)
 
     def call(self, method: str, *args, timeout_s: float, on_wait=None):
         """`LearnerWorker.<method>(*args)` on every rank (a method of `EVERY_RANK`); rank 0's answer. What a rank

@@ -8,7 +8,8 @@
 
 The driver (this module) starts every part, then runs one learner update per iteration: in async mode the
 rollout actors play continuously and the learner trains on the complete groups the stream holds; in sync mode
-(`run.sync=true`) they play exactly one batch with the current weights first. Every iteration it logs metrics,
+(`run.sync=true`) they play one batch with the current weights first (less the groups the stream still holds
+untrained: a resume's lost updates). Every iteration it logs metrics,
 publishes the status for `gigpo status` and applies `gigpo scale` commands.
 """
 from __future__ import annotations
@@ -327,7 +328,10 @@ class System:
         while self.update < cfg.run.iterations:
             self._between_updates()
             if cfg.run.sync:
-                self.rollouts.play_one_batch(cfg.learner.groups_per_batch)
+                # Only the rest of a batch: after a resume the stream may hold groups of lost updates, which
+                # the learner trains first; more played now would wait a version and be stale (or, past the lag
+                # bound, never be admitted).
+                self.rollouts.play_one_batch(max(cfg.learner.groups_per_batch - self.learners.untrained_groups(), 0))
             done = None
             while done is None:
                 self.rollouts.check_alive(self.inference.serving)

@@ -75,6 +75,11 @@ class LearnerWorker:
         metrics = self.learner.step(timeout_s=timeout_s)
         return None if metrics is None else (metrics, self.learner.last_groups_record)
 
+    def untrained_groups(self) -> int:
+        """Rank 0: groups the stream holds that this learner has still to train (0 without a stream)."""
+        stream = self.learner.stream
+        return stream.untrained() if stream is not None else 0
+
     def sync_weights(self) -> dict:
         """Push the current weights as a new version (after a resume, so that the inference actors serve
         what the learner trains). Every rank calls it (ZeRO-3 gathers are collective)."""

@@ -101,6 +101,8 @@ class Learner:
         self.metrics = LearnerMetrics(self.rank, self.stream) if self.rank == 0 else None
         if resume:
             self._resume()
+        if self.stream is not None and not read_only:
+            self.stream.forget_trained()        # (a dead learner's marks: its unacked groups come back untrained)
         self.repush_if_needed()     # inference actors that started without the model's weights wait for them
         if self.metrics is not None:
             self.metrics.set("policy_version", self.policy_version)

@@ -64,6 +64,13 @@ class TrajectorySource(Protocol):
     def dead_letter(self, received: list[Received], reason: str) -> None:
         """Set aside groups that cannot be trained on, with the reason; never handed out again."""
 
+    def untrained(self) -> int:
+        """Groups published and not yet trained on (unread, or read and not yet marked `trained()`)."""
+
+    def forget_trained(self) -> None:
+        """A learner starts with nothing trained and unacked: marks left by one that died before the
+        checkpoint that would have acked them are dropped (those groups are handed out again, untrained)."""
+
     def depth(self) -> int:
         """Groups published and not yet acked."""
 
@@ -78,6 +85,7 @@ class InMemoryTrajectories:
     def __init__(self):
         self._entries: OrderedDict[str, EpisodeGroup] = OrderedDict()    # published, not acked
         self._inflight: set[str] = set()
+        self._trained: set[str] = set()         # marked trained, not yet acked
         self._ids = itertools.count(1)
         self.dead: list[tuple[EpisodeGroup, str]] = []
         self.stats = {"published": 0, "read": 0, "acked": 0, "dropped_stale": 0, "duplicates_skipped": 0,
@@ -108,14 +116,22 @@ class InMemoryTrajectories:
     def ack(self, received: list[Received], counted_as: str = "acked") -> None:
         for r in received:
             self._inflight.discard(r.entry_id)
+            self._trained.discard(r.entry_id)
             self.stats[counted_as] += self._entries.pop(r.entry_id, None) is not None
 
     def trained(self, received: list[Received]) -> None:
-        pass        # no admission bound to free
+        self._trained.update(r.entry_id for r in received if r.entry_id in self._entries)
+
+    def untrained(self) -> int:
+        return len(self._entries) - len(self._trained)
+
+    def forget_trained(self) -> None:
+        self._trained.clear()
 
     def dead_letter(self, received: list[Received], reason: str) -> None:
         for r in received:
             self._inflight.discard(r.entry_id)
+            self._trained.discard(r.entry_id)
             if self._entries.pop(r.entry_id, None) is not None:
                 self.dead.append((r.group, reason))
                 self.stats["dead_lettered"] += 1

@@ -263,8 +263,23 @@ class TrajectoryStream:
             self._inflight.discard(r.entry_id)
 
     def depth(self) -> int:
-        """Groups in the stream not yet trained on (unread plus read-but-unacked)."""
+        """Groups in the stream: unread, read and not yet acked (trained ones awaiting their checkpoint too)."""
         return int(self.redis.xlen(self.key))
+
+    def untrained(self) -> int:
+        """Groups in the stream not yet trained on: what the learner has still to train (sync mode plays only
+        the rest of a batch; the producers' lag bound counts these, plus the slots being played)."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.xlen(self.key)
+        pipe.scard(self.trained_key)
+        held, marked = pipe.execute()
+        return max(int(held) - int(marked), 0)
+
+    def forget_trained(self) -> None:
+        """Drop every `trained()` mark: for a learner that starts, which has trained nothing unacked yet. Marks
+        left by a learner that died before the checkpoint that would have acked them name groups that will be
+        handed out and trained again; kept, they would let producers start groups past the lag bound."""
+        self.redis.delete(self.trained_key)
 
     def pending(self) -> int:
         """Groups delivered to some consumer of this consumer group and not yet acked."""

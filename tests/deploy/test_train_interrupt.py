@@ -185,7 +185,7 @@ def test_a_killed_driver_resumes_and_trains_every_group_once(tmp_path):
     out = tmp_path / "run"
     overrides = [o for o in OVERRIDES if not o.startswith(("run.iterations", "run.eval_every"))] + [
         "run.iterations=5", "run.eval_every=3", "run.eval_episodes=2", "learner.checkpoint_every=2",
-        "learner.keep_checkpoints=0", "run.sync=true"]
+        "learner.keep_checkpoints=0", "run.sync=true", "stream.max_policy_lag=0"]
     command = [sys.executable, "-m", "deploy.cli", "train", "configs/embedded.yaml", f"run.output_dir={out}",
                *overrides]
     env = dict(os.environ, PYTHONPATH=f"{REPO}:{os.environ.get('PYTHONPATH', '')}")
@@ -225,7 +225,11 @@ def test_a_killed_driver_resumes_and_trains_every_group_once(tmp_path):
     assert len(trained) == 5 * 2                           # 5 updates x learner.groups_per_batch 2: none twice
     for update, groups in killed_groups.items():           # the lost update's groups were trained again
         assert set(groups) <= trained, (update, resumed_at)
-    assert [m["step"] for m in lines("metrics.jsonl")] == [1, 2, 3, 4, 5]
+    metrics = lines("metrics.jsonl")
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
+    # On-policy throughout, the resume included: with stream.max_policy_lag=0 a group played one version
+    # early would be dropped stale.
+    assert [m["stream/dropped_stale"] for m in metrics] == [0] * 5, metrics
     assert [g["update"] for g in lines("groups.jsonl")] == [1, 2, 3, 4, 5]
     evals = lines("evals.jsonl")
     assert [(e["when"], e["update"]) for e in evals] == [("before training", 0), ("after update 3", 3),

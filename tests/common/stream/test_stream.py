@@ -383,6 +383,24 @@ def test_groups_a_dead_learner_marked_trained_count_as_untrained_when_handed_out
     with pytest.raises(TimeoutError, match="2 admitted and not yet trained"):
         stream.admit(timeout_s=0.1)
 
+
+def test_untrained_counts_what_the_learner_has_still_to_train_and_a_new_learner_forgets_old_marks(source):
+    """What sync mode plays (a batch less what the stream still holds untrained) and what a starting learner
+    clears: a dead learner's marks, whose groups come back to be trained again."""
+    for name in ("a", "b", "c"):
+        source.publish(make_group(name))
+    assert source.untrained() == 3
+    got = source.read(max_groups=2)
+    assert source.untrained() == 3                    # read is not trained
+    source.trained(got)
+    assert source.untrained() == 1 and source.depth() == 3
+    source.forget_trained()                           # a new learner: the dead one's update is to be redone
+    assert source.untrained() == 3
+    source.trained(got)
+    source.ack(got)                                   # the checkpoint: acked, no longer marked
+    assert source.untrained() == 1 and source.depth() == 1
+
+
 def test_a_renewed_slot_outlives_its_ttl_and_a_lapsed_one_frees_it(redis_server, cfg, monkeypatch):
     import common.stream.redis_stream as stream_module
     ttl = 2.0       # renewed every ~0.2 s (one refused admit): a stall of 1.8 s would fail it, not a slow machine

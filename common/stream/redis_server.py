@@ -62,8 +62,20 @@ def find_redis_server() -> str:
 # `dbfilename` + SAVE writes a file wherever the server's user can), MODULE LOAD, DEBUG, SHUTDOWN, FLUSHALL,
 # KEYS, INFO, CLIENT or ACL (Redis's @admin and @dangerous categories). The server's owner has an admin user
 # whose password never leaves the machine that started it.
-CLIENT_RULES = "~* &* +@all -@admin -@dangerous"
+RUN_COMMANDS = "+@all -@admin -@dangerous"
+CLIENT_RULES = "~* &* " + RUN_COMMANDS
 ADMIN_USER = "gigpo-admin"
+# A run on its embedded server gets a user of its own (`EmbeddedRedis.add_run_user`): those commands, on its own
+# keys only (`run_key_patterns`); the default user is then off.
+RUN_USER_PREFIX = "gigpo-run-"
+
+
+def run_key_patterns(cfg: StreamConfig) -> list[str]:
+    """The keys a run's clients touch: its stream and the keys named after it (`<key>:dead`, `:reserved`,
+    `:trained`), and its control channel's (`gigpo:<run id>:status`, `:commands`; deploy.control_channel)."""
+    from common.stream.redis_stream import stream_key      # (redis_stream imports this module's neighbours)
+    key = stream_key(cfg)
+    return list(dict.fromkeys([key, f"{key}:*", f"gigpo:{cfg.run_id}:*"]))
 
 
 def _config_arg(text: str) -> str:
@@ -235,6 +247,7 @@ class EmbeddedRedis:
         self.data_dir = os.path.abspath(data_dir) if data_dir else _temp_dir("gigpo-redis-")
         self._secret_dir = self.data_dir if self._own_dir else ""    # made by start() for a given data_dir
         self._proc: subprocess.Popen | None = None
+        self._run_url = ""                  # add_run_user's
 
     @property
     def url(self) -> str:
@@ -249,6 +262,27 @@ class EmbeddedRedis:
         if self.port is None:
             raise RuntimeError("EmbeddedRedis has no port yet: call start() first")
         return f"redis://{ADMIN_USER}:{quote(self.admin_password, safe='')}@127.0.0.1:{self.port}/0"
+
+    def add_run_user(self, cfg: StreamConfig) -> str:
+        """A user for the run `cfg` names (`RUN_USER_PREFIX` + its run id, a new random password), allowed
+        `RUN_COMMANDS` on `run_key_patterns(cfg)` alone, and the default user turned off: every actor of the run
+        gets this URL; nothing else on the server is theirs to read, change or delete. Its password is kept
+        like the default one's (owner-only, in the server's secret directory) for `gigpo status` / `scale`.
+        The user lives in the running server only: a restarted one needs it added again."""
+        if not cfg.run_id:
+            raise ValueError("a run user needs the run's id (stream.run_id)")
+        user, password = RUN_USER_PREFIX + cfg.run_id, secrets.token_urlsafe(24)
+        admin = redis.Redis.from_url(self.admin_url, socket_timeout=10, retry=Retry(NoBackoff(), 0))
+        try:
+            admin.execute_command("ACL", "SETUSER", user, "reset", "on", ">" + password,
+                                  *(f"~{p}" for p in run_key_patterns(cfg)), *RUN_COMMANDS.split())
+            admin.execute_command("ACL", "SETUSER", "default", "off")
+        finally:
+            admin.close()
+        url = f"redis://{quote(user, safe='')}:{quote(password, safe='')}@{self.host}:{self.port}/0"
+        remember_password_file(url, str(self._write_secret("run-password", password + "\n")))
+        self._run_url = url
+        return url
 
     @property
     def password_file(self) -> str:
@@ -365,6 +399,9 @@ class EmbeddedRedis:
         self._terminate(signal.SIGTERM)
         if self.port is not None:
             remember_password_file(self.url, None)
+        if self._run_url:
+            remember_password_file(self._run_url, None)
+            self._run_url = ""
         if cleanup and self._own_dir:
             shutil.rmtree(self.data_dir, ignore_errors=True)
         elif not self._own_dir and self._secret_dir:     # a stopped server needs no password on disk
@@ -432,4 +469,5 @@ def redis_for(cfg: StreamConfig, host: str | None = None, data_dir: str = "") ->
         raise ConfigError(f"the embedded Redis cannot listen on {host}, the address Ray gives this node ("
                           f"{' '.join(str(exc).split())[:300]}); set stream.redis_url to a Redis every node "
                           "can reach", "stream.redis_url") from None
-    return server.url, server
+    # A run (it has an id) gets a user of its own on its server; a bare stream (tools, tests) the default one.
+    return (server.add_run_user(cfg) if cfg.run_id else server.url), server

@@ -18,7 +18,7 @@ import pytest
 from common.config import StreamConfig
 from common.stream.codec import SCHEMA_VERSION, encode_group
 from common.stream.interface import InMemoryTrajectories
-from common.stream.redis_client import connect
+from common.stream.redis_client import connect, password_file_for
 from common.stream.redis_server import redis_for
 from common.stream.redis_stream import TrajectoryStream
 from learner.read_policy import groups_to_train
@@ -489,6 +489,42 @@ def test_live_consumer_keeps_its_groups_while_it_keeps_reading(redis_server, cfg
         assert b.read(1, 100) == []
     a.ack(held)
     assert b.stats["reclaimed"] == 0 and a.depth() == 0
+
+
+def test_a_run_on_its_embedded_redis_has_a_user_of_its_own_that_reaches_its_keys_alone(tmp_path):
+    """redis_for gives a run (it has an id) a user limited to its own keys and the stream's commands, and turns
+    the default user off: a rollout node's credential cannot read, change or delete another run's keys (runs
+    sharing a server are otherwise apart only by key names) nor anything of the server itself."""
+    import redis
+    run = StreamConfig(embedded_dir=str(tmp_path), run_id="run-a", max_policy_lag=0)
+    url, server = redis_for(run)
+    try:
+        assert url.startswith("redis://gigpo-run-run-a:") and url != server.url
+        admin = connect(server.admin_url)
+        admin.xadd("gigpo:run-b:groups", {"g": "theirs"})           # another run's keys, on the same server
+        admin.set("gigpo:run-b:status", "{}")
+        stream = TrajectoryStream(url, run, lag_bound=2)            # the stream, its admission script, its marks
+        stream.publish(make_group("ours"), admitted=stream.admit(timeout_s=1))
+        got = stream.read(4, 100)
+        stream.trained(got)
+        assert [r.group.group_id for r in got] == ["ours"] and stream.untrained() == 0
+        stream.ack(got)
+        client = connect(url, retries=0)
+        client.set("gigpo:run-a:status", "{}")                      # the control channel's keys
+        client.rpush("gigpo:run-a:commands", "{}")
+        assert client.lpop("gigpo:run-a:commands") == b"{}"
+        for command in [("GET", "gigpo:run-b:status"), ("DEL", "gigpo:run-b:groups"), ("XLEN", "gigpo:run-b:groups"),
+                        ("XADD", "gigpo:run-b:groups", "*", "g", "forged"), ("SET", "elsewhere", "1"),
+                        ("CONFIG", "SET", "dir", str(tmp_path)), ("FLUSHALL",), ("KEYS", "*"), ("SHUTDOWN",)]:
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                client.execute_command(*command)
+        with pytest.raises(redis.AuthenticationError):               # the default user is off
+            connect(server.url, retries=0).ping()
+        assert admin.xlen("gigpo:run-b:groups") == 1 and admin.get("gigpo:run-b:status") == b"{}"
+        assert Path(password_file_for(url)).read_text().strip() in url           # for `gigpo status` / `scale`
+    finally:
+        server.stop(cleanup=True)
+    assert password_file_for(url) == ""
 
 
 def test_the_runs_password_reads_and_writes_groups_and_cannot_touch_the_server(redis_server, cfg, tmp_path):

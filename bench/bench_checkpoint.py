@@ -6,8 +6,8 @@ completion mark and `latest` written durably, before its groups are acked (learn
 - the 1.5B shape (`--large-shape`, default qwen2.5-1.5b; `--large-shape ""` skips it): files of the sizes
   DeepSpeed's ZeRO-2 checkpoint has for it (the module in bf16, 2 bytes a parameter; fp32 master weights and
   Adam's two moments, 12), written without and then with the fsyncs, once each, in `--dir` (default: a temporary
-  directory beside the runs, on the disk a run's checkpoints go to). Each pass writes ~21 GB; the disk is
-  flushed (untimed) before each.
+  directory beside the runs, on the disk a run's checkpoints go to). Each pass writes ~21 GB (skipped when the
+  disk has less than twice that free); the disk is flushed (untimed) before each.
 
 The ratio is the figure: both sides run in the same process, on the same disk, in the same minute.
 """
@@ -120,6 +120,11 @@ def main() -> None:
         sizes = checkpoint_bytes(args.large_shape)
         total = sum(sizes.values())
         Path(args.dir).mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(args.dir).free
+        if free < 2 * total:        # one pass at a time, and room left for everyone else on the disk
+            print(f"{args.large_shape} shape: skipped, {args.dir} has {free / 1e9:.0f} GB free and a pass writes "
+                  f"{total / 1e9:.1f} GB (twice that needed)")
+            return
         with tempfile.TemporaryDirectory(prefix="bench-checkpoint-", dir=args.dir) as tmp:
             plain_s = write_files(Path(tmp) / "plain", sizes, durable=False)
             durable_s = write_files(Path(tmp) / "durable", sizes, durable=True)

@@ -13,6 +13,10 @@
 #   GIGPO_REDIS_PASSWORD       read by `gigpo train` from its environment (e.g. a Kubernetes Secret as an env var)
 #   GIGPO_REDIS_PASSWORD_FILE  else: a file holding it (default ~/.gigpo/redis_password; a Secret mounted as a
 #                              file), passed on as stream.redis_password_file (the path, not the password)
+#   GIGPO_REDIS_ADMIN_FILE     default ~/gigpo-redis/admin-password (`gigpo redis`'s admin user): where it is
+#                              readable (and no GIGPO_REDIS_PASSWORD is set), the driver is given the admin user's
+#                              URL and hands the run's actors a user of the run alone (common/stream/redis_server.py
+#                              add_run_user): another run's rollout nodes cannot read or delete this run's groups
 set -euo pipefail
 cd "$(dirname "$0")/.."
 config="${1:?usage: entrypoint.sh CONFIG [overrides...]}"
@@ -24,7 +28,12 @@ py=python3
 host="${GIGPO_REDIS_HOST:-$("$py" -c 'import ray.util; print(ray.util.get_node_ip_address())')}"
 port="${GIGPO_REDIS_PORT:-6380}"
 password_args=()
-if [ -z "${GIGPO_REDIS_PASSWORD:-}" ]; then
+user=""
+admin_file="${GIGPO_REDIS_ADMIN_FILE:-$HOME/gigpo-redis/admin-password}"
+if [ -z "${GIGPO_REDIS_PASSWORD:-}" ] && [ -r "$admin_file" ]; then
+  user="gigpo-admin@"
+  password_args=("stream.redis_password_file=$admin_file")
+elif [ -z "${GIGPO_REDIS_PASSWORD:-}" ]; then
   password_file="${GIGPO_REDIS_PASSWORD_FILE:-$HOME/.gigpo/redis_password}"
   [ -r "$password_file" ] || { echo "entrypoint.sh: no GIGPO_REDIS_PASSWORD and no $password_file" >&2; exit 2; }
   password_args=("stream.redis_password_file=$password_file")
@@ -35,5 +44,5 @@ GIGPO_RESUME_COMMAND="bash $(realpath "$0") $(printf '%q ' "$config" "$@")"
 export GIGPO_RESUME_COMMAND
 # RAY_ADDRESS=auto: join the cluster this node belongs to instead of starting a local Ray.
 export RAY_ADDRESS="${RAY_ADDRESS:-auto}"
-exec "$py" -m deploy.cli train "$config" "stream.redis_url=redis://${host}:${port}/0" \
+exec "$py" -m deploy.cli train "$config" "stream.redis_url=redis://${user}${host}:${port}/0" \
   ${password_args[@]+"${password_args[@]}"} "$@"

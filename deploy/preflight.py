@@ -228,7 +228,9 @@ def check_redis(cfg: ExperimentConfig, timeout_s: float = 3.0) -> None:
         if password_of(url) is None:
             raise PreflightError(f"stream.redis_url: Redis at {where} needs a password; put it in the URL "
                                  "(redis://:PASSWORD@host:port/db)") from None
-        raise PreflightError(f"stream.redis_url: Redis at {where} refused the credentials ({exc}); fix the "
+        user = urlsplit(url).username
+        whose = f"user {user}'s" if user else "the"
+        raise PreflightError(f"stream.redis_url: Redis at {where} refused {whose} credentials ({exc}); fix the "
                              "password (or user) in the URL") from None
     except ResponseError as exc:             # e.g. an ACL user without the PING permission
         raise PreflightError(f"stream.redis_url: Redis at {where} answered PING with an error ({exc}); check "

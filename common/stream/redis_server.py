@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -38,7 +38,7 @@ from redis.retry import Retry
 
 from common.config import ConfigError, StreamConfig
 from common.processes.placement import free_port
-from common.redaction import REDACTED
+from common.redaction import REDACTED, password_of
 from common.stream.redis_client import read_password_file, remember_password_file, resolve_password
 
 
@@ -65,8 +65,8 @@ def find_redis_server() -> str:
 RUN_COMMANDS = "+@all -@admin -@dangerous"
 CLIENT_RULES = "~* &* " + RUN_COMMANDS
 ADMIN_USER = "gigpo-admin"
-# A run on its embedded server gets a user of its own (`EmbeddedRedis.add_run_user`): those commands, on its own
-# keys only (`run_key_patterns`); the default user is then off.
+# A run gets a user of its own (`add_run_user`): those commands, on its own keys only (`run_key_patterns`). On its
+# embedded server the default user is then off; on a user's Redis, when the driver is given ADMIN_USER's URL.
 RUN_USER_PREFIX = "gigpo-run-"
 
 
@@ -76,6 +76,23 @@ def run_key_patterns(cfg: StreamConfig) -> list[str]:
     from common.stream.redis_stream import stream_key      # (redis_stream imports this module's neighbours)
     key = stream_key(cfg)
     return list(dict.fromkeys([key, f"{key}:*", f"gigpo:{cfg.run_id}:*"]))
+
+
+def add_run_user(admin: redis.Redis, admin_url: str, cfg: StreamConfig, host: str = "") -> str:
+    """Make (or remake, with a new random password) the user of the run `cfg` names (`RUN_USER_PREFIX` + its run
+    id) on the Redis `admin` is a client of ADMIN_USER on, allowed `RUN_COMMANDS` on `run_key_patterns(cfg)`
+    alone; returns its URL: `admin_url`'s, with that user and password (and `host`, when given). The user lives
+    in the running server: a restarted one has lost it (a resume makes it again)."""
+    if not cfg.run_id:
+        raise ValueError("a run user needs the run's id (stream.run_id)")
+    user, password = RUN_USER_PREFIX + cfg.run_id, secrets.token_urlsafe(24)
+    admin.execute_command("ACL", "SETUSER", user, "reset", "on", ">" + password,
+                          *(f"~{p}" for p in run_key_patterns(cfg)), *RUN_COMMANDS.split())
+    parts = urlsplit(admin_url)
+    hostport = parts.netloc.rsplit("@", 1)[-1]
+    if host:
+        hostport = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{quote(user, safe='')}:{quote(password, safe='')}@{hostport}"))
 
 
 def _config_arg(text: str) -> str:
@@ -269,18 +286,13 @@ class EmbeddedRedis:
         gets this URL; nothing else on the server is theirs to read, change or delete. Its password is kept
         like the default one's (owner-only, in the server's secret directory) for `gigpo status` / `scale`.
         The user lives in the running server only: a restarted one needs it added again."""
-        if not cfg.run_id:
-            raise ValueError("a run user needs the run's id (stream.run_id)")
-        user, password = RUN_USER_PREFIX + cfg.run_id, secrets.token_urlsafe(24)
         admin = redis.Redis.from_url(self.admin_url, socket_timeout=10, retry=Retry(NoBackoff(), 0))
         try:
-            admin.execute_command("ACL", "SETUSER", user, "reset", "on", ">" + password,
-                                  *(f"~{p}" for p in run_key_patterns(cfg)), *RUN_COMMANDS.split())
+            url = add_run_user(admin, self.admin_url, cfg, host=self.host)
             admin.execute_command("ACL", "SETUSER", "default", "off")
         finally:
             admin.close()
-        url = f"redis://{quote(user, safe='')}:{quote(password, safe='')}@{self.host}:{self.port}/0"
-        remember_password_file(url, str(self._write_secret("run-password", password + "\n")))
+        remember_password_file(url, str(self._write_secret("run-password", password_of(url) + "\n")))
         self._run_url = url
         return url
 
@@ -419,6 +431,36 @@ class EmbeddedRedis:
         self.stop(cleanup=True)
 
 
+def _run_user_for(cfg: StreamConfig) -> str:
+    """The run's own user on a user's Redis whose ADMIN_USER URL `cfg.redis_url` is (e.g. `gigpo redis`'s, with
+    its <--dir>/admin-password): made now, its password in an owner-only file of a private temporary directory
+    (for job.json: `gigpo status` / `scale`); when this process exits the user is deleted and the file goes."""
+    from common.stream.redis_client import connect
+    admin_url = cfg.redis_url
+    admin = connect(admin_url)
+    try:
+        url = add_run_user(admin, admin_url, cfg)
+    finally:
+        admin.close()
+    secret_dir = Path(_temp_dir("gigpo-redis-secret-"))
+    path = secret_dir / "run-password"
+    _write_owner_only(path, password_of(url) + "\n")
+    remember_password_file(url, str(path))
+
+    def forget() -> None:
+        remember_password_file(url, None)
+        shutil.rmtree(secret_dir, ignore_errors=True)
+        try:            # best effort: a Redis gone by now keeps a user whose password nobody holds any more
+            client = connect(admin_url, retries=0, socket_timeout_s=5)
+            client.execute_command("ACL", "DELUSER", urlsplit(url).username)
+            client.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+    atexit.register(forget)
+    return url
+
+
 def ray_cluster_host() -> str | None:
     """The address other Ray nodes reach this node at, when the run's Ray is a cluster: the driver connected
     to an existing Ray (run.ray_address, RAY_ADDRESS, --address: nodes may join later), or one with more than
@@ -455,6 +497,8 @@ def redis_for(cfg: StreamConfig, host: str | None = None, data_dir: str = "") ->
     loaded. The temporary directories of killed earlier owners are removed first (`sweep_orphaned_dirs`)."""
     if cfg.redis_url:
         resolve_password(cfg)
+        if cfg.run_id and urlsplit(cfg.redis_url).username == ADMIN_USER:
+            cfg.redis_url = _run_user_for(cfg)       # the admin URL stays in this process
         return cfg.redis_url, None
     sweep_orphaned_dirs()
     host = host or ray_cluster_host() or "127.0.0.1"

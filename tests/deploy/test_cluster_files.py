@@ -187,6 +187,10 @@ def test_ray_cluster_yaml_as_written_trains_then_loses_its_gpu_node(machines_her
         where = login_command(head, "gigpo status --output-dir /shared/runs/alfworld-gigpo-1.5b", timeout_s=120)
         assert placed(where.stdout) == {"learner-0": ms["gpu"].ip, "inference-0": ms["gpu"].ip,
                                         "rollout-0": ms["rollout"].ip}, where.stdout + where.stderr
+        # The driver had `gigpo redis`'s admin URL (entrypoint.sh): the run's actors, and `gigpo status`, got a
+        # user of the run's own.
+        job_file = json.loads((run_dir / "job.json").read_text())
+        assert job_file["redis_url"].startswith("redis://gigpo-run-"), job_file["redis_url"]
         # The head's autoscaler loaded the AWS node provider from the project's venv (boto3 in it): it gets as
         # far as asking AWS, which no machine here can reach.
         monitor = head.read_text("/tmp/ray/session_latest/logs/monitor.log")

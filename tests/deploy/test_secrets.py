@@ -153,22 +153,29 @@ def test_gigpo_train_reads_the_password_sources(users_redis, tmp_path):
     assert SECRET not in proc.stderr + proc.stdout
 
 
-@pytest.mark.parametrize("source", ["file", "environment"])
+@pytest.mark.parametrize("source", ["file", "environment", "admin file"])
 def test_entrypoint_hands_over_the_password_source_not_the_password(users_redis, tmp_path, source):
     """deploy/entrypoint.sh (the cluster job's command) names the Redis and where its password is; `gigpo
-    train` reads it (a wrong one is refused by the checks, before anything starts)."""
+    train` reads it (a wrong one is refused by the checks, before anything starts). Where `gigpo redis`'s admin
+    password file is readable, the driver gets the admin user's URL (it then makes the run a user of its own)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GIGPO_REDIS")}
     env.update(HOME=str(tmp_path), GIGPO_REDIS_HOST="localhost", GIGPO_REDIS_PORT=str(users_redis.port))
+    user = ""
     if source == "file":
         (tmp_path / "password").write_text("not-" + SECRET)
         env["GIGPO_REDIS_PASSWORD_FILE"] = str(tmp_path / "password")
+    elif source == "admin file":
+        (tmp_path / "gigpo-redis").mkdir()
+        (tmp_path / "gigpo-redis" / "admin-password").write_text("not-" + SECRET)     # the default place
+        user = "gigpo-admin"
     else:
         env[PASSWORD_ENV] = "not-" + SECRET
     proc = subprocess.run(["bash", str(REPO / "deploy/entrypoint.sh"), str(REPO / "configs/embedded.yaml"),
                            f"run.output_dir={tmp_path / 'run'}"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=120)
-    assert proc.returncode == 2 and "refused the credentials" in proc.stderr, proc.stderr
-    assert f"redis://localhost:{users_redis.port}" in proc.stderr
+    whose = f"user {user}'s" if user else "the"
+    assert proc.returncode == 2 and f"refused {whose} credentials" in proc.stderr, proc.stderr
+    assert f"redis://localhost:{users_redis.port}" in proc.stderr, proc.stderr
 
 
 def test_gigpo_redis_starts_the_clusters_stream_redis_once_its_password_on_no_command_line(tmp_path, free_port):

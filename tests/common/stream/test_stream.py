@@ -3,6 +3,7 @@ backpressure and a consumer killed (SIGKILL) before its ack; and the learner's r
 staleness, unpublished versions) on what the Redis and the in-memory sources hand out."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -27,6 +28,7 @@ from tests.support.stream_factory import assert_groups_equal, make_group
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[3]
 
+REPO = Path(__file__).resolve().parents[3]
 NO_RETRY_S = 1.0         # far below what connect()'s retries would take (see where it is used)
 
 
@@ -525,6 +527,56 @@ def test_a_run_on_its_embedded_redis_has_a_user_of_its_own_that_reaches_its_keys
     finally:
         server.stop(cleanup=True)
     assert password_file_for(url) == ""
+
+
+def test_a_driver_given_the_admin_url_of_a_shared_redis_hands_its_actors_a_user_of_the_run_alone(redis_server,
+                                                                                                 tmp_path):
+    """On a Redis runs share (`gigpo redis`, which keeps its admin user's password in <--dir>/admin-password),
+    a driver given ADMIN_USER's URL makes the run a user of its own and hands out only that: a rollout node of
+    one run cannot read or delete another's groups. The user and its password file go when the driver's
+    process exits (a subprocess here: the clean-up runs at exit)."""
+    import redis
+    admin_file = tmp_path / "admin-password"
+    admin_file.write_text(redis_server.admin_password + "\n")
+    admin_file.chmod(0o600)
+    admin_url = f"redis://gigpo-admin@127.0.0.1:{redis_server.port}/0"       # the password from the file
+    script = f"""
+import json, sys
+from common.config import StreamConfig
+from common.stream.redis_client import password_file_for
+from common.stream.redis_server import redis_for
+cfg = StreamConfig(redis_url={admin_url!r}, redis_password_file={str(admin_file)!r}, run_id="run-a")
+url, server = redis_for(cfg)
+print(json.dumps({{"url": url, "cfg_url": cfg.redis_url, "server": server is None,
+                  "password_file": password_file_for(url)}}))
+sys.stdout.flush()
+sys.stdin.readline()                                 # the test looks around, then lets it exit
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        got = json.loads(proc.stdout.readline())
+        url = got["url"]
+        assert url.startswith("redis://gigpo-run-run-a:") and got["cfg_url"] == url and got["server"]
+        assert redis_server.admin_password not in url
+        password_file = Path(got["password_file"])
+        assert password_file.read_text().strip() in url and password_file.stat().st_mode & 0o077 == 0
+        admin = connect(redis_server.admin_url)
+        admin.xadd("gigpo:run-b:groups", {"g": "theirs"})
+        run = StreamConfig(run_id="run-a")
+        stream = TrajectoryStream(url, run, lag_bound=2)
+        stream.publish(make_group("ours"), admitted=stream.admit(timeout_s=1))
+        stream.ack(stream.read(4, 100))
+        client = connect(url, retries=0)
+        for command in [("XRANGE", "gigpo:run-b:groups", "-", "+"), ("DEL", "gigpo:run-b:groups"), ("FLUSHALL",)]:
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                client.execute_command(*command)
+        assert connect(redis_server.url, retries=0).ping()     # the shared default user is the operator's to keep
+    finally:
+        proc.communicate("\n", timeout=60)
+    assert proc.returncode == 0
+    assert not password_file.exists() and not password_file.parent.exists()
+    assert b"gigpo-run-run-a" not in b" ".join(admin.execute_command("ACL", "USERS"))
 
 
 def test_the_runs_password_reads_and_writes_groups_and_cannot_touch_the_server(redis_server, cfg, tmp_path):

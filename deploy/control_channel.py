@@ -14,7 +14,9 @@ import redis
 from common.metrics import SECTIONS
 from common.redaction import is_redacted, redact
 from common.run_dir import JOB_FILE
-from common.stream.redis_client import PASSWORD_ENV, password_file_for, read_password_file, with_password
+from common.stream.redis_client import (ADMIN_PASSWORD_ENV, PASSWORD_ENV, password_file_for, read_password_file,
+                                        with_password)
+from common.stream.redis_server import ADMIN_USER
 
 
 def write_job_file(output_dir: str, run_name: str, redis_url: str, ray_address: str, run_id: str = "",
@@ -42,8 +44,9 @@ def read_job_file(output_dir: str) -> dict:
 
 
 def job_redis_url(job: dict, environ: dict | None = None) -> str:
-    """The job's Redis URL with its password: from $GIGPO_REDIS_PASSWORD, else the job's password file;
-    ValueError saying what to set when neither has it."""
+    """The job's Redis URL with its password: from $GIGPO_REDIS_PASSWORD, else the job's password file (the
+    run's own user's while the run lasts), else as the Redis's admin user with $GIGPO_REDIS_ADMIN_PASSWORD
+    (KubeRay's head pod); ValueError saying what to set when none has it."""
     url = job["redis_url"]
     if not is_redacted(url):
         return url        # no password, or a job file written before passwords were redacted
@@ -51,13 +54,15 @@ def job_redis_url(job: dict, environ: dict | None = None) -> str:
     if environ.get(PASSWORD_ENV):
         return with_password(url, environ[PASSWORD_ENV])
     password_file = job.get("redis_password_file", "")
+    if password_file and os.path.exists(password_file):
+        return with_password(url, read_password_file(password_file, field="job.json's redis_password_file"))
+    if environ.get(ADMIN_PASSWORD_ENV):
+        return with_password(url, environ[ADMIN_PASSWORD_ENV], user=ADMIN_USER)
     if not password_file:
         raise ValueError(f"the job's Redis ({url}) needs its password, which job.json does not keep: set "
                          f"{PASSWORD_ENV}")
-    if not os.path.exists(password_file):
-        raise ValueError(f"the job's Redis password file {password_file} is gone (an embedded Redis removes it "
-                         f"when the job ends); for a job still running elsewhere set {PASSWORD_ENV}")
-    return with_password(url, read_password_file(password_file, field="job.json's redis_password_file"))
+    raise ValueError(f"the job's Redis password file {password_file} is gone (it goes when the job ends); for "
+                     f"a job still running elsewhere set {PASSWORD_ENV}")
 
 
 class ControlChannel:

@@ -13,10 +13,12 @@
 #   GIGPO_REDIS_PASSWORD       read by `gigpo train` from its environment (e.g. a Kubernetes Secret as an env var)
 #   GIGPO_REDIS_PASSWORD_FILE  else: a file holding it (default ~/.gigpo/redis_password; a Secret mounted as a
 #                              file), passed on as stream.redis_password_file (the path, not the password)
-#   GIGPO_REDIS_ADMIN_FILE     default ~/gigpo-redis/admin-password (`gigpo redis`'s admin user): where it is
-#                              readable (and no GIGPO_REDIS_PASSWORD is set), the driver is given the admin user's
-#                              URL and hands the run's actors a user of the run alone (common/stream/redis_server.py
-#                              add_run_user): another run's rollout nodes cannot read or delete this run's groups
+#   GIGPO_REDIS_ADMIN_PASSWORD the Redis's admin user's password (KubeRay: the Secret's admin-password), or
+#   GIGPO_REDIS_ADMIN_FILE     a file holding it (default ~/gigpo-redis/admin-password, `gigpo redis`'s): with
+#                              either (the env first, then a readable file; before GIGPO_REDIS_PASSWORD), the
+#                              driver is given the admin user's URL and hands the run's actors a user of the run
+#                              alone (common/stream/redis_server.py add_run_user): another run's rollout nodes
+#                              cannot read or delete this run's groups
 set -euo pipefail
 cd "$(dirname "$0")/.."
 config="${1:?usage: entrypoint.sh CONFIG [overrides...]}"
@@ -30,7 +32,10 @@ port="${GIGPO_REDIS_PORT:-6380}"
 password_args=()
 user=""
 admin_file="${GIGPO_REDIS_ADMIN_FILE:-$HOME/gigpo-redis/admin-password}"
-if [ -z "${GIGPO_REDIS_PASSWORD:-}" ] && [ -r "$admin_file" ]; then
+if [ -n "${GIGPO_REDIS_ADMIN_PASSWORD:-}" ]; then
+  user="gigpo-admin@"
+  export GIGPO_REDIS_PASSWORD="$GIGPO_REDIS_ADMIN_PASSWORD"     # read by `gigpo train`, never on a command line
+elif [ -z "${GIGPO_REDIS_PASSWORD:-}" ] && [ -r "$admin_file" ]; then
   user="gigpo-admin@"
   password_args=("stream.redis_password_file=$admin_file")
 elif [ -z "${GIGPO_REDIS_PASSWORD:-}" ]; then

@@ -24,15 +24,18 @@ from common.processes.placement import node_for_messages
 from common.redaction import is_redacted, password_of, redact, unsplit_url
 
 PASSWORD_ENV = "GIGPO_REDIS_PASSWORD"       # a user's Redis password, for a URL that holds none
+# The Redis's admin user's password (KubeRay's head: the Secret's admin-password; deploy/entrypoint.sh)
+ADMIN_PASSWORD_ENV = "GIGPO_REDIS_ADMIN_PASSWORD"
 
 
-def with_password(url: str, password: str) -> str:
-    """`url` (holding no password, or a redacted one) with `password` in its user part."""
+def with_password(url: str, password: str, user: str | None = None) -> str:
+    """`url` (holding no password, or a redacted one) with `password` in its user part (and `user` instead of
+    the URL's own, when given)."""
     parts = urlsplit(url)
     query = [(k, v) for k, v in parse_qsl(parts.query, keep_blank_values=True) if k != "password"]
     hostport = parts.netloc.rsplit("@", 1)[-1]
-    user = quote(unquote(parts.username), safe="") if parts.username else ""
-    netloc = f"{user}:{quote(password, safe='')}@{hostport}"
+    user = user if user is not None else (unquote(parts.username) if parts.username else "")
+    netloc = f"{quote(user, safe='')}:{quote(password, safe='')}@{hostport}"
     return unsplit_url(parts, netloc, urlencode(query))
 
 

@@ -266,10 +266,12 @@ def test_kuberay_manifests_as_written_train(machines_here, tmp_path):
     ray_job = _manifests("rayjob.yaml")["RayJob"]
     name = ray_cluster["metadata"]["name"]
     assert ray_job["spec"]["clusterSelector"] == {"ray.io/cluster": name}
-    # `kubectl create secret generic gigpo-redis --from-literal=password="$(openssl rand -hex 24)"` as written;
+    # `kubectl create secret generic gigpo-redis --from-literal=password=... --from-literal=admin-password=...`;
     # KubeRay's token Secret for authOptions (32 random bytes, base64).
     password = subprocess.run(["openssl", "rand", "-hex", "24"], capture_output=True, text=True, check=True).stdout
-    secrets = {"gigpo-redis": {"password": password.strip()},
+    admin_password = subprocess.run(["openssl", "rand", "-hex", "24"], capture_output=True, text=True,
+                                    check=True).stdout
+    secrets = {"gigpo-redis": {"password": password.strip(), "admin-password": admin_password.strip()},
                name: {"auth_token": base64.b64encode(random_secrets.token_bytes(32)).decode()}}
     subs.add("kubectl, helm and the operator", "the test makes each pod KubeRay and the kubelet would make, "
                                                "from the manifests as written (tests/support/cluster_files.py)")
@@ -360,6 +362,9 @@ def test_kuberay_manifests_as_written_train(machines_here, tmp_path):
         assert follow.returncode == 0, follow.stderr[-3000:]
     metrics = _metrics(efs / "runs" / "alfworld-gigpo-1.5b" / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2]
+    # The head's driver had the admin password (the Secret's admin-password): its actors got a user of the run's.
+    job_file = json.loads((efs / "runs" / "alfworld-gigpo-1.5b" / "job.json").read_text())
+    assert job_file["redis_url"].startswith("redis://gigpo-run-"), job_file["redis_url"]
     # Each role on its group's pods: the learner and vLLM on the gpu group's, the rollout actor on
     # rollout-cpu's (the stream in the Redis pod: the job could not have trained otherwise).
     assert where.returncode == 0, where.stderr

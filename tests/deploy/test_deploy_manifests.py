@@ -27,7 +27,7 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from common.stream.redis_server import APPENDFSYNC, CLIENT_RULES
+from common.stream.redis_server import ADMIN_USER, APPENDFSYNC, CLIENT_RULES
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -195,19 +195,30 @@ def test_manifests_agree_with_each_other_and_the_repo():
     assert spec["authOptions"]["mode"] == "token"
     assert job["spec"]["clusterSelector"]["ray.io/cluster"] == cluster["metadata"]["name"]
 
-    # The head reaches Redis through the Service, with the Secret's password.
+    # The head reaches Redis through the Service, with the Secret's admin password (its driver makes each run a
+    # user of its own); no Ray pod holds the runs' shared password.
     head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]
     env = _container_env(head)
     assert env["GIGPO_REDIS_HOST"]["value"] == service["metadata"]["name"]
     assert int(env["GIGPO_REDIS_PORT"]["value"]) == service["spec"]["ports"][0]["port"]
-    secret_ref = env["GIGPO_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    admin_ref = env["GIGPO_REDIS_ADMIN_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    assert admin_ref == {"name": "gigpo-redis", "key": "admin-password"}
+    pods = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+    assert not [c for g in pods for c in g["template"]["spec"]["containers"]
+                if "GIGPO_REDIS_PASSWORD" in _container_env(c)]
     redis_container = redis["spec"]["template"]["spec"]["containers"][0]
-    assert _container_env(redis_container)["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == secret_ref
+    redis_env = _container_env(redis_container)
+    assert redis_env["REDIS_ADMIN_PASSWORD"]["valueFrom"]["secretKeyRef"] == admin_ref
+    assert redis_env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "gigpo-redis", "key": "password"}
     args = redis_container["args"]
-    # The Secret's password grants what the project's own servers grant a run's clients, no more.
+    # The Secret's password grants what the project's own servers grant a run's clients, no more; its admin
+    # password is the admin user's.
     user = args.index("--user")
     assert args[user + 1:user + 5] == ["default", "reset", "on", ">$(REDIS_PASSWORD)"]
     assert args[user + 5:user + 5 + len(CLIENT_RULES.split())] == CLIENT_RULES.split()
+    admin = args.index("--user", user + 1)
+    assert args[admin + 1:admin + 9] == [ADMIN_USER, "reset", "on", ">$(REDIS_ADMIN_PASSWORD)", "~*", "&*", "+@all",
+                                         "--appendonly"]
     assert "--requirepass" not in args
     assert args[args.index("--appendonly") + 1] == "yes"
     assert args[args.index("--appendfsync") + 1] == APPENDFSYNC

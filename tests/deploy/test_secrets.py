@@ -87,6 +87,12 @@ def test_job_file_and_tracker_config_hold_a_users_url_redacted(tmp_path):
     with pytest.raises(ValueError, match=PASSWORD_ENV):
         job_redis_url(job, environ={})
     assert SECRET in job_redis_url(job, environ={PASSWORD_ENV: SECRET})
+    # A finished run's own user is gone with its password file; KubeRay's head pod has the admin password.
+    write_job_file(str(tmp_path), "demo", f"redis://gigpo-run-x:{SECRET}@10.1.2.3:6380/0", "")
+    job = read_job_file(str(tmp_path))
+    assert job["redis_url"] == "redis://gigpo-run-x:***@10.1.2.3:6380/0"
+    admin = job_redis_url(job, environ={"GIGPO_REDIS_ADMIN_PASSWORD": "adm"})
+    assert admin == "redis://gigpo-admin:adm@10.1.2.3:6380/0"
 
 
 @pytest.fixture(scope="module")

@@ -84,7 +84,7 @@ def test_redis_for_starts_a_server_when_no_url(tmp_path):
         assert srv is not None and srv.running
         r = connect(srv.admin_url)
         assert r.config_get("appendonly")["appendonly"] == "yes"
-        assert r.config_get("appendfsync")["appendfsync"] == "always"     # as tests/common/stream/test_stream_restart.py
+        assert r.config_get("appendfsync")["appendfsync"] == "always"     # as test_stream_restart.py
         assert r.config_get("bind")["bind"] == "127.0.0.1"
     finally:
         srv.stop()

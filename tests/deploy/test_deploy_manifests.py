@@ -540,6 +540,38 @@ def test_dockerfile_installs_with_the_makefile_and_nothing_else():
     assert (ROOT / "README.md").exists()      # setup.cfg's long_description
 
 
+def _pod_specs() -> dict[str, dict]:
+    """Every pod template the KubeRay manifests ship, by a name for the messages."""
+    cluster = _by_kind(DEPLOY / "kuberay" / "raycluster.yaml", "RayCluster")["spec"]
+    specs = {"head": cluster["headGroupSpec"]["template"]["spec"],
+             **{g["groupName"]: g["template"]["spec"] for g in cluster["workerGroupSpecs"]},
+             "job submitter": _by_kind(DEPLOY / "kuberay" / "rayjob.yaml", "RayJob")["spec"]
+             ["submitterPodTemplate"]["spec"],
+             "redis": _by_kind(DEPLOY / "kuberay" / "redis.yaml", "StatefulSet")["spec"]["template"]["spec"]}
+    return specs
+
+
+def test_image_and_every_pod_run_as_a_user_that_is_not_root():
+    """The image's USER is numeric and not root (what runAsNonRoot can check); every pod asks for runAsNonRoot
+    and a user, the Ray pods and the submitter the image's; no container can gain privileges or keeps a
+    capability. tests/deploy/test_cluster_files.py runs the pods as these users."""
+    users = [rest for op, rest in _dockerfile_instructions() if op == "USER"]
+    assert users and re.fullmatch(r"[1-9][0-9]*:[0-9]+", users[-1]), users
+    image_uid, image_gid = map(int, users[-1].split(":"))
+    for name, spec in _pod_specs().items():
+        pod = spec["securityContext"]
+        assert pod["runAsNonRoot"] is True and pod["runAsUser"] > 0, name
+        if name != "redis":
+            assert (pod["runAsUser"], pod["runAsGroup"], pod["fsGroup"]) == (image_uid, image_gid, image_gid), name
+        for container in spec["containers"]:
+            ctx = container["securityContext"]
+            assert ctx["allowPrivilegeEscalation"] is False and ctx["capabilities"]["drop"] == ["ALL"], name
+    # The image's user writes only what the Dockerfile hands it; the code and the venv stay root's.
+    chowns = [rest for op, rest in _dockerfile_instructions() if op == "RUN" and "chown" in rest]
+    assert chowns == ["mkdir -p /app/.cache /app/data /app/runs && chown gigpo:gigpo /app/.cache /app/data "
+                      "/app/runs"], chowns
+
+
 def test_makefile_install_with_cuda_is_what_the_image_runs(tmp_path):
     # A dry run of the very command the Dockerfile runs: the recipe installs the pinned torch and the
     # project with the cuda extra, every step at the locked versions, and nothing is executed.

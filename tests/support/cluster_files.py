@@ -19,6 +19,7 @@ substitution is recorded (`Substitutions`) with its reason, and the tests print 
 """
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -26,7 +27,7 @@ import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.support.machines import REPO, VENV_BIN, Machine
+from tests.support.machines import REPO, STANDARD_PATH, VENV_BIN, Machine
 
 APT_LOG = "/var/log/gigpo-test-apt.log"     # in each machine: what the apt-get emulation did
 
@@ -447,17 +448,78 @@ def image_env(dockerfile: Path, base_path: str) -> tuple[dict, str]:
     return env, workdir
 
 
-def install_image(machine: Machine, workdir: str, dockerignore: Path, subs: Substitutions) -> None:
-    """The image's files on a pod: the build context (less .dockerignore's patterns) at WORKDIR, and the venv
-    its `make install EXTRA=cuda` made: this machine's (cpu) venv, linked."""
+def image_user(dockerfile: Path) -> str:
+    """The Dockerfile's last USER (uid:gid as written), else root's."""
+    users = [line.split(None, 1)[1].strip() for line in dockerfile.read_text().splitlines()
+             if line.startswith("USER ")]
+    return users[-1] if users else "0:0"
+
+
+# The Dockerfile's RUN steps a pod here does not run: the packages (this machine's are there; no mirror reaches
+# the machines) and `make install` (the venv is this machine's, linked).
+SUBSTITUTED_RUN_STEPS = ("apt-get ", "make install")
+
+
+def image_run_steps(dockerfile: Path) -> list[tuple[str, str]]:
+    """The Dockerfile's RUN steps, each with the WORKDIR it runs in, less SUBSTITUTED_RUN_STEPS."""
+    steps, workdir = [], "/"
+    for line in re.sub(r"\\\n", " ", dockerfile.read_text()).splitlines():
+        word, _, rest = line.strip().partition(" ")
+        if word == "WORKDIR":
+            workdir = rest.strip()
+        elif word == "RUN" and not any(s in rest for s in SUBSTITUTED_RUN_STEPS):
+            steps.append((workdir, rest.strip()))
+    return steps
+
+
+def install_image(machine: Machine, dockerfile: Path, dockerignore: Path, subs: Substitutions) -> None:
+    """The image's files on a pod: the build context (less .dockerignore's patterns) at WORKDIR, the venv its
+    `make install EXTRA=cuda` made (this machine's cpu venv, linked), and the Dockerfile's other RUN steps
+    (its user, the directories that user may write), run as the build runs them: as root, `sh -c`."""
+    _, workdir = image_env(dockerfile, "")
     excludes = [f"--exclude=./{p}" if "/" not in p and "*" not in p else f"--exclude={p.replace('**/', '')}"
                 for p in dockerignore.read_text().split() if p and not p.startswith("#")]
     machine.run(["mkdir", "-p", workdir], check=True, cwd="/")
     pack = subprocess.Popen(["tar", "-C", str(REPO), *excludes, "-cf", "-", "."], stdout=subprocess.PIPE)
-    unpack = subprocess.run(machine.argv(["tar", "-C", workdir, "-xf", "-"], "/"), stdin=pack.stdout,
-                            capture_output=True, text=True, timeout=300)
+    unpack = subprocess.run(machine.argv(["tar", "-C", workdir, "-xf", "-", "--no-same-owner"], "/"),
+                            stdin=pack.stdout, capture_output=True, text=True, timeout=300)
     pack.wait(timeout=300)
     assert pack.returncode == 0 and unpack.returncode == 0, unpack.stderr
     machine.run(["ln", "-s", str(REPO / ".venv"), f"{workdir}/.venv"], check=True, cwd="/")
-    subs.add("the image", "each pod has the build context at WORKDIR and, for `make install EXTRA=cuda`, a "
-                          "link to the (cpu) venv this machine installed: no registry, no GPU here")
+    for cwd, step in image_run_steps(dockerfile):
+        machine.run(["/bin/sh", "-c", step], env={"PATH": STANDARD_PATH}, cwd=cwd, check=True, timeout_s=120)
+    subs.add("the image", "each pod has the build context at WORKDIR, the Dockerfile's RUN steps but apt-get's "
+                          "and `make install EXTRA=cuda`'s and, for that, a link to the (cpu) venv this machine "
+                          "installed: no registry, no GPU here")
+    python_home = Path(os.path.realpath(VENV_BIN / "python")).parents[1]
+    if any(str(d) == "/root" for d in python_home.parents):
+        machine.run(["chmod", "755", "/root"], check=True, cwd="/")
+        subs.add("/root's mode in the pods", f"755, not 700: the venv's Python is this machine's, under "
+                                             f"{python_home} (the image's is /usr/bin/python3, open to all)")
+
+
+def pod_argv(pod_spec: dict, container: dict, argv: list[str], image_user: str = "0:0") -> list[str]:
+    """`argv` as the kubelet and the container runtime run a container of `pod_spec`: as the securityContext's
+    user and group (else the image's USER), the pod's fsGroup a supplementary group, and no new privileges where
+    allowPrivilegeEscalation is false. A runAsNonRoot pod whose user is root is refused, as the kubelet refuses
+    to start it. The open-files limit stays this machine's (root here cannot raise a hard limit)."""
+    ctx = {**(pod_spec.get("securityContext") or {}), **(container.get("securityContext") or {})}
+    image_uid, _, image_gid = image_user.partition(":")
+    uid = int(ctx.get("runAsUser", image_uid))
+    gid = int(ctx.get("runAsGroup", image_gid or 0))
+    if ctx.get("runAsNonRoot") and uid == 0:
+        raise AssertionError(f"container {container.get('name')}: runAsNonRoot, but it would run as root")
+    groups = sorted({gid, *([int(ctx["fsGroup"])] if "fsGroup" in ctx else [])})
+    wrapper = ["setpriv", f"--reuid={uid}", f"--regid={gid}", f"--groups={','.join(map(str, groups))}"]
+    if ctx.get("allowPrivilegeEscalation") is False:
+        wrapper.append("--no-new-privs")
+    return [*wrapper, "--", *argv]
+
+
+def apply_fs_group(path: Path, gid: int) -> None:
+    """What the kubelet does to a volume of a pod with `fsGroup` (where the volume's driver supports it):
+    everything in it the group's, group-writable, directories setgid (new files inherit the group)."""
+    for item in [path, *path.rglob("*")]:
+        os.chown(item, -1, gid, follow_symlinks=False)
+        if not item.is_symlink():
+            item.chmod(item.stat().st_mode | 0o060 | (0o2010 if item.is_dir() else 0))

@@ -11,6 +11,7 @@ one line on stderr per data set, when data cannot be had here; the line says how
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -28,6 +29,17 @@ from env_servers.webshop import data as webshop_data
 
 _SOLVABLE = re.compile(r'"solvable"\s*:\s*(true|false)')
 _ALFWORLD_HOW = "set ALFWORLD_SOURCE to a local copy of ALFWorld's json_2.1.1.tar.xz"
+
+# What a downloaded game set must hold: per split, the sha256 of its games (`game_set_digest`: every game file's
+# path and sha256, in order). Computed from a copy of the standard set (the one `alfworld-download` fetches,
+# repacked as json_2.1.1.tar.xz), not checked against a download from here (no internet). Only the game files
+# count: the download's other files (ALFRED's trajectories, PDDL) are not read, and traj_data.json is rebuilt.
+GAME_SET_SHA256: dict[str, str] = {
+    "train": "799ef5d70913ad6dcac3c31288857340f1ba23da53329f55d5de0c433d613c51",
+    "valid_seen": "330dc4ba16bd6625292e46d79f75d6fb883d32c4e2ded46414b675b7d7e95a0d",
+    "valid_unseen": "dddc48d4dfaff6342c1406c31ded04cd125bb8f80028de8b8c74ac2bf79323cb",
+    "valid_train": "08ee42c6b42df9dbf4d7eeb3f52c10e139a542ba7bba6fef1a01553129c6edb1",
+}
 
 
 def default_alfworld_source() -> str | None:
@@ -71,6 +83,33 @@ def _is_solvable(game_file: Path) -> bool:
     return match.group(1) == "true"
 
 
+def game_set_digest(game_root: str | os.PathLike, split: str) -> str:
+    """sha256 over a split's game files: for each, in game_trials' order, its path under the split and its
+    own sha256."""
+    root = Path(game_root) / split
+    digest = hashlib.sha256()
+    for _, trial in game_trials(game_root, split):
+        with open(trial / GAME_FILE, "rb") as f:
+            file_digest = hashlib.file_digest(f, "sha256").hexdigest()
+        digest.update(f"{(trial / GAME_FILE).relative_to(root).as_posix()}\0{file_digest}\n".encode())
+    return digest.hexdigest()
+
+
+def check_game_set(game_root: str | os.PathLike, expected: dict[str, str]) -> None:
+    """Raise GameSetChecksumError unless every split of `expected` that the game set holds has that digest and
+    it holds at least one of them."""
+    root = Path(game_root)
+    held = [split for split in expected if (root / split).is_dir()]
+    if not held:
+        raise GameSetChecksumError(f"ALFWorld: the downloaded game set at {root} holds none of the splits "
+                                   f"{', '.join(expected)}")
+    for split in held:
+        got = game_set_digest(root, split)
+        if got != expected[split]:
+            raise GameSetChecksumError(f"ALFWorld: the downloaded game set's {split} split is not the expected one "
+                                       f"(sha256 of its games {got}, expected {expected[split]})")
+
+
 def build_metadata(game_root: str | os.PathLike) -> dict[str, list[str]]:
     """Write traj_data.json for every game lacking one and index.json (solvable game ids per split)."""
     root = Path(game_root)
@@ -107,6 +146,10 @@ def _unpack(archive: str, dest: Path) -> None:
         unpacked.rename(target)
 
 
+class GameSetChecksumError(webshop_data.DownloadError):
+    """A downloaded game set's games are not the expected ones (the set was not kept)."""
+
+
 def _alfworld_download() -> str | None:
     """ALFWorld's download script: beside this Python (the venv's bin/, which `make` does not put on PATH),
     else on PATH."""
@@ -114,8 +157,11 @@ def _alfworld_download() -> str | None:
     return str(beside) if beside.is_file() else shutil.which("alfworld-download")
 
 
-def prepare_alfworld(dest: str | None = None, source: str | None = None, log=print) -> Path:
-    """Make $ALFWORLD_DATA/json_2.1.1 ready (unpacked + metadata). Returns the game-set root."""
+def prepare_alfworld(dest: str | None = None, source: str | None = None, log=print,
+                     expected_sha256: dict[str, str] | None = None) -> Path:
+    """Make $ALFWORLD_DATA/json_2.1.1 ready (unpacked + metadata). Returns the game-set root. A downloaded
+    game set must match `expected_sha256` (split -> `game_set_digest`; default GAME_SET_SHA256) or is removed;
+    a local archive is the operator's own choice and is not checked (as WebShop's local files are not)."""
     dest_dir = Path(dest or default_data_dir())
     root = dest_dir / GAME_SET
     if (root / "index.json").is_file():
@@ -144,6 +190,12 @@ def prepare_alfworld(dest: str | None = None, source: str | None = None, log=pri
                                                  f"(github.com); without it, {_ALFWORLD_HOW}")
             if not root.is_dir():
                 raise RuntimeError(f"alfworld-download finished but {root} does not exist")
+            try:
+                check_game_set(root, GAME_SET_SHA256 if expected_sha256 is None else expected_sha256)
+            except GameSetChecksumError as exc:
+                shutil.rmtree(root)
+                raise GameSetChecksumError(f"{exc}; nothing was kept. To use a game set you have checked "
+                                           f"yourself, {_ALFWORLD_HOW}") from None
         else:
             raise FileNotFoundError(f"no ALFWorld game set: {_ALFWORLD_HOW}, or install alfworld "
                                     "(for alfworld-download)")

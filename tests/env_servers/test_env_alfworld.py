@@ -13,8 +13,10 @@ from env_servers.alfworld_env import GAME_FILE, ALFWorldEnv, list_data_tasks
 from env_servers.alfworld_engine import make_engine
 from env_servers.alfworld_gen import TASK_TYPES, GeneratorOptions, generate_game, write_games
 from env_servers.base import TextEnv
-from env_servers.data import build_metadata, prepare_alfworld, traj_data_for
-from tests.support.alfworld_games import REAL_GAMES, extract_games
+from env_servers import data as env_data
+from env_servers.data import (GAME_SET_SHA256, GameSetChecksumError, build_metadata, game_set_digest,
+                              prepare_alfworld, traj_data_for)
+from tests.support.alfworld_games import REAL_GAMES, SEEN_GAMES, extract_games
 
 @pytest.fixture(scope="module")
 def real_games(tmp_path_factory):
@@ -211,6 +213,38 @@ def test_errors_say_what_to_do(tmp_path, gen_env):
         GeneratorOptions.from_dict({"task_types": ["fly"]})
     with pytest.raises(ValueError, match="unknown generator option"):
         GeneratorOptions.from_dict({"room": 2})
+
+
+def test_a_downloaded_game_set_is_checked_and_a_wrong_one_not_kept(tmp_path, monkeypatch, capsys):
+    """Without ALFWORLD_SOURCE, `make data` runs alfworld-download, which needs internet: here a stand-in script
+    that copies real games into $ALFWORLD_DATA (a tampered or truncated download cannot be caused for real).
+    A set whose games match the expected digests is indexed; one with a game changed by one byte is removed,
+    with one line, and nothing is indexed; `make data`'s entry checks against the standard set's digests."""
+    staged = tmp_path / "staged"
+    extract_games(staged, REAL_GAMES + SEEN_GAMES)
+    script = tmp_path / "alfworld-download"
+    script.write_text(f'#!/bin/sh\nmkdir -p "$ALFWORLD_DATA" && cp -r {staged}/json_2.1.1 "$ALFWORLD_DATA"/\n')
+    script.chmod(0o755)
+    monkeypatch.setattr(env_data, "_alfworld_download", lambda: str(script))
+    monkeypatch.delenv("ALFWORLD_SOURCE", raising=False)
+    expected = {split: game_set_digest(staged / "json_2.1.1", split) for split in ("valid_seen", "valid_unseen")}
+    root = prepare_alfworld(str(tmp_path / "good"), log=lambda *_: None, expected_sha256=expected)
+    assert sorted(json.load(open(root / "index.json"))) == ["valid_seen", "valid_unseen"]
+
+    game = staged / "json_2.1.1" / REAL_GAMES[0] / GAME_FILE
+    game.write_bytes(game.read_bytes().replace(b"Bowl", b"Bow1", 1))
+    bad = tmp_path / "bad"
+    with pytest.raises(GameSetChecksumError, match=r"valid_unseen split is not the expected one .*nothing was kept"):
+        prepare_alfworld(str(bad), log=lambda *_: None, expected_sha256=expected)
+    assert not (bad / "json_2.1.1").exists()
+
+    # The standard set's digests, one per split, are what `make data` checks: these four games are not it.
+    assert sorted(GAME_SET_SHA256) == sorted(("train", "valid_seen", "valid_unseen", "valid_train"))
+    monkeypatch.setenv("ALFWORLD_DATA", str(tmp_path / "make-data"))
+    assert env_data.main(["prepare", "--only", "alfworld"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not the expected one" in err[0] and "ALFWORLD_SOURCE" in err[0], err
+    assert not (tmp_path / "make-data" / "json_2.1.1").exists()
 
 
 def test_prepare_unpacks_indexes_and_is_idempotent(tmp_path):

@@ -12,7 +12,9 @@ moves 96 groups (~80 MB): with fewer, the pipeline's fill and drain weigh so muc
 "Codec skipped" runs TrajectoryStream with parts encoded beforehand and a decoder that looks the group up: the
 stream's own work without the codec, so its ratio against raw is the ceiling of a faster codec. Durability:
 publish + read + ack with an append-only file in the working directory, fsynced on every write (the run's
-setting, `APPENDFSYNC` "always") against once a second ("everysec").
+setting, `APPENDFSYNC` "always") against once a second ("everysec"). The run's own Redis user: pipelined
+through the user a run's actors get (its key patterns and command rules checked on every command) against the
+admin user, on the same keys.
 
     python bench/bench_stream.py [--groups 96] [--rounds 5]
 """
@@ -170,12 +172,15 @@ def run_sequential(url: str, key: str, batch: int, items: list, raw: bool) -> tu
     return done / took["wall"], done / took["cpu"]
 
 
-def run_pipelined(url: str, key: str, batch: int, items: list, raw: bool) -> tuple[float, float]:
+def run_pipelined(url: str, key: str, batch: int, items: list, raw: bool, run_id: str = "",
+                  clock_url: str = "") -> tuple[float, float]:
     """The deployed shape: a producer process publishes while this process (the learner) reads and acks.
-    groups/s (wall; CPU of both processes + redis-server)."""
+    groups/s (wall; CPU of both processes + redis-server). clock_url: the admin's URL where `url`'s user may
+    not read the server's CPU time (INFO)."""
     ctx = mp.get_context("fork")           # the child inherits the prepared groups: nothing to pickle
     r = connect(url)
-    cfg = StreamConfig(stream=key, max_stream_groups=4 * batch, publish_timeout_s=30)
+    clock_client = connect(clock_url) if clock_url else r
+    cfg = StreamConfig(stream=key, run_id=run_id, max_stream_groups=4 * batch, publish_timeout_s=30)
     _, consumer = _ends(url, cfg, raw, "bench")
     go = ctx.Event()
 
@@ -190,7 +195,7 @@ def run_pipelined(url: str, key: str, batch: int, items: list, raw: bool) -> tup
     child.start()
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     try:
-        with clock(r) as took:
+        with clock(clock_client) as took:
             go.set()
             done = _consume(r, consumer, key, len(items), batch)
             child.join(60)
@@ -201,8 +206,10 @@ def run_pipelined(url: str, key: str, batch: int, items: list, raw: bool) -> tup
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = took["cpu"] + (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert done == len(items)
-    r.delete(key)
+    clock_client.delete(key, *clock_client.keys(f"{key}:*"))     # its side keys too: the next round starts bare
     r.close()
+    if clock_client is not r:
+        clock_client.close()
     return done / took["wall"], done / cpu
 
 
@@ -251,6 +258,15 @@ def main() -> None:
             with codec_skipped(groups):
                 seq_free.append(run_sequential(server.admin_url, f"bench:free:{k}", args.batch, groups, raw=False))
                 pipe_free.append(run_pipelined(server.admin_url, f"bench:pfree:{k}", args.batch, groups, raw=False))
+        # A run's actors reach the stream as the run's own user (EmbeddedRedis.add_run_user), the admin user here.
+        run_cfg = StreamConfig(stream="bench:run", run_id="bench")
+        run_url = server.add_run_user(run_cfg)
+        as_admin, as_run_user = [], []
+        for _ in range(args.rounds):
+            as_admin.append(run_pipelined(server.admin_url, run_cfg.stream, args.batch, groups, raw=False,
+                                          run_id=run_cfg.run_id))
+            as_run_user.append(run_pipelined(run_url, run_cfg.stream, args.batch, groups, raw=False,
+                                             run_id=run_cfg.run_id, clock_url=server.admin_url))
     # What the run's durability costs: its Redis fsyncs every write (APPENDFSYNC "always": a power cut loses no
     # group a producer counted as published) against "everysec", an AOF on the working directory's disk.
     fsync_rates: dict[str, list[float]] = {"always": [], "everysec": []}
@@ -268,6 +284,10 @@ def main() -> None:
     pipe_ceiling = statistics.median(s[0] / r[0] for s, r in zip(pipe_free, pipe_raw))
     print(f"codec skipped (pre-encoded bytes, lookup for decode; the stream's own work only): wall ratio "
           f"pipelined {pipe_ceiling:.2f}, sequential {seq_ceiling:.2f}: the ceiling of a faster codec")
+    user_ratio = statistics.median(u[0] / a[0] for u, a in zip(as_run_user, as_admin))
+    print(f"the run's own Redis user (ACL rules on every command) against the admin user, pipelined: wall ratio "
+          f"{user_ratio:.2f} (median over rounds; best {max(u for u, _ in as_run_user):.1f} against "
+          f"{max(a for a, _ in as_admin):.1f} groups/s)")
     always, everysec = max(fsync_rates["always"]), max(fsync_rates["everysec"])
     print(f"durability (AOF on this disk, sequential, best of {args.rounds}): appendfsync always {always:.1f} "
           f"groups/s ({1e3 / always:.1f} ms per group), everysec {everysec:.1f} ({1e3 / everysec:.1f} ms): "

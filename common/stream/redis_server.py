@@ -83,8 +83,8 @@ def add_run_user(admin: redis.Redis, admin_url: str, cfg: StreamConfig, host: st
     """Make (or remake, with a new random password) the user of the run `cfg` names (`RUN_USER_PREFIX` + its run
     id) on the Redis `admin` is a client of ADMIN_USER on, allowed `RUN_COMMANDS` on `run_key_patterns(cfg)`
     alone; returns its URL: `admin_url`'s, with that user and password (and `host`, when given). The user is saved
-    to the server's ACL file where it has one (`save_users`: the servers the project runs), so a restart keeps
-    it; elsewhere (KubeRay's Redis) a restarted server has lost it (a resume makes it again)."""
+    to the server's ACL file where it has one (`save_users`: the servers the project runs and KubeRay's), so a
+    restart keeps it; a Redis without one has lost it when restarted (a resume makes it again)."""
     if not cfg.run_id:
         raise ValueError("a run user needs the run's id (stream.run_id)")
     user, password = RUN_USER_PREFIX + cfg.run_id, secrets.token_urlsafe(24)
@@ -101,7 +101,7 @@ def add_run_user(admin: redis.Redis, admin_url: str, cfg: StreamConfig, host: st
 def save_users(admin: redis.Redis) -> None:
     """ACL SAVE: the server's users as they are now into its ACL file (`ACL_FILE`), so that a restarted server
     still has each run's own, and a run's clients log in again as the restart test shows. A Redis whose users
-    come from its configuration or arguments (KubeRay's) has no such file: its run users live until it restarts."""
+    come from its configuration or arguments has no such file: its run users live until it restarts."""
     try:
         admin.execute_command("ACL", "SAVE")
     except redis.ResponseError as exc:

@@ -34,6 +34,7 @@ from common.config import StreamConfig
 from common.processes.placement import free_port
 from common.stream.redis_server import (ADMIN_USER, APPENDFSYNC, CLIENT_RULES, add_run_user,
                                        find_redis_server)
+from tests.support.cluster_files import dockerfile_instructions
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -571,14 +572,7 @@ def test_podmonitor_scrapes_every_ray_pod_and_sets_the_dashboards_cluster_label(
 # ---------------------------------------------------------------------------------------------------------
 
 def _dockerfile_instructions() -> list[tuple[str, str]]:
-    text = (DEPLOY / "Dockerfile").read_text().replace("\\\n", " ")
-    out = []
-    for line in text.splitlines():
-        line = line.strip()
-        if line and not line.startswith("#"):
-            op, _, rest = line.partition(" ")
-            out.append((op.upper(), " ".join(rest.split())))
-    return out
+    return dockerfile_instructions(DEPLOY / "Dockerfile")
 
 
 def test_dockerfile_installs_with_the_makefile_and_nothing_else():

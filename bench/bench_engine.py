@@ -23,7 +23,7 @@ against the engine; the target is >= 0.9) and live/b (what the environments and 
 of the engine's throughput); each replay's prefix-cache hit rate (cached prompt tokens / prompt tokens); and
 the share of responses a replay sampled identically to the record (the same work: seeded requests).
 
-    python bench/bench_engine.py [--groups N] [--repeats 2] [--models tiny,smollm2] [--block-size 128]
+    python bench/bench_engine.py [--groups N] [--repeats N] [--models tiny,smollm2] [--block-size 128]
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = {"tiny": "configs/embedded.yaml", "smollm2": "configs/alfworld-smollm2.yaml"}
 GROUPS = {"tiny": 8, "smollm2": 4}     # the record's groups by default: a few minutes of replays each
+REPEATS = {"tiny": 6, "smollm2": 2}    # replays of each kind by default: the tiny model's last ~8 s each, noisy
 
 
 def recorded_groups(groups, cfg) -> list[list[list[tuple[list[int], dict, list[int]]]]]:
@@ -258,7 +259,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--groups", type=int, default=0, help="groups the live rollout plays (the record); 0: "
                     + ", ".join(f"{n} for {m}" for m, n in GROUPS.items()))
-    ap.add_argument("--repeats", type=int, default=2, help="replays of each kind, alternating")
+    ap.add_argument("--repeats", type=int, default=0, help="replays of each kind, alternating; 0: "
+                    + ", ".join(f"{n} for {m}" for m, n in REPEATS.items()))
     ap.add_argument("--models", default="tiny,smollm2")
     ap.add_argument("--block-size", type=int, default=0, help="add (c): vLLM alone with KV blocks of this size")
     args = ap.parse_args()
@@ -269,7 +271,7 @@ def main() -> None:
              log_to_driver=False)      # the engines' own logs: this prints the figures only
     results = {}
     for name in args.models.split(","):
-        got = bench_model(name, args.groups or GROUPS[name], args.repeats, args.block_size)
+        got = bench_model(name, args.groups or GROUPS[name], args.repeats or REPEATS[name], args.block_size)
         if got:
             results[name] = got
     ray.shutdown()

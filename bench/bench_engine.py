@@ -161,8 +161,13 @@ class BareEngine:
     def ready(self) -> bool:
         return True
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> list[str]:
+        """Stop the engine and remove the shared memory its processes mapped (vLLM's CPU engine leaves a 160 MB
+        ring buffer in /dev/shm even when shut down cleanly), as the inference actor's own shutdown does."""
+        from common.weights import shm_cleanup
+        mapped = shm_cleanup.mapped_by(shm_cleanup.descendants(os.getpid()))
         self.engine.shutdown()
+        return shm_cleanup.remove_unused(mapped, wait_s=10)
 
 
 async def replay_through_actor(actor, record, slots: int) -> dict:

@@ -316,10 +316,9 @@ class Rollout:
             prompt_ids = prompt_token_ids(self.tokenizer, message)
             if len(prompt_ids) > cfg.model.max_prompt_tokens:
                 return self._end(traj, steps, Termination.TRUNCATED)
-            sampling = {"temperature": cfg.rollout.temperature, "max_tokens": cfg.model.max_response_tokens,
-                        "seed": stable_seed(cfg.run.seed, traj.traj_id, step)}
-            if cfg.rollout.constrain_actions and report.admissible_actions:
-                sampling["regex"] = response_regex(report.admissible_actions, cfg.model.max_response_tokens)
+            grammar = (response_regex(report.admissible_actions, cfg.model.max_response_tokens)
+                       if cfg.rollout.constrain_actions and report.admissible_actions else "")
+            sampling = step_sampling(cfg, traj.traj_id, step, grammar)
             out = await self._generate(instance, prompt_ids, sampling)
             # Decoded here, not vLLM's text: that one is detokenized in the context of the prompt.
             parsed = parse_action(self.tokenizer.decode(out["response_ids"], skip_special_tokens=True))
@@ -333,7 +332,7 @@ class Rollout:
                 prompt_ids=prompt_ids, response_ids=out["response_ids"], response_logprobs=out["logprobs"],
                 reward=step_reward(cfg.rollout, nxt), anchor=report.anchor, valid=parsed.valid, step=step,
                 policy_version=int(out["policy_version"]), action=parsed.action,
-                grammar=sampling.get("regex", "")))
+                grammar=grammar))
             self.counters.update({"env_steps": 1, "generated_tokens": len(out["response_ids"]),
                                   "invalid_actions": int(not parsed.valid), f"finish_{out['finish_reason']}": 1})
             self.metrics.inc("env_steps")
@@ -400,6 +399,16 @@ class Rollout:
                 delay = min(delay * 2, 5.0)
         finally:
             self.timers["gen_wait_s"] += time.perf_counter() - t0
+
+
+def step_sampling(cfg: ExperimentConfig, traj_id: str, step: int, grammar: str) -> dict:
+    """The sampling a trajectory's step asks the inference actor for: the rollout's temperature, the response
+    budget, a seed of its own (the run's seed, the trajectory, the step), and the action grammar ("" if none)."""
+    sampling = {"temperature": cfg.rollout.temperature, "max_tokens": cfg.model.max_response_tokens,
+                "seed": stable_seed(cfg.run.seed, traj_id, step)}
+    if grammar:
+        sampling["regex"] = grammar
+    return sampling
 
 
 # What a step earns by rollout.reward, one entry per choice the config declares: "success" gives

@@ -44,8 +44,8 @@ REPEATS = {"tiny": 6, "smollm2": 2}    # replays of each kind by default: the ti
 
 def recorded_groups(groups, cfg) -> list[list[list[tuple[list[int], dict, list[int]]]]]:
     """The requests the rollout made for `groups` (EpisodeGroups): per group, per trajectory, its steps'
-    (prompt_ids, sampling, response_ids) in order; the sampling as actors/rollout.py builds it."""
-    from common.seeds import stable_seed
+    (prompt_ids, sampling, response_ids) in order; the sampling as the rollout built it (its step_sampling)."""
+    from actors.rollout import step_sampling
 
     out = []
     for group in groups:
@@ -56,10 +56,7 @@ def recorded_groups(groups, cfg) -> list[list[list[tuple[list[int], dict, list[i
         for k, traj in enumerate(group.trajectories):
             requests = []
             for i in (i for i in range(len(rows)) if owner[i] == k):
-                sampling = {"temperature": cfg.rollout.temperature, "max_tokens": cfg.model.max_response_tokens,
-                            "seed": stable_seed(cfg.run.seed, traj.traj_id, int(steps[i]))}
-                if grammars[i]:
-                    sampling["regex"] = grammars[i]
+                sampling = step_sampling(cfg, traj.traj_id, int(steps[i]), grammars[i])
                 requests.append(([int(t) for t in prompts[i]], sampling, [int(t) for t in responses[i]]))
             trajectories.append(requests)
         out.append(trajectories)

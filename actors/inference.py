@@ -194,10 +194,10 @@ class InferenceEngine:
         self.gate = RequestGate()
         self.stats_ = {"requests": 0, "generated_tokens": 0, "prompt_tokens": 0, "cached_prompt_tokens": 0}
         self.metrics = ActorMetrics("inference", f"{_run_tag()}-{seed}")
-        self.metrics.set("inference_queue_depth", 0)
-        self.metrics.zero("inference_cached_prompt_tokens")
         self.max_num_seqs = infer_cfg.max_num_seqs
-        self._in_engine, self._batch_changed_at = 0, time.monotonic()     # (`_count_batch`)
+        self._inflight_seen, self._inflight_seen_at = 0, time.monotonic()     # (`_inflight_changed`)
+        self._inflight_changed()
+        self.metrics.zero("inference_cached_prompt_tokens")
         weights_dir = infer_cfg.weights_dir or sender.default_weights_dir(_run_tag())
         # Disk weights are version 0, the learner's initial policy, unless this is a restart: then they are
         # older than what the learner pushed since (the manifest, if any, brings the newest back).
@@ -229,9 +229,8 @@ class InferenceEngine:
                                  self._fresh_seed)
         await self.receiver.load_pending_manifest()
         weight_wait = await self.gate.enter()     # closed while an update waits or runs, or before any weights
-        self.metrics.set("inference_queue_depth", self.gate.inflight)
+        self._inflight_changed()
         version, adapter = self.receiver.version, self.receiver.lora_request
-        self._count_batch(+1)
         try:
             final = None
             async for out in self.engine.generate(TokensPrompt(prompt_token_ids=prompt_ids), params,
@@ -242,9 +241,8 @@ class InferenceEngine:
             log.error("vLLM engine died (%s); exiting for a restart", e)
             os._exit(1)
         finally:
-            self._count_batch(-1)
             self.gate.leave()
-            self.metrics.set("inference_queue_depth", self.gate.inflight)
+            self._inflight_changed()
         comp = final.outputs[0]
         ids = list(comp.token_ids)
         logprobs = [lp[t].logprob for t, lp in zip(ids, comp.logprobs or [])]
@@ -261,16 +259,16 @@ class InferenceEngine:
                 "policy_version": version, "finish_reason": comp.finish_reason or "abort",
                 "weight_wait_s": weight_wait, "cached_prompt_tokens": cached}
 
-    def _count_batch(self, change: int) -> None:
-        """Requests in the engine change by `change`: the time since the last change counts towards
-        inference_batch_seconds, weighted by the share of the batch's slots they filled (a request beyond
-        max_num_seqs waits for a slot and fills none)."""
+    def _inflight_changed(self) -> None:
+        """The gate's count of requests in the engine changed: the queue-depth gauge takes the new count, and the
+        time since the last change counts towards inference_batch_seconds, weighted by the share of the batch's
+        slots the old count filled (a request beyond max_num_seqs waits for a slot and fills none)."""
         now = time.monotonic()
-        if self._in_engine:
-            filled = min(self._in_engine, self.max_num_seqs) / self.max_num_seqs
-            self.metrics.inc("inference_batch_seconds", filled * (now - self._batch_changed_at))
-        self._in_engine += change
-        self._batch_changed_at = now
+        if self._inflight_seen:
+            filled = min(self._inflight_seen, self.max_num_seqs) / self.max_num_seqs
+            self.metrics.inc("inference_batch_seconds", filled * (now - self._inflight_seen_at))
+        self._inflight_seen, self._inflight_seen_at = self.gate.inflight, now
+        self.metrics.set("inference_queue_depth", self.gate.inflight)
 
     def _fresh_seed(self) -> int:
         """A seed for a request that brings none: a fresh stream each, so equal prompts sample unequal responses."""

@@ -301,6 +301,36 @@ class RunConfig:
     rollout_cpus: str = F("", 'CPUs the inference and rollout actors (engines, env workers too) run on ("" = any)')
 
 
+SHARE = ((lambda v: 0 < v < 1), "must be in (0, 1), a share of time")
+
+
+@dataclass
+class AutoscaleConfig:
+    enabled: bool = F(False, "the driver sizes the rollout actors (and, with max_inference_actors, the inference "
+                             "actors) once per decision_interval_s to keep the learner fed (deploy/autoscale.py; "
+                             "async mode only). `gigpo scale` still works: the controller goes on from what it sets")
+    decision_interval_s: float = F(60.0, "seconds between decisions, each from what the interval before it "
+                                         "measured", POSITIVE)
+    min_rollout_actors: int = F(1, "fewest rollout actors it keeps", AT_LEAST_1)
+    max_rollout_actors: int = F(0, "most rollout actors it runs; 0: rollout.max_actors' bound", AT_LEAST_0)
+    max_inference_actors: int = F(0, "most inference actors it may run, adding one while the groups wait on "
+                                     "generation rather than on the environments; 0: it leaves the inference "
+                                     "actors as they are (they hold the GPUs)", AT_LEAST_0)
+    learner_wait_target: float = F(0.1, "it adds actors while the learner spends more than this share of its "
+                                        "time waiting for groups", SHARE)
+    admission_wait_target: float = F(0.25, "it removes rollout actors (drained: nothing is lost) while their "
+                                           "slots spend more than this share of their time waiting for the "
+                                           "stream's admission and the learner waits under half "
+                                           "learner_wait_target", SHARE)
+    generation_share: float = F(0.8, "groups wait on generation when, of the time their steps wait on the policy "
+                                     "or the environment, more than this share is the policy's", SHARE)
+    patience: int = F(2, "consecutive intervals that must call for the same change before it is made "
+                         "(hysteresis; the interval after a change is not counted: actors start in it)", AT_LEAST_1)
+    request_nodes: bool = F(True, "while actors it added wait for a node, ask Ray's autoscaler for room for the "
+                                  "run's actors (ray.autoscaler.sdk.request_resources), and shrink the request as "
+                                  "actors go")
+
+
 @dataclass
 class ExperimentConfig:
     run: RunConfig = field(default_factory=RunConfig)
@@ -310,6 +340,7 @@ class ExperimentConfig:
     inference: InferenceConfig = field(default_factory=InferenceConfig)
     stream: StreamConfig = field(default_factory=StreamConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
+    autoscale: AutoscaleConfig = field(default_factory=AutoscaleConfig)
 
 
 def choices(section: type, name: str) -> tuple:
@@ -438,6 +469,21 @@ def validate(cfg: ExperimentConfig) -> None:
     if cfg.run.sync and cfg.rollout.num_actors < 1:
         raise ConfigError("run.sync=true needs rollout.num_actors >= 1 (sync mode plays each batch with the "
                           "actors it starts with)", "rollout.num_actors", "run.sync")
+    scale = cfg.autoscale
+    if scale.enabled and cfg.run.sync:
+        raise ConfigError("autoscale.enabled=true needs run.sync=false: in sync mode the learner waits for every "
+                          "batch by design, so its wait says nothing about the actors it needs",
+                          "autoscale.enabled", "run.sync")
+    most = scale.max_rollout_actors or rollout_actor_limit(cfg)
+    if scale.enabled and not scale.min_rollout_actors <= most <= rollout_actor_limit(cfg):
+        raise ConfigError(f"autoscale's rollout actors from {scale.min_rollout_actors} to {most} "
+                          f"(autoscale.min_rollout_actors, autoscale.max_rollout_actors) must lie within 1 to "
+                          f"rollout.max_actors' bound ({rollout_actor_limit(cfg)})", "autoscale.min_rollout_actors",
+                          "autoscale.max_rollout_actors")
+    if scale.max_inference_actors > inference_actor_limit(cfg):
+        raise ConfigError(f"autoscale.max_inference_actors ({scale.max_inference_actors}) is above "
+                          f"inference.max_actors' bound ({inference_actor_limit(cfg)}); lower it or raise "
+                          "inference.max_actors", "autoscale.max_inference_actors", "inference.max_actors")
     url = cfg.stream.redis_url
     if url and not url.startswith(REDIS_SCHEMES):
         # Never echo the URL: it may hold a password.

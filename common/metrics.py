@@ -74,6 +74,8 @@ _DROP_REASONS = ("stale", "duplicate", "dead_letter", "dynamic_sampling", "env_e
 _TERMINATIONS = ("done", "max_steps", "truncated", "env_error")
 _STATS = ("min", "mean", "max")
 _SPLITS = ("train", "eval")
+_AUTOSCALE_MEASURES = ("learner_wait", "admission_wait", "generation")
+AUTOSCALE_DECISIONS = ("add_rollout", "remove_rollout", "add_inference", "remove_inference", "wait_for_nodes")
 
 # Every metric, by the section of `gigpo status` that shows it.
 SECTIONS: dict[str, list[MetricSpec]] = {
@@ -186,6 +188,19 @@ SECTIONS: dict[str, list[MetricSpec]] = {
                    "successful trajectories in the groups the learner received (env errors left out)"),
         MetricSpec("successful_episode_steps", "counter", ("learner",),
                    "steps of those successful trajectories; / successful_episodes = their mean length"),
+    ],
+    "scaling": [     # the actor counts, and what rollout autoscale decides them from (deploy/autoscale.py)
+        MetricSpec("actors", "gauge", ("driver",), "actors the run has, by plane (rollout: those waiting for a "
+                   "node included; inference: the serving ones)", {"plane": ("rollout", "inference")},
+                   update_key={"rollout": "rollout/actors", "inference": "inference/actors"}),
+        MetricSpec("autoscale_share", "gauge", ("driver",),
+                   "rollout autoscale's measures over its last interval: the learner's time waiting for groups, "
+                   "rollout slots' time waiting for admission, the policy's share of played steps' waits",
+                   {"measure": _AUTOSCALE_MEASURES},
+                   update_key={m: f"autoscale/{m}_share" for m in _AUTOSCALE_MEASURES}),
+        MetricSpec("autoscale_decisions", "counter", ("driver",),
+                   "rollout autoscale's decisions that changed a count (or waited for a node), by what they did",
+                   {"decision": AUTOSCALE_DECISIONS}),
     ],
     "health": [
         MetricSpec("env_errors", "counter", ("env_server",), "environment calls that failed or hung"),

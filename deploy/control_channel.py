@@ -112,6 +112,8 @@ def format_status(status: dict | None) -> str:
         + (f" (+{status['inference_starting']} starting)" if status.get("inference_starting") else "")
         + f"   env instances {status.get('env_instances', 0)}",
     ]
+    if status.get("autoscale"):
+        lines.append(f"autoscale: {status['autoscale']}")
     figures = status.get("metrics", {})
     for section, specs in SECTIONS.items():
         shown = []

@@ -41,6 +41,7 @@ from common.weights import shm_cleanup
 from common.run_dir import (LEARNER_STATE, REDIS_DIR, eval_dir, eval_result_file,
                             is_complete_checkpoint, logs_dir, prepare_output_dir)
 from common.stream.redis_stream import stream_key
+from deploy.autoscale import Autoscale
 from deploy.control_channel import ControlChannel, write_job_file
 from deploy.inference_pool import INFERENCE_STOP_S, InferencePool
 from deploy.learner_pool import STEP_TIMEOUT_S, LearnerPool
@@ -120,6 +121,8 @@ class System:
         self.channel: ControlChannel | None = None
         self.tracker: Tracker | None = None
         self.groups_file: GroupRecorder | None = None     # groups.jsonl (`gigpo view`), written by this process
+        self.autoscale: Autoscale | None = None     # autoscale.enabled: sizes the actors between updates
+        self.driver_metrics = ActorMetrics("driver", cfg.run.name)
         self.update = 0                     # learner updates done (more than 0 after a resume)
         self.last_eval: dict | None = None
         self._last_metrics: dict = {}
@@ -184,6 +187,8 @@ class System:
             self.tracker = Tracker(cfg.run.output_dir, cfg.run.name, to_dict(cfg), resume=cfg.run.resume)
             self.groups_file = GroupRecorder(cfg, resume=cfg.run.resume)
         self.rollouts.start(0 if eval_only else cfg.rollout.num_actors)
+        if cfg.autoscale.enabled and not eval_only:
+            self.autoscale = Autoscale(cfg, self.rollouts, self.inference, {role: n[0] for role, n in needs.items()})
         log.info("system up in %.0fs: %d inference, %d learner, %d rollout actors; outputs in %s",
                  time.perf_counter() - t0, len(self.inference.serving), len(self.learners.ranks),
                  len(self.rollouts.live), self.out.resolve())
@@ -216,6 +221,7 @@ class System:
                  # (what killed engines noted in the config's weights directory; one made for this run goes whole)
                  ("engine shared memory", lambda: shm_cleanup.remove_noted_in(self.cfg.inference.weights_dir)),
                  ("weights directory", remove_made_weights_dirs),
+                 ("autoscale's request for nodes", lambda: self.autoscale and self.autoscale.close()),
                  ("tracker", lambda: self.tracker and self.tracker.close()),
                  ("redis", self._close_redis)]
         took = []       # (part, seconds): where a slow close spent its time, in the driver's log
@@ -281,8 +287,13 @@ class System:
             self._publish_status(self._last_metrics, state=waiting_state(self.rollouts, updating))
 
     def _between_updates(self) -> None:
-        """Between updates: apply `gigpo scale` commands, collect retired actors, let started ones join."""
+        """Between updates: apply `gigpo scale` commands and autoscale's decisions, collect retired actors, let
+        started ones join."""
         self._apply_commands()
+        if self.autoscale is not None and self.autoscale.due():
+            placement = self.refresh_placement()
+            self.autoscale.tick(pending=sum(1 for name, node in placement.items()
+                                            if node is None and not name.startswith("learner")))
         self.rollouts.reap_retired()
         self.inference.join_started()
         self.inference.reap_retired()
@@ -309,10 +320,16 @@ class System:
                 self.inference.scale(n)
             else:
                 log.warning("ignoring unknown command %r", command)
+                continue
+            if self.autoscale is not None:      # it goes on from the counts a person set
+                self.autoscale.controller.reset()
 
     def _publish_status(self, metrics: dict, state: str) -> None:
-        self.channel.publish_status(status_record(self.cfg, state, metrics, self.last_eval, self.rollouts,
-                                                  self.inference, self.refresh_placement(), self.out))
+        record = status_record(self.cfg, state, metrics, self.last_eval, self.rollouts, self.inference,
+                               self.refresh_placement(), self.out)
+        if self.autoscale is not None:
+            record["autoscale"] = self.autoscale.status()
+        self.channel.publish_status(record)
 
     def train(self) -> list[dict]:
         cfg = self.cfg
@@ -335,12 +352,17 @@ class System:
             done = None
             while done is None:
                 self.rollouts.check_alive(self.inference.serving)
+                t_call = time.monotonic()
                 done = self.learners.call("step", WAIT_FOR_DATA_S, timeout_s=WAIT_FOR_DATA_S + STEP_TIMEOUT_S,
                                           on_wait=self.while_updating)
                 if done is None:           # no full batch yet: stay responsive (scale commands, status)
+                    if self.autoscale is not None:
+                        self.autoscale.learner_waited(time.monotonic() - t_call)
                     self._between_updates()
                     self._publish_waiting_status()
             metrics, groups_record = done
+            if self.autoscale is not None:
+                self.autoscale.learner_waited(metrics.get("time/wait_data_s", 0.0))
             self.groups_file.write(groups_record)      # here, not on learner rank 0's node: `gigpo view`
             now = time.perf_counter()
             stats = self.rollouts.stats()
@@ -354,9 +376,14 @@ class System:
                 "rollout/success_rate": (delta.get("successes", 0.0) / delta["trajectories"]
                                          if delta.get("trajectories") else metrics.get("batch/success_rate", 0.0)),
                 "rollout/actors": float(len(self.rollouts.live)),
+                "inference/actors": float(len(self.inference.serving)),
                 "rollout/invalid_action_share": (delta.get("invalid_actions", 0.0) / delta["env_steps"]
                                                  if delta.get("env_steps") else 0.0),
             })
+            if self.autoscale is not None:
+                metrics.update(self.autoscale.figures())
+            for plane in ("rollout", "inference"):
+                self.driver_metrics.set("actors", metrics[f"{plane}/actors"], plane=plane)
             samples.append((now, stats.get("env_steps", 0.0)))
             (t_first, steps_first), (t_last, steps_last) = samples[0], samples[-1]
             steps_per_s = (steps_last - steps_first) / max(t_last - t_first, 1e-9)
@@ -388,8 +415,10 @@ class System:
         if split and split != cfg.env.eval_split:
             cfg = with_fields(cfg, {"env.eval_split": split})
         result = evaluate_tasks(cfg, self.inference.serving, log_dir=self.log_dir, model=self.model)
+        if self.autoscale is not None:
+            self.autoscale.restart_window()
         if result.get("episodes"):
-            ActorMetrics("driver", self.cfg.run.name).set("success_rate", float(result["success"]), split="eval")
+            self.driver_metrics.set("success_rate", float(result["success"]), split="eval")
         if record:
             line = {"when": record, "update": self.update, "split": cfg.env.eval_split,
                     "policy_version": ray.get(self.inference.serving[0].policy_version.remote()), **result}

@@ -9,7 +9,8 @@ import numpy as np
 from common.metrics import METRICS, ActorMetrics
 
 # The gauges set from an update's metrics (MetricSpec.update_key; the learner's own, not inference's or driver's).
-UPDATE_GAUGES = [spec for spec in METRICS.values() if spec.type == "gauge" and spec.update_key]
+UPDATE_GAUGES = [spec for spec in METRICS.values()
+                 if spec.type == "gauge" and spec.update_key and "learner" in spec.recorded_by]
 # The drops counted in the trajectory source's stats, {reason: stats key}, as groups_dropped declares them.
 STREAM_DROPS = {labels["reason"]: key.removeprefix("stream/")
                 for labels, key in METRICS["groups_dropped"].update_keys if key.startswith("stream/")}

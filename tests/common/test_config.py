@@ -97,10 +97,28 @@ def test_choice_fields_list_the_allowed_values():
     # The default stream.max_stream_groups (64) over rollout.groups_per_actor (2): more could not all play.
     ("rollout.num_actors=33", "rollout.num_actors (33) is above rollout.max_actors' bound (32)"),
     ("inference.num_actors=513", "inference.num_actors (513) is above inference.max_actors' bound (512)"),
+    ("autoscale.learner_wait_target=1", "autoscale.learner_wait_target = 1.0 is not allowed; it must be in (0, 1)"),
+    ("autoscale.max_inference_actors=513", "autoscale.max_inference_actors (513) is above inference.max_actors' "
+                                           "bound (512)"),
 ])
 def test_ranges_and_rules_are_checked_at_load(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, [override])
+
+
+def test_autoscale_is_refused_where_it_cannot_work():
+    """Sync mode (the learner waits for every batch by design) and a floor above the most actors a run may
+    have: one line naming both fields, at load."""
+    with pytest.raises(ConfigError, match=re.escape("autoscale.enabled=true needs run.sync=false")):
+        load_config(None, ["autoscale.enabled=true", "run.sync=true"])
+    for bounds, shown in ((["autoscale.min_rollout_actors=33"], "from 33 to 32"),
+                          (["autoscale.min_rollout_actors=4", "autoscale.max_rollout_actors=3"], "from 4 to 3"),
+                          (["autoscale.max_rollout_actors=33"], "from 1 to 33")):
+        with pytest.raises(ConfigError, match=re.escape(f"autoscale's rollout actors {shown} (autoscale.min_rollout_"
+                                                        "actors, autoscale.max_rollout_actors) must lie within 1 to "
+                                                        "rollout.max_actors' bound (32)")):
+            load_config(None, ["autoscale.enabled=true", *bounds])
+    assert load_config(None, ["autoscale.enabled=true", "autoscale.min_rollout_actors=32"]).autoscale.enabled
 
 
 def test_a_batch_larger_than_the_stream_bound_is_refused():
@@ -237,3 +255,12 @@ def test_with_fields_copies_the_sections_it_changes_and_leaves_the_original():
     assert derived.learner is cfg.learner          # sections not named are shared, not copied
     with pytest.raises(TypeError):
         with_fields(cfg, {"model.no_such_field": 1})
+
+
+def test_the_autoscale_command_docs_deploy_md_gives_loads():
+    """docs/deploy.md's autoscale example, as written there, is a valid config (bounds included)."""
+    docs = (REPO / "docs" / "deploy.md").read_text()
+    line = next(line for line in docs.splitlines() if line.startswith("gigpo train") and "autoscale.enabled" in line)
+    _, _, path, *overrides = line.split()
+    cfg = load_config(REPO / path, overrides)
+    assert cfg.autoscale.enabled and cfg.autoscale.max_inference_actors == 8

@@ -17,7 +17,7 @@ import ray
 from common.config import load_config
 from common.metrics import METRICS, exported_name, metrics_url
 from common.run_dir import JOB_FILE, LEARNER_STATE, PUSHED_VERSION, checkpoint_tag
-from deploy.control_channel import read_job_file
+from deploy.control_channel import format_status, read_job_file
 from deploy.reports import format_eval
 from deploy import cli
 from deploy.system import System
@@ -44,6 +44,10 @@ OVERRIDES = [
     # A log-prob correction through the trainer's loss: the learner recomputes the old log-probs and weighs
     # each token by min(pi_old / pi_vLLM, 2) (learner/gigpo.py, CORRECTIONS).
     "learner.logprob_correction=tis",
+    # Rollout autoscale through the real driver, its bounds at the 2 actors `gigpo scale` asks for below: it
+    # measures and decides every second (holding), and its figures reach metrics.jsonl and `gigpo status`.
+    "autoscale.enabled=true", "autoscale.decision_interval_s=1", "autoscale.min_rollout_actors=2",
+    "autoscale.max_rollout_actors=2",
 ]
 # Each side on its own CPU (run.learner_cpus / run.rollout_cpus, with the default run.rollout_nice), where
 # this machine has two: check_cpu_placement.
@@ -86,6 +90,12 @@ def test_two_iterations_of_the_full_system(tmp_path, monkeypatch, capfd):
         # `gigpo status` shows every figure a declared metric names (the eval's: none played yet).
         declared = {key for spec in METRICS.values() for _, key in spec.update_keys}
         assert declared - set(status["metrics"]) == {"eval/success"}, declared - set(status["metrics"])
+        shares = [history[-1][f"autoscale/{m}_share"] for m in ("learner_wait", "admission_wait", "generation")]
+        assert all(0.0 <= share <= 1.0 for share in shares), shares
+        # (holding at its bounds, or waiting while the added actor starts: "not started" counts as waiting)
+        assert "learner waited" in status["autoscale"], status
+        assert status["autoscale"].split(" ", 1)[0] in ("hold", "wait_for_nodes"), status
+        assert f"autoscale: {status['autoscale']}" in format_status(status)
         # Evaluation plays eval-split tasks once each with the served weights, in the paper's layout.
         result = system.evaluate()
         assert result["episodes"] == 2 and 0.0 <= result["success"] <= 1.0

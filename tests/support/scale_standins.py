@@ -13,13 +13,16 @@ What they leave out is what costs compute: a policy, environments, a learner's a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
+import uuid
 from collections import Counter
 
 import ray
 
 from common.config import StreamConfig
 from common.processes.placement import this_node
+from common.seeds import stable_seed
 from common.stream.redis_stream import TrajectoryStream
 from tests.support.synthetic import synthetic_groups
 
@@ -29,9 +32,15 @@ ADMIT_POLL_S = 0.5      # a slot waiting for admission looks at stop() this ofte
 @ray.remote(num_cpus=0)
 class StandInRollout:
     def __init__(self, actor_id: str, url: str, stream_cfg: StreamConfig, slots: int, play_s: float,
-                 generation: float = 0.5):
+                 generation: float = 0.5, group_shape: dict | None = None):
+        """group_shape: synthetic_groups' keyword arguments of the group every slot publishes (a new id each
+        time; the default is a small one, ~10 kB)."""
         self.actor_id, self.slots, self.play_s, self.generation = actor_id, slots, play_s, generation
         self.stream = TrajectoryStream(url, stream_cfg, consumer_name=f"producer-{actor_id}")
+        shape = {"group_size": 2, "max_steps": 2, **(group_shape or {})}
+        self.template = synthetic_groups(1, seed=stable_seed(0, actor_id), prefix=f"{actor_id}-", **shape)[0]
+        self.admission_samples: list[float] = []    # seconds each admit() took, since the last take
+        self.life = uuid.uuid4().hex[:8]      # in its groups' ids: a restarted actor counts from 0 again
         self.counters: Counter = Counter()
         self.timers = {"admission_wait_s": 0.0, "gen_wait_s": 0.0, "env_wait_s": 0.0}
         self._wall, self._started, self._stopping, self._running = 0.0, 0.0, False, None
@@ -63,6 +72,7 @@ class StandInRollout:
                 except TimeoutError:
                     pass
             self.timers["admission_wait_s"] += time.perf_counter() - t0
+            self.admission_samples.append(time.perf_counter() - t0)
             if not admitted:
                 return
             n = self.counters["groups_started"]      # (the group's id: this actor's n-th)
@@ -70,7 +80,7 @@ class StandInRollout:
             await asyncio.sleep(self.play_s)
             self.timers["gen_wait_s"] += self.play_s * self.generation
             self.timers["env_wait_s"] += self.play_s * (1 - self.generation)
-            group = synthetic_groups(1, 2, max_steps=2, seed=n, prefix=f"{self.actor_id}-")[0]
+            group = dataclasses.replace(self.template, group_id=f"{self.actor_id}-{self.life}-{n}")
             await asyncio.to_thread(self.stream.publish, group, None, admitted)
             self.counters["groups_published"] += 1
 
@@ -84,6 +94,10 @@ class StandInRollout:
     def stats(self) -> dict:
         wall = self._wall + (time.perf_counter() - self._started if self._running is not None else 0.0)
         return {"groups_published": self.counters["groups_published"], **self.timers, "wall_s": wall}
+
+    def take_admission_samples(self) -> list[float]:
+        samples, self.admission_samples = self.admission_samples, []
+        return samples
 
     def close(self) -> None:
         self.stream.close()
@@ -112,6 +126,19 @@ class StandInLearner:
         self.trained += [r.group.group_id for r in batch]
         self.stream.ack(batch)
         return waited
+
+    def count(self) -> int:
+        return len(self.trained)
+
+    def trained_ids(self) -> list[str]:
+        return self.trained
+
+    def set_step_s(self, step_s: float) -> None:
+        self.step_s = step_s
+
+    def cpu_s(self) -> float:
+        """This process' CPU seconds so far (run as a Ray actor: the learner's own process)."""
+        return time.process_time()
 
     def drain(self) -> None:
         """Train what the stream still holds, however few (the run's end)."""

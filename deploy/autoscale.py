@@ -10,7 +10,9 @@ The measures (each a share of time over the interval, on the dashboard as `autos
                     -> more producers only queue at the engines: add an inference actor instead
 
 The rule, `Controller.decide` (pure: the tests drive it with a fluid model of the system):
-- the learner waits more than `learner_wait_target`: producers deliver (1 - w) of what it takes, so the
+- the learner waits more than `learner_wait_target` (and the producers do not wait on admission: if they do,
+  the stream's bound is what holds the groups back, and the controller says so instead): producers deliver
+  (1 - w) of what it takes, so the
   rollout actors go from n to n / (1 - w) (at least +1, at most x2 per decision); or, where the groups wait
   on generation and an inference actor may be added, one inference actor more;
 - slots wait on admission more than `admission_wait_target` while the learner waits under half its target:
@@ -102,6 +104,13 @@ class Controller:
         if self.settling:
             self.settling = False
             return Decision(rollout, inference, "hold", f"settling after a change; {said}")
+        if w > cfg.learner_wait_target and a > cfg.admission_wait_target:
+            # Both wait: the stream's bound, not the producers' number, is what holds groups back.
+            self.streak = 0
+            return Decision(rollout, inference, "hold",
+                            f"the stream's bound holds producers back while the learner waits, so more would only "
+                            f"wait too: raise stream.max_stream_groups (trained groups awaiting their checkpoint "
+                            f"count against it); {said}")
         if w > cfg.learner_wait_target:
             direction = 1
         elif a > cfg.admission_wait_target and w < cfg.learner_wait_target / 2:

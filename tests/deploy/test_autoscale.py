@@ -152,6 +152,15 @@ def test_generation_bound_groups_get_an_inference_actor_and_it_goes_first_when_s
     assert (rollout, inference) == (2, 1)
 
 
+def test_a_learner_waiting_behind_the_streams_bound_gets_no_more_producers():
+    """Producers waiting on admission while the learner waits for groups: the stream's bound (trained groups
+    awaiting a checkpoint count against it) holds the groups back; more actors would wait as well."""
+    cfg = AutoscaleConfig(enabled=True, patience=1)
+    m = Measures(seconds=60, learner_wait_s=20, slot_s=100, admission_wait_s=50, generate_wait_s=1, env_wait_s=1)
+    d = Controller(cfg, 64, 1).decide(m, 4, 1)
+    assert (d.rollout, d.action) == (4, "hold") and "raise stream.max_stream_groups" in d.reason
+
+
 def test_no_actor_is_added_while_some_wait_for_a_node():
     cfg = AutoscaleConfig(enabled=True, patience=1)
     starved = Measures(seconds=60, learner_wait_s=60, slot_s=1, admission_wait_s=0, generate_wait_s=1,

@@ -221,14 +221,22 @@ class Rollout:
     async def _admit(self) -> str | None:
         """The stream's slot for the next group (`common.staleness.policy_lag_bound`: no more groups are started
         than the learner trains before they would go stale); None once stopping. Short waits, so that a stop
-        is honoured while the bound is reached."""
-        t0 = time.perf_counter()
+        is honoured while the bound is reached. The wait is counted after every try, not only at its end: the
+        stats of a slot that has waited long already show it (rollout autoscale reads them per interval)."""
+        mark = time.perf_counter()
+
+        def count_wait() -> None:
+            nonlocal mark
+            now = time.perf_counter()
+            self.timers["admission_wait_s"] += now - mark
+            mark = now
         try:
             while not self._stopping:
                 try:
                     admitted = await asyncio.to_thread(self.stream.admit, 1.0)
                 except TimeoutError:
                     self.counters["admission_waits"] += 1
+                    count_wait()
                     continue
                 if self._stopping:        # stopped while it waited (the slot may be one a stop just freed)
                     await asyncio.to_thread(self.stream.release, admitted)
@@ -237,7 +245,7 @@ class Rollout:
                 return admitted
             return None
         finally:
-            self.timers["admission_wait_s"] += time.perf_counter() - t0
+            count_wait()
 
     async def _renew_admitted(self) -> None:
         """Keeps the slots of the groups being played alive (a killed actor's lapse within the slot's TTL)."""

@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 
 from common.config import AutoscaleConfig, ExperimentConfig, rollout_actor_limit
-from common.metrics import ActorMetrics
+from common.metrics import AUTOSCALE_DECISIONS, ActorMetrics
 
 log = logging.getLogger("gigpo")
 
@@ -161,6 +161,8 @@ class Autoscale:
         self.controller = Controller(cfg.autoscale, cfg.autoscale.max_rollout_actors or rollout_actor_limit(cfg),
                                      cfg.inference.num_actors)
         self.metrics = ActorMetrics("driver", cfg.run.name)
+        for action in AUTOSCALE_DECISIONS:      # (a series at 0 from the start: the dashboard shows 0, not no data)
+            self.metrics.zero("autoscale_decisions", decision=action)
         self.last: Decision | None = None
         self.last_measures: Measures | None = None
         self.requested = False      # a request to Ray's autoscaler stands
@@ -203,6 +205,7 @@ class Autoscale:
             self.metrics.set("autoscale_share", share, measure=measure)
         if decision.action != "hold":
             self.metrics.inc("autoscale_decisions", decision=decision.action)
+        if decision.action != "hold" or "stream.max_stream_groups" in decision.reason:     # (advice: logged too)
             log.info("autoscale: %s -> rollout %d, inference %d (%s)", decision.action, decision.rollout,
                      decision.inference, decision.reason)
         if decision.inference != inference:

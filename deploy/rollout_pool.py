@@ -17,6 +17,7 @@ log = logging.getLogger("gigpo")
 
 ROLLOUT_TELL_S = 30      # rollout actors told of added or removed inference actors
 ROLLOUT_STOP_S = 30      # rollout actors told to stop without draining (they discard what is in flight)
+UNSTARTED_PING_S = 1.0   # a removed actor that has never answered gets this long to say it has started
 
 
 @dataclass
@@ -28,6 +29,7 @@ class RolloutRecord:
     stop: object = None             # ObjectRef of its stop() once removed: it is retiring
     stats: dict = field(default_factory=dict)   # its last stats, of this life (a restart counts from 0)
     restart_ping: object = None     # ObjectRef of a node() call while Ray restarts it (it is coming back)
+    started: bool = False           # it has answered a stats() call: it was placed and constructed
 
 
 class RolloutPool:
@@ -70,10 +72,24 @@ class RolloutPool:
             actor = self.actors[actor_id] = RolloutRecord(actor_id, self._create(actor_id))
             if not self.cfg.run.sync:
                 actor.run = actor.handle.run.remote()
+        removed = []
         while len(self.live) > num_actors:
             actor = self.live[-1]
             actor.run = actor.restart_ping = None
             actor.stop = actor.handle.stop.remote(drain=drain)
+            removed.append(actor)
+        self._forget_unstarted(removed)
+
+    def _forget_unstarted(self, removed: list[RolloutRecord]) -> None:
+        """Removed actors that are not placed or still constructing hold no group: they are killed at once, not
+        left retiring until a node has room for them (their stop() would wait for that)."""
+        unsure = [actor for actor in removed if not actor.started]
+        pings = wait_all([actor.handle.node.remote() for actor in unsure], UNSTARTED_PING_S)
+        for i in pings.late:
+            actor = unsure[i]
+            ray.kill(actor.handle)
+            del self.actors[actor.id]
+            log.info("rollout actor %s was removed before it started: killed", actor.id)
 
     def reap_retired(self, timeout_s: float = 0.0, say=log.warning) -> None:
         """Collect the retiring actors whose stop() has returned (waiting up to timeout_s for them)."""
@@ -158,7 +174,7 @@ class RolloutPool:
             log.warning("%d rollout actor(s) not started yet (each needs %s on one node; a busy cluster? see "
                         "`ray status`)", len(answers.late), format_need(job_needs(self.cfg)["rollout actor"][0]))
         for i, stats in answers.done.items():     # (one that died since: check_alive restarts it)
-            actors[i].stats = stats
+            actors[i].stats, actors[i].started = stats, True
         total: dict = defaultdict(float)
         for stats in [actor.stats for actor in actors] + self.ended:
             for key, value in stats.items():

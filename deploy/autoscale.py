@@ -12,9 +12,9 @@ The measures (each a share of time over the interval, on the dashboard as `autos
 The rule, `Controller.decide` (pure: the tests drive it with a fluid model of the system):
 - the learner waits more than `learner_wait_target` (and the producers do not wait on admission: if they do,
   the stream's bound is what holds the groups back, and the controller says so instead): producers deliver
-  (1 - w) of what it takes, so the
-  rollout actors go from n to n / (1 - w) (at least +1, at most x2 per decision); or, where the groups wait
-  on generation and an inference actor may be added, one inference actor more;
+  (1 - w) of what it takes, so the rollout actors go from n to n / (1 - w) (at least +1, at most x2 per
+  decision); or, where the groups wait on generation and an inference actor may be added, one inference actor
+  more;
 - slots wait on admission more than `admission_wait_target` while the learner waits under half its target:
   a share a of the producers' time is surplus, so n goes to n (1 - a) with a tenth's headroom (at least -1, at
   most halved), draining the removed actors (their groups are published: nothing is lost); at the fewest

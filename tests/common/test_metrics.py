@@ -126,14 +126,17 @@ def metrics_ray(free_port):
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+# The labels our series carry besides Ray's: the kind, and every extra label a metric declares.
+OUR_LABELS = {"kind"} | {label for spec in METRICS.values() for label in (spec.labels or {})}
+
+
 def _relevant(samples, want_keys):
     """Our samples keyed like `expected_after` (kind + the metric's own labels; Ray's labels dropped)."""
     got = {}
     for s in samples:
         if not s.name.startswith("ray_gigpo_") or s.labels.get("actor_id") != "0":
             continue
-        keep = {k: v for k, v in s.labels.items() if k in ("kind", "termination", "reason", "phase",
-                                                           "stat", "split")}
+        keep = {k: v for k, v in s.labels.items() if k in OUR_LABELS}
         got[(s.name, tuple(sorted(keep.items())))] = s.value
     return {k: v for k, v in got.items() if k in want_keys}, got
 

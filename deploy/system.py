@@ -311,6 +311,7 @@ class System:
                 # can write a command.
                 log.warning("refusing to scale %s actors to %d: %s.max_actors' bound is %d", plane, n, plane,
                             self.max_actors[plane])
+                continue
             elif op == "scale_rollout" and isinstance(n, int):
                 log.info("scaling rollout actors %d -> %d", len(self.rollouts.live), n)
                 self.rollouts.scale(max(0, n), drain=bool(command.get("drain", True)))
@@ -325,11 +326,9 @@ class System:
                 self.autoscale.controller.reset()
 
     def _publish_status(self, metrics: dict, state: str) -> None:
-        record = status_record(self.cfg, state, metrics, self.last_eval, self.rollouts, self.inference,
-                               self.refresh_placement(), self.out)
-        if self.autoscale is not None:
-            record["autoscale"] = self.autoscale.status()
-        self.channel.publish_status(record)
+        self.channel.publish_status(status_record(
+            self.cfg, state, metrics, self.last_eval, self.rollouts, self.inference, self.refresh_placement(),
+            self.out, autoscale=self.autoscale.status() if self.autoscale is not None else ""))
 
     def train(self) -> list[dict]:
         cfg = self.cfg

@@ -41,9 +41,9 @@ def placement_record(placement: dict[str, dict | None]) -> dict[str, dict]:
 
 
 def status_record(cfg, state: str, metrics: dict, last_eval: dict | None, rollouts, inference,
-                  placement: dict[str, dict | None], outputs: Path, autoscale: str = "") -> dict:
+                  placement: dict[str, dict | None], outputs: Path, autoscale_line: str) -> dict:
     """The record `gigpo status` shows: state, progress, actors and their nodes, the latest metrics and eval, and
-    rollout autoscale's last decision (`autoscale`, "" when it is off)."""
+    rollout autoscale's last decision (`autoscale_line`, "" when it is off)."""
     evaluated = {f"eval/{k}": v for k, v in (last_eval or {}).items() if isinstance(v, float)}
     return {
         "run": cfg.run.name, "state": state, "iteration": int(metrics.get("update", 0)),
@@ -55,7 +55,7 @@ def status_record(cfg, state: str, metrics: dict, last_eval: dict | None, rollou
         "metrics": update_figures({**metrics, **evaluated}),
         "outputs": str(outputs.resolve()),
         "placement": placement_record(placement),
-        "autoscale": autoscale,
+        "autoscale": autoscale_line,
     }
 
 

@@ -328,7 +328,7 @@ class System:
     def _publish_status(self, metrics: dict, state: str) -> None:
         self.channel.publish_status(status_record(
             self.cfg, state, metrics, self.last_eval, self.rollouts, self.inference, self.refresh_placement(),
-            self.out, autoscale=self.autoscale.status() if self.autoscale is not None else ""))
+            self.out, autoscale_line=self.autoscale.status() if self.autoscale is not None else ""))
 
     def train(self) -> list[dict]:
         cfg = self.cfg

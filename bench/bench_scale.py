@@ -6,6 +6,7 @@ driver drives it (check_alive, stats() and reap_retired once per update), and a 
 actor on the head node that reads batches and acks them at once (a learner that is never the bottleneck).
 
     python bench/bench_scale.py [--nodes 8] [--actors 4,16,64] [--seconds 30] [--group-kb 1000]
+                                [--push-actors 1,2,4,8] [--push-shapes tiny-policy,qwen2.5-1.5b] [--bucket-mb 256]
 
 Per actor count: groups/s through the stream against the stand-ins' ideal (actors x slots / play time), the
 driver's CPU per update, the admission wait p50/p99 (every admit() of every slot), and the CPU seconds per
@@ -14,10 +15,20 @@ count: the time to remove 32 actors (drained: until each is collected) and to ad
 published a group), and a node lost with its actors: the time until they play again elsewhere and until
 groups/s is back to 90% of before. Every group published is checked to have been trained exactly once.
 
+First, the weight push against the number of inference actors (--push-actors, --push-shapes): the real sender
+(common.weights.sender.WeightTransfer, as learner rank 0 calls it, from this driver on the head node) and the
+real receiver in stand-in inference actors (StandInInference: no vLLM model; each tensor copied once, as vLLM
+copies it into its parameter), by shm with every actor on the head node (one node: N readers of one write) and
+by the collective way with one actor per simulated node (gloo's broadcast: a binomial tree, log2(N+1) rounds of
+every byte; the sender sends each buffer ceil(log2(N+1)) times). Shapes: the project's tiny policy (float32)
+and Qwen2.5-1.5B's (bfloat16, what a GPU learner pushes; 3.6 GB with the tied embedding sent twice). The first
+push (the collective's group is built then, as after every restart or `gigpo scale --inference`) apart from the
+best of --push-repeats after it. A count whose buffers would not fit the memory available is skipped, saying so.
+
 On two cores the simulated nodes, Redis, the learner and the driver share the CPUs: the curve bends where this
-machine does. The CPU figures per group and per update are what carry over to a real cluster.
-Not measured here: the weight push against the number of inference actors (bench_weight_sync.py measures
-one to one, on one node and across two).
+machine does. The CPU figures per group and per update are what carry over to a real cluster; the push's bytes
+all cross this machine's memory and loopback, so its growth with N is this machine's (one node's memory
+bandwidth for shm; for the collective, a real cluster's nodes each receive on their own link).
 """
 from __future__ import annotations
 
@@ -28,6 +39,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import psutil  # noqa: E402
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
@@ -38,7 +50,9 @@ from common.stream.redis_client import connect  # noqa: E402
 from common.stream.redis_server import EmbeddedRedis  # noqa: E402
 from deploy.rollout_pool import RolloutPool  # noqa: E402
 from tests.support.accounting import stream_counts  # noqa: E402
-from tests.support.scale_standins import StandInLearner, StandInRollout  # noqa: E402
+from tests.support.model_shapes import SHAPES, shaped_weights  # noqa: E402
+from tests.support.scale_standins import (SCRATCH_BYTES, StandInInference, StandInLearner,  # noqa: E402
+                                          StandInRollout)
 from tests.support.synthetic import synthetic_groups  # noqa: E402
 
 SLOTS = 2               # groups each stand-in actor plays at once
@@ -163,14 +177,105 @@ class Bench:
         return published, len(set(trained)) if len(set(trained)) == len(trained) else -1
 
 
+def push_weights(shape: str):
+    """The (name, tensor) pairs learner rank 0 pushes for `shape`, and whether its embedding is tied."""
+    import torch
+
+    if shape == "tiny-policy":  # the project's tiny policy (deploy/tiny_model.py), float32 as trained
+        from transformers import AutoModelForCausalLM
+
+        from deploy.tiny_model import build_tiny_model
+        path = build_tiny_model(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache",
+                                             "bench-scale-tiny"))
+        net = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        return [(n, p.detach()) for n, p in net.named_parameters()], bool(net.config.tie_word_embeddings)
+    return shaped_weights(SHAPES[shape], torch.bfloat16), bool(SHAPES[shape].get("tie_word_embeddings"))
+
+
+def push_curve(cluster: Cluster, args) -> list[dict]:
+    """Per shape, way and inference-actor count: the first push and the best of args.push_repeats after it."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from common.weights.sender import WeightTransfer
+
+    head = ray.get_runtime_context().get_node_id()
+    workers = [n.node_id for n in cluster.worker_nodes]
+    weights_dir = os.path.join("/dev/shm" if os.access("/dev/shm", os.W_OK) else "/tmp",
+                               f"gigpo-bench-scale-{os.getpid()}")
+    rows, version = [], 0
+    for shape in args.push_shapes:
+        weights, tied = push_weights(shape)
+        for way in ("shm", "collective"):
+            for n in args.push_actors:
+                if way == "collective" and n > len(workers):
+                    continue
+                # The stand-ins' memory: a gloo receiver holds up to 3 buffers (2 arriving, 1 loading), a bucket
+                # reader 1 bucket; the sender 2 buffers (the weights are held already).
+                need = (n * (3 if way == "collective" else 1) + 2) * args.bucket_mb * 2**20 + n * SCRATCH_BYTES
+                have = psutil.virtual_memory().available
+                if 1.25 * need > have:
+                    print(f"push {shape} {way} x{n}: skipped, it needs about {need / 2**30:.1f} GiB of memory and "
+                          f"{have / 2**30:.1f} GiB is available", flush=True)
+                    continue
+                nodes = [head] * n if way == "shm" else workers[:n]
+                actors = [StandInInference.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+                    node_id, soft=False)).remote(weights_dir, tied) for node_id in nodes]
+                transfer = WeightTransfer(actors, mode=way, bucket_mb=args.bucket_mb, timeout_s=600.0)
+                try:
+                    times = []
+                    for _ in range(args.push_repeats + 1):
+                        version += 1
+                        info = transfer.push(weights, version)
+                        times.append(info["total_s"])
+                        got = ray.get([a.take_received.remote() for a in actors], timeout=60)
+                        if any(g["version"] != version or sum(g["bytes"].values()) < 0.99 * info["bytes"]
+                               for g in got):
+                            raise RuntimeError(f"{shape} {way} x{n}: an actor did not get version {version} whole")
+                finally:
+                    transfer.close(remove_files=True)
+                    for a in actors:
+                        ray.kill(a)
+                row = {"shape": shape, "way": way, "actors": n, "bytes": info["bytes"], "first_s": times[0],
+                       "best_s": min(times[1:])}
+                rows.append(row)
+                print(f"push {shape} {way} x{n}: first {row['first_s']:.2f} s, best {row['best_s']:.2f} s",
+                      flush=True)
+        del weights
+    return rows
+
+
+def print_push_table(rows: list[dict]) -> None:
+    print("\nweight push against the number of inference actors (stand-in engines, the real sender and receiver; "
+          "shm: all on the learner's node; collective: one a node):")
+    print(f"{'shape':>13s} {'way':>10s} {'actors':>6s} {'MB':>7s} {'first s':>8s} {'best s':>7s} {'vs 1':>5s} "
+          f"{'GB/s per actor':>14s}")
+    one = {(r["shape"], r["way"]): r["best_s"] for r in rows if r["actors"] == 1}
+    for r in rows:
+        ratio = r["best_s"] / one[(r["shape"], r["way"])] if (r["shape"], r["way"]) in one else float("nan")
+        print(f"{r['shape']:>13s} {r['way']:>10s} {r['actors']:6d} {r['bytes'] / 1e6:7.1f} {r['first_s']:8.2f} "
+              f"{r['best_s']:7.2f} {ratio:5.2f} {r['bytes'] / r['best_s'] / 1e9:14.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nodes", type=int, default=8, help="simulated worker nodes (Ray raylets on this machine)")
     ap.add_argument("--actors", default="4,16,64", help="rollout actor counts, comma-separated")
     ap.add_argument("--seconds", type=float, default=30.0, help="measured time per actor count")
     ap.add_argument("--group-kb", type=int, default=1000, help="encoded size of a group")
+    ap.add_argument("--push-actors", default="1,2,4,8", help="inference actor counts of the weight push (\"\": skip)")
+    ap.add_argument("--push-shapes", default="tiny-policy,qwen2.5-1.5b",
+                    help=f"tiny-policy (the project's tiny model) or of {sorted(SHAPES)}")
+    ap.add_argument("--push-repeats", type=int, default=2, help="timed pushes after the first, per count")
+    # 256, not the config's 512: a gloo receiver holds 3 buffers, so 8 of them at 512 MB beside the 1.5B shape's
+    # weights need more than 24 GiB (measured 2026-12-07: at 1-4 actors the two sizes' times agree within 7%)
+    ap.add_argument("--bucket-mb", type=float, default=256.0, help="inference.weight_bucket_mb of the push")
     args = ap.parse_args()
     args.actors = sorted(int(n) for n in args.actors.split(","))
+    args.push_actors = sorted(int(n) for n in args.push_actors.split(",") if n.strip())
+    args.push_shapes = [s.strip() for s in args.push_shapes.split(",") if s.strip()]
+    unknown = set(args.push_shapes) - set(SHAPES) - {"tiny-policy"}
+    if unknown:
+        ap.error(f"unknown shape(s) {sorted(unknown)}")
     t_start = time.perf_counter()
     # (every node at this machine's own address, as a local Ray is: nothing leaves the machine)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"head_node": 1},
@@ -178,6 +283,7 @@ def main() -> None:
     for _ in range(args.nodes):
         cluster.add_node(num_cpus=1, resources={"sim_node": 1000}, object_store_memory=STORE_BYTES)
     ray.init(address=cluster.address, log_to_driver=False)
+    push_rows = push_curve(cluster, args) if args.push_actors else []
     bench = Bench(args)
     size = sum(encoded_size(encode_group(g)) for g in synthetic_groups(32, **group_shape(args.group_kb))) / 32
     print(f"{args.nodes} simulated nodes up in {time.perf_counter() - t_start:.0f} s; groups of {size / 1e6:.2f} MB "
@@ -206,6 +312,8 @@ def main() -> None:
         published, trained = bench.close()
         ray.shutdown()
         cluster.shutdown()
+    if push_rows:
+        print_push_table(push_rows)
     print(f"\nrollout control plane over {args.nodes} simulated nodes ({SLOTS} slots x {PLAY_S:g} s per actor, "
           f"groups of {size / 1e6:.2f} MB on average, learner never the bottleneck):")
     print(f"{'actors':>6s} {'groups/s':>8s} {'ideal':>6s} {'share':>5s} {'driver ms/upd':>13s} {'admit p50 ms':>12s} "

@@ -33,3 +33,16 @@ def random_causal_lm(fields: dict, *, seed: int, dtype: torch.dtype = torch.floa
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+
+def shaped_weights(fields: dict, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs a learner of shape `fields` pushes (named_parameters: a tied weight once), as
+    constant-filled tensors of `dtype`: the bytes of the shape without building the model (what moves them
+    does not look at the values)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(fields)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        net = AutoModelForCausalLM.from_config(config)
+    return [(name, torch.full(tuple(p.shape), 0.01, dtype=dtype)) for name, p in net.named_parameters()]

@@ -7,8 +7,12 @@ bench). They live with the tests and are never a run's option.
                      environment) and publish a synthetic group through the real Redis stream
     StandInLearner   reads batches of `batch` groups from the real stream and "trains" each for `step_s`
                      seconds (settable while running), then acks them; it counts how long it waited for groups
+    StandInInference a Ray actor with the inference actor's weight-transfer interface: the real WeightReceiver
+                     (common/weights/receiver.py) over an engine without a model, so a push travels as a run's
+                     does (shm buckets read from /dev/shm; the real gloo group and broadcasts) and each tensor
+                     received is copied once, as vLLM copies it into its parameter
 
-What they leave out is what costs compute: a policy, environments, a learner's arithmetic.
+What they leave out is what costs compute: a policy, environments, a learner's arithmetic, vLLM's model.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import dataclasses
 import time
 import uuid
 from collections import Counter
+from types import SimpleNamespace
 
 import ray
 
@@ -153,3 +158,143 @@ class StandInLearner:
 
     def close(self) -> None:
         self.stream.close()
+
+
+# -- the inference actor's weight-transfer half, without vLLM's model ------------------------------------------
+
+SCRATCH_BYTES = 64 * 1024**2       # a stand-in model's copy target: the copy's bytes without a model's memory
+
+
+class _ModelStandIn:
+    """What a push's loaders see of a vLLM worker and its model (`reload_weights` for shm buckets,
+    `load_weights` for the gloo engine's chunks): each tensor's bytes are copied once, through a scratch
+    buffer (the copy vLLM makes into its parameter; a model's memory is left out, so that many stand-ins fit
+    one machine); names and bytes are kept, and each tensor's sum when `keep_sums`."""
+
+    def __init__(self, keep_sums: bool):
+        import torch
+
+        self.keep_sums = keep_sums
+        self.scratch = torch.empty(SCRATCH_BYTES, dtype=torch.uint8)
+        self.received: dict[str, int] = {}      # name: bytes, since the last take
+        self.sums: dict[str, float] = {}
+
+    def reload_weights(self, weights_iterator, is_checkpoint_format: bool = True) -> None:
+        self.load_weights(weights_iterator)
+
+    def load_weights(self, weights) -> None:
+        import torch
+
+        for name, tensor in weights:
+            flat = tensor.contiguous().reshape(-1).view(torch.uint8)
+            for start in range(0, flat.numel(), SCRATCH_BYTES):
+                piece = flat[start:start + SCRATCH_BYTES]
+                self.scratch[:piece.numel()].copy_(piece)
+            self.received[name] = flat.numel()
+            if self.keep_sums:
+                self.sums[name] = float(tensor.double().sum())
+
+
+class _EngineStandIn:
+    """The part of vLLM's AsyncLLM that WeightReceiver calls, for one worker without a model: bucket loads run
+    on the stand-in model; the gloo engine is the project's own (common/weights/gloo.py), less vLLM's
+    layer-wise reload at start and finish (there is no model to reload)."""
+
+    def __init__(self, model: _ModelStandIn, tie_word_embeddings: bool):
+        parallel = SimpleNamespace(world_size=1, data_parallel_size=1, rank=0, data_parallel_index=0)
+        self.vllm_config = SimpleNamespace(parallel_config=parallel, model_config=SimpleNamespace(
+            hf_config=SimpleNamespace(tie_word_embeddings=tie_word_embeddings)))
+        self.model = model
+        self.transfer = None
+
+    async def collective_rpc(self, fn, args=()):
+        return [await asyncio.to_thread(fn, self.model, *args)]
+
+    async def reset_prefix_cache(self) -> bool:
+        return True
+
+    async def init_weight_transfer_engine(self, request) -> None:
+        import torch
+
+        from common.weights.gloo import GlooWeightTransferEngine
+
+        class GlooWithoutReload(GlooWeightTransferEngine):
+            def start_weight_update(self) -> None:
+                pass
+
+            def finish_weight_update(self) -> None:
+                pass
+
+        self.transfer = GlooWithoutReload(None, self.vllm_config, torch.device("cpu"), self.model)
+        await asyncio.to_thread(self.transfer.init_transfer_engine, self.transfer.parse_init_info(request.init_info))
+
+    async def start_weight_update(self) -> None:
+        pass
+
+    async def update_weights(self, request) -> None:
+        await asyncio.to_thread(self.transfer.update_weights, request.update_info)
+
+    async def finish_weight_update(self) -> None:
+        pass
+
+    async def shutdown_weight_transfer_engine(self) -> None:
+        if self.transfer is not None:
+            self.transfer.shutdown()
+
+
+@ray.remote(num_cpus=0)
+class StandInInference:
+    def __init__(self, weights_dir: str, tie_word_embeddings: bool, keep_sums: bool = False,
+                 timeout_s: float = 600.0):
+        """weights_dir: where shm pushes' manifests are written (inference.weights_dir); tie_word_embeddings:
+        the served model's (the sender adds lm_head.weight for it); keep_sums: each tensor's sum is kept (a
+        test's check that the values arrived)."""
+        # What a real actor's process has imported by its first push (vLLM's, through its model loader): here
+        # at start, so that the first push's time is the group's build, not these imports (~1 s a process).
+        import vllm.distributed.weight_transfer.packed_tensor  # noqa: F401
+        import vllm.model_executor.model_loader.mtp_validation  # noqa: F401
+
+        from common.weights import gloo  # noqa: F401
+        from common.weights.receiver import RequestGate, WeightReceiver
+
+        self.model = _ModelStandIn(keep_sums)
+        self.receiver = WeightReceiver(_EngineStandIn(self.model, tie_word_embeddings), RequestGate(),
+                                       SimpleNamespace(set=lambda name, value: None), backend="gloo",
+                                       timeout_s=timeout_s, weights_dir=weights_dir, has_weights=True)
+
+    def node(self) -> dict:
+        return this_node()
+
+    def weights_dir(self) -> str:
+        return self.receiver.weights_dir
+
+    async def transfer_state(self) -> dict:
+        return await self.receiver.transfer_state()
+
+    async def update_weights_from_files(self, files: list[str], version: int) -> dict:
+        return await self.receiver.update_weights_from_files(files, version)
+
+    async def init_weight_transfer_engine(self, init_info: dict, group: str) -> None:
+        await self.receiver.init_weight_transfer_engine(init_info, group)
+
+    async def shutdown_weight_transfer_engine(self) -> None:
+        await self.receiver.shutdown_weight_transfer_engine()
+
+    async def start_weight_update(self, version: int) -> None:
+        await self.receiver.start_weight_update(version)
+
+    async def update_weights(self, update_info) -> None:
+        await self.receiver.update_weights(update_info)
+
+    async def finish_weight_update(self, version: int) -> dict:
+        return await self.receiver.finish_weight_update(version)
+
+    async def abort_weight_update(self) -> str:
+        return await self.receiver.abort_weight_update()
+
+    def take_received(self) -> dict:
+        """{"version", "bytes": {name: bytes}, "sums": {name: sum}} of what arrived since the last take."""
+        model = self.model
+        out = {"version": self.receiver.version, "bytes": model.received, "sums": model.sums}
+        model.received, model.sums = {}, {}
+        return out

@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import psutil  # noqa: E402
 import ray  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402 - (the type of simulated_nodes' cluster)
 
 from common.config import load_config  # noqa: E402
 from common.processes.actor_calls import call_all  # noqa: E402
@@ -52,14 +52,13 @@ from deploy.rollout_pool import RolloutPool  # noqa: E402
 from tests.support.accounting import stream_counts  # noqa: E402
 from tests.support.model_shapes import SHAPES, shaped_weights  # noqa: E402
 from tests.support.scale_standins import (SCRATCH_BYTES, StandInInference, StandInLearner,  # noqa: E402
-                                          StandInRollout)
+                                          StandInRollout, simulated_nodes)
 from tests.support.synthetic import synthetic_groups  # noqa: E402
 
 SLOTS = 2               # groups each stand-in actor plays at once
 PLAY_S = 2.0            # seconds a stand-in group takes to play: SLOTS / PLAY_S groups/s per actor
 BATCH = 16              # groups per learner update
 STEP_WAIT_S = 2.0       # the learner's wait for a batch per call (the driver's loop turns at least this often)
-STORE_BYTES = 80 * 1024**2      # each simulated node's object store (Ray's least)
 
 
 def group_shape(kb: int) -> dict:
@@ -277,41 +276,33 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown shape(s) {sorted(unknown)}")
     t_start = time.perf_counter()
-    # (every node at this machine's own address, as a local Ray is: nothing leaves the machine)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"head_node": 1},
-                                                            "object_store_memory": STORE_BYTES})
-    for _ in range(args.nodes):
-        cluster.add_node(num_cpus=1, resources={"sim_node": 1000}, object_store_memory=STORE_BYTES)
-    ray.init(address=cluster.address, log_to_driver=False)
-    push_rows = push_curve(cluster, args) if args.push_actors else []
-    bench = Bench(args)
-    size = sum(encoded_size(encode_group(g)) for g in synthetic_groups(32, **group_shape(args.group_kb))) / 32
-    print(f"{args.nodes} simulated nodes up in {time.perf_counter() - t_start:.0f} s; groups of {size / 1e6:.2f} MB "
-          f"on average; "
-          f"each actor plays {SLOTS} groups at once, {PLAY_S:g} s each", flush=True)
-    rows = []
-    try:
-        for n in args.actors:
-            up_s = bench.scale_to(n)
-            row = {"actors": n, "start_s": up_s, **bench.run_for(args.seconds)}
-            row["ideal"] = n * SLOTS / PLAY_S
-            rows.append(row)
-            print(f"{n} actors: started in {up_s:.0f} s; {row['groups_per_s']:.1f} groups/s of {row['ideal']:.1f} "
-                  f"ideal", flush=True)
-        most = args.actors[-1]
-        down_s = up_s = lost = back_s = rate_s = None
-        if most > 32:
-            down_s = bench.scale_to(most - 32)
-            up_s = bench.scale_to(most)
-            print(f"-32 actors in {down_s:.1f} s, +32 in {up_s:.1f} s", flush=True)
-        if args.nodes > 1:
-            lost, back_s, rate_s = bench.lose_a_node(cluster, rows[-1]["groups_per_s"])
-            print(f"node lost with {lost} actors: playing again after {back_s:.1f} s, groups/s at 90% after "
-                  f"{rate_s:.1f} s", flush=True)
-    finally:
-        published, trained = bench.close()
-        ray.shutdown()
-        cluster.shutdown()
+    with simulated_nodes(args.nodes) as cluster:
+        push_rows = push_curve(cluster, args) if args.push_actors else []
+        bench = Bench(args)
+        size = sum(encoded_size(encode_group(g)) for g in synthetic_groups(32, **group_shape(args.group_kb))) / 32
+        print(f"{args.nodes} simulated nodes; groups of {size / 1e6:.2f} MB on average; each actor plays {SLOTS} "
+              f"groups at once, {PLAY_S:g} s each", flush=True)
+        rows = []
+        try:
+            for n in args.actors:
+                up_s = bench.scale_to(n)
+                row = {"actors": n, "start_s": up_s, **bench.run_for(args.seconds)}
+                row["ideal"] = n * SLOTS / PLAY_S
+                rows.append(row)
+                print(f"{n} actors: started in {up_s:.0f} s; {row['groups_per_s']:.1f} groups/s of {row['ideal']:.1f} "
+                      f"ideal", flush=True)
+            most = args.actors[-1]
+            down_s = up_s = lost = back_s = rate_s = None
+            if most > 32:
+                down_s = bench.scale_to(most - 32)
+                up_s = bench.scale_to(most)
+                print(f"-32 actors in {down_s:.1f} s, +32 in {up_s:.1f} s", flush=True)
+            if args.nodes > 1:
+                lost, back_s, rate_s = bench.lose_a_node(cluster, rows[-1]["groups_per_s"])
+                print(f"node lost with {lost} actors: playing again after {back_s:.1f} s, groups/s at 90% after "
+                      f"{rate_s:.1f} s", flush=True)
+        finally:
+            published, trained = bench.close()
     if push_rows:
         print_push_table(push_rows)
     print(f"\nrollout control plane over {args.nodes} simulated nodes ({SLOTS} slots x {PLAY_S:g} s per actor, "

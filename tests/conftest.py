@@ -84,6 +84,17 @@ def local_ray():
         ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def simulated_cluster():
+    """Three worker Ray nodes and a head simulated on this machine (tests/support/scale_standins.py's
+    simulated_nodes: a raylet each), this process the driver; stand-ins go to workers with
+    resources={"sim_node": 1}."""
+    from tests.support.scale_standins import simulated_nodes
+
+    with simulated_nodes(3) as cluster:
+        yield cluster
+
+
 @pytest.fixture
 def sigint_reaches_children():
     """Child processes started during the test get SIGINT at its default, as a terminal's foreground command

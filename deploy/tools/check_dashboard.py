@@ -5,6 +5,7 @@ deploy/grafana/gigpo-dashboard.json asked of Prometheus, and a chromium screensh
 (docs/dashboard-check.png). docs/deploy.md ("Check it locally") says more.
 
     python deploy/tools/check_dashboard.py [--seconds 30] [--workload synthetic] [--command CMD] [--png PATH]
+                                           [--screenshot-expr PROMQL ...]
 
 Exit status 0 when every query returned data and every variable has values, 1 when not, 2 when a tool is
 missing. Every process it starts is stopped before it exits; ports are free ones.
@@ -245,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--command", default="", help="shell command to run as the workload instead")
     parser.add_argument("--png", default=str(ROOT / "docs" / "dashboard-check.png"))
     parser.add_argument("--no-screenshot", action="store_true")
+    parser.add_argument("--screenshot-expr", action="append", default=[],
+                        help="a PromQL expression the screenshot graphs (repeatable; the dashboard's variables may "
+                             "be used); default: env steps/s and policy lag")
     args = parser.parse_args(argv)
 
     prom_bin = shutil.which("prometheus")
@@ -298,8 +302,9 @@ def main(argv: list[str] | None = None) -> int:
 
         if not args.no_screenshot:
             png = Path(args.png)
-            screenshot(chromium, prom.graph_url(SCREENSHOT_EXPRS, int(end - start) + 5), png, workdir)
-            print(f"screenshot of Prometheus' graph page (env steps/s, policy lag): {png}")
+            exprs = [fill_variables(e, variables) for e in args.screenshot_expr] or SCREENSHOT_EXPRS
+            screenshot(chromium, prom.graph_url(exprs, int(end - start) + 5), png, workdir)
+            print(f"screenshot of Prometheus' graph page ({'; '.join(exprs)}): {png}")
         return 0 if all(r[2] == "DATA" for r in rows + var_rows) else 1
     finally:
         if prom is not None:

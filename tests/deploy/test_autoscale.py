@@ -194,14 +194,17 @@ BATCH = 4
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_the_rollout_pool_follows_a_learner_whose_step_halves_then_doubles(local_ray, redis_url):
-    """Stand-in rollout actors (tests/support/scale_standins.py) publish through the real stream and its
-    admission bound; a stand-in learner trains 4-group batches in 0.5 s (8 groups/s: 4 actors' worth), then
-    0.25 s (8 actors' worth), then 0.5 s again; the driver's Autoscale decides every 2 s, with the real
-    RolloutPool adding and draining actors. Each phase's count ends between its need and 1.5x it (the learner's
-    reads and Ray's calls take time the fluid model above leaves out), each phase changes it at most 3 times,
-    and every group published was trained exactly once."""
+def test_the_rollout_pool_follows_a_learner_whose_step_halves_then_doubles(simulated_cluster, redis_url):
+    """Stand-in rollout actors (tests/support/scale_standins.py), spread over 3 simulated Ray nodes, publish
+    through the real stream and its admission bound; a stand-in learner trains 4-group batches in 0.5 s (8
+    groups/s: 4 actors' worth), then 0.25 s (8 actors' worth), then 0.5 s again; the driver's Autoscale decides
+    every 2 s, with the real RolloutPool adding and draining actors. Each phase's count ends between its need and
+    1.5x it (the learner's reads and Ray's calls take time the fluid model above leaves out), each phase changes
+    it at most 3 times, the actors run on more than one node, and every group published was trained exactly
+    once."""
     import types
+
+    import ray
 
     from common.config import load_config
     from deploy.autoscale import Autoscale
@@ -211,8 +214,9 @@ def test_the_rollout_pool_follows_a_learner_whose_step_halves_then_doubles(local
     cfg = load_config(None, ["autoscale.enabled=true", "autoscale.decision_interval_s=2", "rollout.groups_per_actor=2",
                              "stream.max_stream_groups=32", f"learner.groups_per_batch={BATCH}",
                              "stream.run_id=autoscale-harness", "run.name=autoscale-harness"])
-    rollouts = RolloutPool(cfg, lambda actor_id: StandInRollout.remote(actor_id, redis_url, cfg.stream,
-                                                                       cfg.rollout.groups_per_actor, PLAY_S))
+    spread = StandInRollout.options(resources={"sim_node": 1}, scheduling_strategy="SPREAD")
+    rollouts = RolloutPool(cfg, lambda actor_id: spread.remote(actor_id, redis_url, cfg.stream,
+                                                               cfg.rollout.groups_per_actor, PLAY_S))
     learner = StandInLearner(redis_url, cfg.stream, BATCH, step_s=0.5)
     inference = types.SimpleNamespace(serving=["a stand-in"], starting=[])     # autoscale leaves it alone here
     rollouts.start(2)
@@ -233,7 +237,8 @@ def test_the_rollout_pool_follows_a_learner_whose_step_halves_then_doubles(local
                 if decision is not None:
                     decisions.append(decision)
             count = len(rollouts.live)
-            seen.append((step_s, count, [(d.action, d.rollout) for d in decisions if d.action != "hold"]))
+            nodes = {n["node_id"] for n in ray.get([a.handle.node.remote() for a in rollouts.live], timeout=30)}
+            seen.append((step_s, count, len(nodes), [(d.action, d.rollout) for d in decisions if d.action != "hold"]))
             assert need <= count <= need * 1.5, (seen, [d.reason for d in decisions])
             assert sum(d.action.startswith(("add", "remove")) for d in decisions) <= 3, seen
     finally:
@@ -247,10 +252,11 @@ def test_the_rollout_pool_follows_a_learner_whose_step_halves_then_doubles(local
         rollouts.stop_all(10)
         learner.close()
     assert len(learner.trained) == len(set(learner.trained)) == published > 0, seen
+    assert max(n for _, _, n, _ in seen) > 1, seen         # (SPREAD: Ray puts them on several nodes)
 
 
 @pytest.mark.slow
-def test_actors_waiting_for_a_node_stop_growth_and_ask_rays_autoscaler(local_ray, redis_url):
+def test_actors_waiting_for_a_node_stop_growth_and_ask_rays_autoscaler(simulated_cluster, redis_url):
     """A rollout actor that needs a resource no node has stays unplaced: the next decision adds none, asks
     Ray's autoscaler for room for the run's actors (the real request_resources of this Ray), and the run's
     end withdraws the request; removing the unplaced actor kills it at once (RolloutPool)."""

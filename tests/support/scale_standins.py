@@ -17,6 +17,7 @@ What they leave out is what costs compute: a policy, environments, a learner's a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 import uuid
@@ -32,6 +33,27 @@ from common.stream.redis_stream import TrajectoryStream
 from tests.support.synthetic import synthetic_groups
 
 ADMIT_POLL_S = 0.5      # a slot waiting for admission looks at stop() this often
+STORE_BYTES = 80 * 1024**2      # each simulated node's object store (Ray's least)
+
+
+@contextlib.contextmanager
+def simulated_nodes(nodes: int):
+    """Ray nodes simulated on this machine, this process connected as the driver: `ray.cluster_utils.Cluster`
+    (a raylet and an object store each, every node at this machine's own address, as a local Ray is: nothing
+    leaves the machine). The head has 1 CPU and the resource "head_node"; each of the `nodes` workers 1 CPU and
+    "sim_node": 1000 (place stand-ins with resources={"sim_node": 1}). Yields the Cluster; all stopped after."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"head_node": 1},
+                                                            "object_store_memory": STORE_BYTES})
+    try:
+        for _ in range(nodes):
+            cluster.add_node(num_cpus=1, resources={"sim_node": 1000}, object_store_memory=STORE_BYTES)
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
 
 
 @ray.remote(num_cpus=0)

@@ -246,13 +246,13 @@ def push_curve(cluster: Cluster, args) -> list[dict]:
 def print_push_table(rows: list[dict]) -> None:
     print("\nweight push against the number of inference actors (stand-in engines, the real sender and receiver; "
           "shm: all on the learner's node; collective: one a node):")
-    print(f"{'shape':>13s} {'way':>10s} {'actors':>6s} {'MB':>7s} {'first s':>8s} {'best s':>7s} {'vs 1':>5s} "
+    print(f"{'shape':>13s} {'way':>10s} {'actors':>6s} {'MB':>7s} {'first ms':>9s} {'best ms':>8s} {'vs 1':>5s} "
           f"{'GB/s per actor':>14s}")
     one = {(r["shape"], r["way"]): r["best_s"] for r in rows if r["actors"] == 1}
     for r in rows:
         ratio = r["best_s"] / one[(r["shape"], r["way"])] if (r["shape"], r["way"]) in one else float("nan")
-        print(f"{r['shape']:>13s} {r['way']:>10s} {r['actors']:6d} {r['bytes'] / 1e6:7.1f} {r['first_s']:8.2f} "
-              f"{r['best_s']:7.2f} {ratio:5.2f} {r['bytes'] / r['best_s'] / 1e9:14.2f}")
+        print(f"{r['shape']:>13s} {r['way']:>10s} {r['actors']:6d} {r['bytes'] / 1e6:7.1f} {r['first_s'] * 1e3:9.1f} "
+              f"{r['best_s'] * 1e3:8.1f} {ratio:5.2f} {r['bytes'] / r['best_s'] / 1e9:14.2f}")
 
 
 def main() -> None:

@@ -3,6 +3,7 @@ their stats summed over the whole run (removed actors and lives before a restart
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
@@ -18,6 +19,8 @@ log = logging.getLogger("gigpo")
 ROLLOUT_TELL_S = 30      # rollout actors told of added or removed inference actors
 ROLLOUT_STOP_S = 30      # rollout actors told to stop without draining (they discard what is in flight)
 UNSTARTED_PING_S = 1.0   # a removed actor that has never answered gets this long to say it has started
+STATS_WAIT_S = 10.0      # a placed actor's stats() answer is waited for this long (it answers in ms)
+UNSTARTED_SAY_S = 30.0   # an actor not placed and constructed after this long is reported, once
 
 
 @dataclass
@@ -30,6 +33,9 @@ class RolloutRecord:
     stats: dict = field(default_factory=dict)   # its last stats, of this life (a restart counts from 0)
     restart_ping: object = None     # ObjectRef of a node() call while Ray restarts it (it is coming back)
     started: bool = False           # it has answered a stats() call: it was placed and constructed
+    stats_call: object = None       # ObjectRef of its stats() call not answered yet
+    created: float = field(default_factory=time.monotonic)
+    said_unstarted: bool = False    # reported as not started after UNSTARTED_SAY_S
 
 
 class RolloutPool:
@@ -140,6 +146,7 @@ class RolloutPool:
                 if actor.stats:    # its counters start again from 0 in its new life
                     self.ended.append(actor.stats)
                     actor.stats = {}
+                actor.stats_call = None     # (an answer of the old life must not count in the new one)
                 log.warning("rollout actor %s died (%s); Ray restarts it, its in-flight groups (at most %d) are "
                             "abandoned, training goes on with the other actors", actor.id,
                             str(exc).splitlines()[0][:200], self.cfg.rollout.groups_per_actor)
@@ -165,16 +172,30 @@ class RolloutPool:
         ray.get([actor.handle.run.remote(max_groups=k) for actor, k in zip(actors, shares) if k > 0])
 
     def stats(self) -> dict:
-        """Totals over live, retiring and removed actors."""
+        """Totals over live, retiring and removed actors. An actor still waiting for its node's resources (or
+        constructing, or restarting) cannot answer yet: its call stays pending, its last answer counts, and the
+        driver does not wait for it (it may wait for a node for the rest of the run). (Resources that no node
+        has were refused at start: System.start.)"""
         actors = list(self.actors.values())
-        # An actor still waiting for its node's resources (or starting, or restarting) cannot answer yet: its
-        # last answer counts. (Resources that no node has were refused at start: System.start.)
-        answers = call_all([actor.handle for actor in actors], "stats", timeout_s=10.0)
-        if answers.late:
-            log.warning("%d rollout actor(s) not started yet (each needs %s on one node; a busy cluster? see "
-                        "`ray status`)", len(answers.late), format_need(job_needs(self.cfg)["rollout actor"][0]))
-        for i, stats in answers.done.items():     # (one that died since: check_alive restarts it)
-            actors[i].stats, actors[i].started = stats, True
+        for actor in actors:
+            if actor.stats_call is None:
+                actor.stats_call = actor.handle.stats.remote()
+        ready = [a for a in actors if a.started and a.restart_ping is None]
+        waiting = [a for a in actors if not (a.started and a.restart_ping is None)]
+        for group, timeout_s in ((ready, STATS_WAIT_S), (waiting, 0.0)):
+            answers = wait_all([actor.stats_call for actor in group], timeout_s)
+            for i in [*answers.done, *answers.lost, *answers.failed]:
+                group[i].stats_call = None        # (one that died since: check_alive restarts it)
+            for i, stats in answers.done.items():
+                group[i].stats, group[i].started = stats, True
+        unsaid = [a for a in actors if not a.started and not a.said_unstarted
+                  and time.monotonic() - a.created > UNSTARTED_SAY_S]
+        if unsaid:
+            log.warning("rollout actor(s) %s not started after %.0f s (each needs %s on one node; a busy cluster? "
+                        "see `ray status`)", ", ".join(a.id for a in unsaid), UNSTARTED_SAY_S,
+                        format_need(job_needs(self.cfg)["rollout actor"][0]))
+            for actor in unsaid:
+                actor.said_unstarted = True
         total: dict = defaultdict(float)
         for stats in [actor.stats for actor in actors] + self.ended:
             for key, value in stats.items():

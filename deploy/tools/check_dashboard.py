@@ -303,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_screenshot:
             png = Path(args.png)
             exprs = [fill_variables(e, variables) for e in args.screenshot_expr] or SCREENSHOT_EXPRS
-            screenshot(chromium, prom.graph_url(exprs, int(end - start) + 5), png, workdir)
+            screenshot(chromium, prom.graph_url(exprs, int(end - start) + 5), png, workdir,
+                       size=f"1400,{max(1500, 750 * len(exprs))}")      # (a graph is ~700 px tall)
             print(f"screenshot of Prometheus' graph page ({'; '.join(exprs)}): {png}")
         return 0 if all(r[2] == "DATA" for r in rows + var_rows) else 1
     finally:

@@ -256,11 +256,15 @@ def test_the_rollout_pool_follows_a_learner_whose_step_halves_then_doubles(simul
 
 
 @pytest.mark.slow
-def test_actors_waiting_for_a_node_stop_growth_and_ask_rays_autoscaler(simulated_cluster, redis_url):
-    """A rollout actor that needs a resource no node has stays unplaced: the next decision adds none, asks
-    Ray's autoscaler for room for the run's actors (the real request_resources of this Ray), and the run's
-    end withdraws the request; removing the unplaced actor kills it at once (RolloutPool)."""
+def test_actors_waiting_for_a_node_stop_growth_and_ask_rays_autoscaler(simulated_cluster, redis_url, monkeypatch,
+                                                                       caplog):
+    """A rollout actor that needs a resource no node has stays unplaced: the driver's stats() calls do not wait
+    for it (it is reported once), the next decision adds none, asks Ray's autoscaler for room for the run's
+    actors (the real request_resources of this Ray), and the run's end withdraws the request; removing the
+    unplaced actor kills it at once (RolloutPool)."""
     import types
+
+    from deploy import rollout_pool
 
     from common.config import load_config
     from deploy.autoscale import Autoscale
@@ -280,6 +284,13 @@ def test_actors_waiting_for_a_node_stop_growth_and_ask_rays_autoscaler(simulated
                               clock=lambda: now[0])
         placement = PlacementWatch().refresh(rollouts.handles(), timeout_s=1.0)
         assert placement == {"rollout-0": None}
+        monkeypatch.setattr(rollout_pool, "UNSTARTED_SAY_S", 0.0)
+        for _ in range(2):
+            t0 = time.monotonic()
+            assert rollouts.stats() == {}
+            # (a placed actor's answer is waited for STATS_WAIT_S; this one's never comes, and is not waited for)
+            assert time.monotonic() - t0 < rollout_pool.STATS_WAIT_S / 2
+        assert sum("rollout-0 not started" in r.getMessage() for r in caplog.records) == 1
         now[0] += cfg.autoscale.decision_interval_s
         autoscale.learner_waited(cfg.autoscale.decision_interval_s)      # the learner waited all along
         decision = autoscale.tick(pending=1)

@@ -52,7 +52,7 @@ from common.processes.cpu_placement import place_this_process
 from common.processes.log_files import send_output_to
 from common.processes.model_files import ModelSource
 from common.processes.process_env import apply_project_env
-from common.weights.receiver import RequestGate, WeightReceiver, transfer_backend
+from common.weights.receiver import RequestGate, WeightEndpoints, WeightReceiver, transfer_backend
 
 log = logging.getLogger(__name__)
 
@@ -154,8 +154,9 @@ def sampling_params(sampling: dict, prompt_len: int, max_model_len: int, max_res
     )
 
 
-class InferenceEngine:
-    """The actor's body (kept as a plain class so that it can also run in-process)."""
+class InferenceEngine(WeightEndpoints):
+    """The actor's body (kept as a plain class so that it can also run in-process). The methods the learner's
+    weight push calls are WeightEndpoints' (common/weights/receiver.py)."""
 
     def __init__(self, model: ModelSource | str, model_cfg: ModelConfig, infer_cfg: InferenceConfig, seed: int,
                  cpus: str, nice: int, log_dir: str, name: str, wait_for_weights: bool, adapter_rank: int = 0):
@@ -274,35 +275,6 @@ class InferenceEngine:
         """A seed for a request that brings none: a fresh stream each, so equal prompts sample unequal responses."""
         return (self.seed * 1_000_003 + next(self._seeds)) % (2**31 - 1)
 
-    # -- weights: common.weights.receiver's WeightReceiver (the Ray actor's methods the sender calls) ---------
-
-    async def update_weights_from_files(self, files: list[str], version: int) -> dict:
-        return await self.receiver.update_weights_from_files(files, version)
-
-    async def init_weight_transfer_engine(self, init_info: dict, group: str) -> None:
-        await self.receiver.init_weight_transfer_engine(init_info, group)
-
-    async def shutdown_weight_transfer_engine(self) -> None:
-        await self.receiver.shutdown_weight_transfer_engine()
-
-    async def start_weight_update(self, version: int) -> None:
-        await self.receiver.start_weight_update(version)
-
-    async def update_weights(self, update_info) -> None:
-        await self.receiver.update_weights(update_info)
-
-    async def finish_weight_update(self, version: int) -> dict:
-        return await self.receiver.finish_weight_update(version)
-
-    async def update_adapter(self, adapter: dict, version: int) -> dict:
-        return await self.receiver.update_adapter(adapter, version)
-
-    async def abort_weight_update(self) -> str:
-        return await self.receiver.abort_weight_update()
-
-    async def transfer_state(self) -> dict:
-        return await self.receiver.transfer_state()
-
     # -- introspection ----------------------------------------------------------------------------------
 
     async def policy_version(self) -> int:
@@ -322,9 +294,6 @@ class InferenceEngine:
     async def weights_digest(self) -> str:
         """sha256 of the served parameters (vLLM's layout): equal digests, equal weights (tests, diagnostics)."""
         return (await self.engine.collective_rpc(_weights_digest))[0]
-
-    def weights_dir(self) -> str:
-        return self.receiver.weights_dir
 
     async def reset_prefix_cache(self) -> bool:
         """Drop the engine's cached prompt prefixes (a bench's replays each start cold); False where vLLM

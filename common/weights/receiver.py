@@ -386,3 +386,41 @@ class WeightReceiver:
                 "workers": config.parallel_config.world_size * config.parallel_config.data_parallel_size,
                 "aliases": sender.tied_aliases(config.model_config.hf_config),
                 "updating": self._update is not None}
+
+
+class WeightEndpoints:
+    """The actor methods learner rank 0's sender (common/weights/sender.py) calls, for a class that holds its
+    WeightReceiver as `self.receiver`: the inference actor (actors/inference.py) and the scale bench's stand-in
+    (tests/support/scale_standins.py)."""
+
+    receiver: WeightReceiver
+
+    def weights_dir(self) -> str:
+        return self.receiver.weights_dir
+
+    async def transfer_state(self) -> dict:
+        return await self.receiver.transfer_state()
+
+    async def update_weights_from_files(self, files: list[str], version: int) -> dict:
+        return await self.receiver.update_weights_from_files(files, version)
+
+    async def init_weight_transfer_engine(self, init_info: dict, group: str) -> None:
+        await self.receiver.init_weight_transfer_engine(init_info, group)
+
+    async def shutdown_weight_transfer_engine(self) -> None:
+        await self.receiver.shutdown_weight_transfer_engine()
+
+    async def start_weight_update(self, version: int) -> None:
+        await self.receiver.start_weight_update(version)
+
+    async def update_weights(self, update_info) -> None:
+        await self.receiver.update_weights(update_info)
+
+    async def finish_weight_update(self, version: int) -> dict:
+        return await self.receiver.finish_weight_update(version)
+
+    async def update_adapter(self, adapter: dict, version: int) -> dict:
+        return await self.receiver.update_adapter(adapter, version)
+
+    async def abort_weight_update(self) -> str:
+        return await self.receiver.abort_weight_update()

@@ -30,6 +30,7 @@ from common.config import StreamConfig
 from common.processes.placement import this_node
 from common.seeds import stable_seed
 from common.stream.redis_stream import TrajectoryStream
+from common.weights.receiver import WeightEndpoints
 from tests.support.synthetic import synthetic_groups
 
 ADMIT_POLL_S = 0.5      # a slot waiting for admission looks at stop() this often
@@ -265,7 +266,7 @@ class _EngineStandIn:
 
 
 @ray.remote(num_cpus=0)
-class StandInInference:
+class StandInInference(WeightEndpoints):
     def __init__(self, weights_dir: str, tie_word_embeddings: bool, keep_sums: bool = False,
                  timeout_s: float = 600.0):
         """weights_dir: where shm pushes' manifests are written (inference.weights_dir); tie_word_embeddings:
@@ -286,33 +287,6 @@ class StandInInference:
 
     def node(self) -> dict:
         return this_node()
-
-    def weights_dir(self) -> str:
-        return self.receiver.weights_dir
-
-    async def transfer_state(self) -> dict:
-        return await self.receiver.transfer_state()
-
-    async def update_weights_from_files(self, files: list[str], version: int) -> dict:
-        return await self.receiver.update_weights_from_files(files, version)
-
-    async def init_weight_transfer_engine(self, init_info: dict, group: str) -> None:
-        await self.receiver.init_weight_transfer_engine(init_info, group)
-
-    async def shutdown_weight_transfer_engine(self) -> None:
-        await self.receiver.shutdown_weight_transfer_engine()
-
-    async def start_weight_update(self, version: int) -> None:
-        await self.receiver.start_weight_update(version)
-
-    async def update_weights(self, update_info) -> None:
-        await self.receiver.update_weights(update_info)
-
-    async def finish_weight_update(self, version: int) -> dict:
-        return await self.receiver.finish_weight_update(version)
-
-    async def abort_weight_update(self) -> str:
-        return await self.receiver.abort_weight_update()
 
     def take_received(self) -> dict:
         """{"version", "bytes": {name: bytes}, "sums": {name: sum}} of what arrived since the last take."""

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch  # noqa: E402
 
 from common.atomic_write import fsync_tree  # noqa: E402
-from tests.support.model_shapes import SHAPES  # noqa: E402
+from tests.support.model_shapes import SHAPES, meta_causal_lm  # noqa: E402
 from tests.support.synthetic import synthetic_groups  # noqa: E402
 from tests.support.tiny_policy import tiny_policy  # noqa: E402
 
@@ -75,12 +75,7 @@ def tiny_saves(rounds: int, where: Path) -> tuple[list[float], list[float]]:
 
 def checkpoint_bytes(shape: str) -> dict[str, int]:
     """DeepSpeed ZeRO-2's files for one process and the model `shape` (SHAPES), by name: bytes."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    fields = dict(SHAPES[shape])
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    with torch.device("meta"):
-        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    params = sum(p.numel() for p in meta_causal_lm(SHAPES[shape]).parameters())
     return {"mp_rank_00_model_states.pt": 2 * params, "zero_pp_rank_0_mp_rank_00_optim_states.pt": 12 * params}
 
 

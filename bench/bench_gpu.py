@@ -59,7 +59,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from tests.support.model_shapes import SHAPES  # noqa: E402
+from tests.support.model_shapes import SHAPES, shape_config  # noqa: E402
 
 RESULTS: dict = {}
 
@@ -71,10 +71,9 @@ def say(msg: str) -> None:
 def build_model(shape: str, folder: str, *, dtype=torch.bfloat16, init_range: float = 0.02,
                 device: str = "cuda", seed: int = 0) -> int:
     """A random model of `shape` saved into `folder` (safetensors); returns its parameter count."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    fields = dict(SHAPES[shape])
-    config = AutoConfig.for_model(fields.pop("model_type"), initializer_range=init_range, **fields)
+    config = shape_config(SHAPES[shape], initializer_range=init_range)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

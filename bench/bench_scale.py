@@ -227,6 +227,7 @@ def push_curve(cluster: Cluster, args) -> list[dict]:
                         info = transfer.push(weights, version)
                         times.append(info["total_s"])
                         got = ray.get([a.take_received.remote() for a in actors], timeout=60)
+                        # (shm's bytes are its files' sizes: the tensors' plus each file's small header)
                         if any(g["version"] != version or sum(g["bytes"].values()) < 0.99 * info["bytes"]
                                for g in got):
                             raise RuntimeError(f"{shape} {way} x{n}: an actor did not get version {version} whole")

@@ -264,9 +264,8 @@ def test_actors_waiting_for_a_node_stop_growth_and_ask_rays_autoscaler(simulated
     unplaced actor kills it at once (RolloutPool)."""
     import types
 
-    from deploy import rollout_pool
-
     from common.config import load_config
+    from deploy import rollout_pool
     from deploy.autoscale import Autoscale
     from deploy.reports import PlacementWatch
     from deploy.rollout_pool import RolloutPool

@@ -24,25 +24,34 @@ SHAPES = {
 SMOLLM2_135M = SHAPES["smollm2-135m"]
 
 
+def shape_config(fields: dict, **overrides):
+    """The transformers config of the shape `fields` describes (model_type and config fields), with `overrides`."""
+    from transformers import AutoConfig
+
+    fields = dict(fields)
+    return AutoConfig.for_model(fields.pop("model_type"), **fields, **overrides)
+
+
+def meta_causal_lm(fields: dict):
+    """A causal LM of the shape `fields` describes on the meta device: its parameters' names and shapes, no memory."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(shape_config(fields))
+
+
 def random_causal_lm(fields: dict, *, seed: int, dtype: torch.dtype = torch.float32):
     """A transformers causal LM of the shape `fields` describes (model_type and config fields), randomly
     initialised from `seed`, in eval mode."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    fields = dict(fields)
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_config(shape_config(fields), dtype=dtype).eval()
 
 
 def shaped_weights(fields: dict, dtype: torch.dtype) -> list[tuple[str, torch.Tensor]]:
     """The (name, tensor) pairs a learner of shape `fields` pushes (named_parameters: a tied weight once), as
     constant-filled tensors of `dtype`: the bytes of the shape without building the model (what moves them
     does not look at the values)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    fields = dict(fields)
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    with torch.device("meta"):
-        net = AutoModelForCausalLM.from_config(config)
-    return [(name, torch.full(tuple(p.shape), 0.01, dtype=dtype)) for name, p in net.named_parameters()]
+    return [(name, torch.full(tuple(p.shape), 0.01, dtype=dtype))
+            for name, p in meta_causal_lm(fields).named_parameters()]

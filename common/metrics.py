@@ -369,17 +369,15 @@ class ActorMetrics:
 
 # -- Where the metrics are served
 
-def ray_init_metrics_options(export_port: int | None = None,
-                             report_interval_ms: int = FAST_REPORT_INTERVAL_MS) -> dict:
-    """Extra `ray.init` keyword arguments for STARTING a local Ray whose metrics a Prometheus scrapes: a fixed
-    export port (default: a random free one) and a short report interval (values show within about a second,
-    not ten). Ray refuses `_system_config` when connecting to a cluster: there, `ray start
-    --metrics-export-port=8080` sets the port. The agent runs without the dashboard (`include_dashboard=False`
-    is enough, and saves ~1 GB of RSS)."""
-    options: dict = {"_system_config": {"metrics_report_interval_ms": int(report_interval_ms)}}
-    if export_port:
-        options["_metrics_export_port"] = int(export_port)
-    return options
+def ray_init_metrics_options(report_interval_ms: int = FAST_REPORT_INTERVAL_MS) -> dict:
+    """Extra `ray.init` keyword arguments for STARTING a local Ray whose metrics a Prometheus scrapes: a short
+    report interval (values show within about a second, not ten). Ray refuses `_system_config` when connecting
+    to a cluster. The export port is left to the node's metrics agent, which binds a free one itself and
+    registers it (`metrics_urls()` reads it back): a port picked before `ray.init` and taken by another process
+    before the agent binds it makes the node's start fail after 30 s ("timed out during startup"). On a
+    cluster, `ray start --metrics-export-port=8080` fixes it for Prometheus. The agent runs without the
+    dashboard (`include_dashboard=False` is enough, and saves ~1 GB of RSS)."""
+    return {"_system_config": {"metrics_report_interval_ms": int(report_interval_ms)}}
 
 
 def metrics_urls() -> list[str]:

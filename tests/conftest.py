@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import glob
 import os
-import socket
 import tempfile
 from pathlib import Path
 
@@ -48,16 +47,12 @@ def smollm2_path() -> str:
     return str(path)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def free_port():
-    """Call it for a free port (free when asked: bind it soon)."""
-    return _free_port
+    """Call it for a port nothing listens on at 127.0.0.1 (free when asked: bind it soon). Where a process
+    can bind port 0 itself (Ray's metrics agent can), let it: a port picked here may be taken before it binds."""
+    from common.processes.placement import free_port as pick
+    return pick
 
 
 @pytest.fixture(scope="module")

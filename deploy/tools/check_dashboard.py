@@ -263,10 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         shipped = yaml.safe_load(PROMETHEUS_CONFIG_PATH.read_text())
         t0 = time.monotonic()
-        # The dashboard is on here (unlike a run's own ray.init) because it writes the discovery file.
+        # The dashboard is on here (unlike a run's own ray.init) because it writes the discovery file. Its
+        # port and the metrics agent's are Ray's to pick (it retries a taken one): one picked here can be taken
+        # before Ray binds it.
         ctx = ray.init(address="local", num_cpus=2, object_store_memory=100 * 1024**2,
-                       include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=free_port(),
-                       _temp_dir=str(workdir / "ray"), **ray_init_metrics_options(free_port()))
+                       include_dashboard=True, dashboard_host="127.0.0.1",
+                       _temp_dir=str(workdir / "ray"), **ray_init_metrics_options())
         targets = [u.split("//", 1)[1].split("/", 1)[0] for u in metrics_urls()]
         # The shipped config reads /tmp/ray/<file>: this Ray's temp dir stands in for /tmp/ray.
         shipped_files = [f for job in shipped["scrape_configs"] for sd in job.get("file_sd_configs", [])

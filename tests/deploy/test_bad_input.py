@@ -3,7 +3,6 @@ status 2, no traceback, and nothing created or changed in run.output_dir. Every 
 before Ray or any actor starts (the whole file takes seconds)."""
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -351,10 +350,8 @@ def test_wrong_redis_password(password_redis, out):
     assert SECRET not in line
 
 
-def test_unreachable_redis(out):
-    with socket.socket() as s:       # a port nothing listens on: bound, then released
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def test_unreachable_redis(out, free_port):
+    port = free_port()
     url = f"redis://:{SECRET}@127.0.0.1:{port}/0"
     line = one_line_error(gigpo("train", EMBEDDED, f"run.output_dir={out}", f"stream.redis_url={url}"),
                           "stream.redis_url", f"cannot reach Redis at redis://127.0.0.1:{port}")

@@ -257,10 +257,8 @@ def test_embedded_redis_refuses_an_address_it_cannot_listen_on(tmp_path):
     assert "192.0.2.123" in str(error.value)
 
 
-def test_an_unreachable_redis_names_the_node_and_the_address():
-    with socket.socket() as s:         # a port nothing listens on: bound, then released
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def test_an_unreachable_redis_names_the_node_and_the_address(free_port):
+    port = free_port()
     client = connect(f"redis://:{SECRET}@127.0.0.1:{port}/0", retries=0)
     with pytest.raises(redis.exceptions.ConnectionError) as error:
         client.ping()

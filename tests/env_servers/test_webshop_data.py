@@ -134,17 +134,11 @@ def test_a_corrupted_file_is_refused(server, tmp_path, monkeypatch, no_local_cop
         webshop_data.download(str(dest))
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:       # bound, then released: nothing listens there
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_unreachable_server_one_line_and_exit_2(tmp_path):
+def test_unreachable_server_one_line_and_exit_2(tmp_path, free_port):
     """`python -m env_servers.data prepare` (the `make data` entry) with the download's server unreachable."""
     dest = tmp_path / "webshop"
     env = {k: v for k, v in os.environ.items() if k not in ("WEBSHOP_SOURCE", *PROXY_VARS)}
-    env.update(WEBSHOP_DATA=str(dest), WEBSHOP_BASE_URL=f"http://127.0.0.1:{_closed_port()}",
+    env.update(WEBSHOP_DATA=str(dest), WEBSHOP_BASE_URL=f"http://127.0.0.1:{free_port()}",
                PYTHONPATH=str(REPO))
     done = subprocess.run([sys.executable, "-m", "env_servers.data", "prepare", "--only", "webshop"], cwd=REPO,
                           env=env, capture_output=True, text=True, timeout=120)

@@ -12,8 +12,9 @@ import ray
 from common.config import ExperimentConfig
 from common.processes.cpu_placement import compute_threads, place_this_process, use_compute_threads
 from common.processes.log_files import send_output_to
-from common.processes.placement import free_port, this_node
+from common.processes.placement import this_node
 from common.processes.process_env import apply_project_env
+from common.processes.rendezvous import listen
 
 log = logging.getLogger("gigpo")
 
@@ -27,13 +28,17 @@ class LearnerWorker:
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
         self.learner = None
+        self.listener = None      # rank 0's rendezvous socket, from rendezvous_address until join
 
     def node(self) -> dict:
         return this_node()
 
     def rendezvous_address(self) -> tuple[str, int]:
-        """(this node's IP, a TCP port free on it): where the other ranks find rank 0."""
-        return ray.util.get_node_ip_address(), free_port("")
+        """(this node's IP, a port listening there alone, held for rank 0's store until `join`): where the
+        other ranks find rank 0."""
+        address = ray.util.get_node_ip_address()
+        self.listener = listen(address)
+        return address, self.listener.getsockname()[1]
 
     def join(self, master_addr: str, master_port: int, ranks_on_node: int = 1) -> None:
         """Join the process group at rank 0's address (returns once every rank has joined). ranks_on_node:
@@ -53,7 +58,8 @@ class LearnerWorker:
                  f"run.learner_cpus={self.cfg.run.learner_cpus}" if self.cfg.run.learner_cpus
                  else f"{len(os.sched_getaffinity(0))} CPUs this process may use", ranks_on_node)
         from learner.trainer import setup_distributed
-        setup_distributed()
+        listener, self.listener = self.listener, None
+        setup_distributed(listener)
 
     def build(self, model, stream_url: str | None, inference_actors: list, read_only: bool = False) -> None:
         """Load the model (`model`: a common.processes.model_files.ModelSource, as this node sees it) and build the

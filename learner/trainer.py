@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -35,6 +36,7 @@ import torch.distributed as dist
 
 from common.atomic_write import fsync_tree, write_atomically
 from common.config import LearnerConfig, served_lora_rank
+from common.processes.rendezvous import tcp_store
 from common.run_dir import (LATEST, LEARNER_STATE, check_checkpoint_is_ours, checkpoint_tag, checkpoint_tags,
                             complete_checkpoints, is_complete_checkpoint, resume_point, seal_checkpoint, tag_update)
 from learner.batching import (MicroBatch, MicroBatchPlan, TrainBatch, collate, collate_packed, mini_batches,
@@ -66,15 +68,18 @@ def prune_checkpoints(root: str | os.PathLike, keep: int, just_written: str) -> 
     return [p.name for p in doomed]
 
 
-def setup_distributed() -> tuple[int, int]:
+def setup_distributed(listener: socket.socket | None = None) -> tuple[int, int]:
     """Initialize torch.distributed through DeepSpeed (idempotent; without launcher variables a world of one);
-    returns (rank, world_size). A world of one meets in an in-process store: no TCPStore, which listens on
-    every interface of the machine whatever MASTER_ADDR says. On CPU: gloo, and DeepSpeed's shared-memory
-    comm op, which would JIT-compile for ~2 minutes, skipped."""
+    returns (rank, world_size). A world of one meets in an in-process store; a larger one at MASTER_ADDR:
+    MASTER_PORT, where rank 0's TCPStore listens on that address alone (common.processes.rendezvous; torch's
+    own would listen on every interface of the machine) through `listener` if rank 0 made one when it chose
+    the port. On CPU: gloo, and DeepSpeed's shared-memory comm op, which would JIT-compile for ~2 minutes,
+    skipped."""
     cuda = torch.cuda.is_available()
     if not cuda:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")     # before deepspeed picks its accelerator
     import deepspeed
+    from deepspeed.constants import default_pg_timeout
 
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -84,9 +89,14 @@ def setup_distributed() -> tuple[int, int]:
     if not cuda:
         # Through sys.modules: `import deepspeed.comm.torch` would bind the torch package instead.
         sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-    if int(os.environ["WORLD_SIZE"]) == 1:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    deepspeed.init_distributed(dist_backend=backend)      # (takes over a process group already made)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world_size == 1:
+        store = dist.HashStore()
+    else:
+        store = tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          timeout_s=default_pg_timeout.total_seconds(), listener=listener, is_master=rank == 0)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=default_pg_timeout)
+    deepspeed.init_distributed(dist_backend=backend)      # (takes over the process group made here)
     return dist.get_rank(), dist.get_world_size()
 
 

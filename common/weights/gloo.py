@@ -42,6 +42,8 @@ from vllm.distributed.weight_transfer.base import (TrainerInitInfo, TrainerWeigh
                                                    WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 
+from common.processes.rendezvous import tcp_store
+
 log = logging.getLogger(__name__)
 
 BACKEND = "gloo"
@@ -171,14 +173,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
     store = None
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
-        import torch.distributed as dist
-
         self.shutdown()        # a re-initialisation (the trainer rebuilt the group): leave the old one first
         parallel = self.parallel_config
         rank = (parallel.data_parallel_index * parallel.world_size + parallel.rank) + init_info.rank_offset
-        timeout = datetime.timedelta(seconds=init_info.timeout_s)
-        store = dist.TCPStore(init_info.master_address, init_info.master_port, init_info.world_size,
-                              is_master=False, timeout=timeout)
+        store = tcp_store(init_info.master_address, init_info.master_port, init_info.world_size,
+                          timeout_s=init_info.timeout_s)
         store.set(_JOINED_KEY.format(rank=rank), "1")
         self.group = _open_group(store, rank, init_info.world_size, _address_towards(init_info.master_address),
                                  init_info.timeout_s)
@@ -265,17 +264,15 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
     @classmethod
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source: WeightSource | None = None):
-        import torch.distributed as dist
-
         if not init_info.is_sender:
             raise ValueError("the gloo weight transfer runs on trainer rank 0 only")
         if source is None:
             raise ValueError("the gloo trainer weight transfer needs a WeightSource")
         engine = cls(client=client, source=source, timeout_s=init_info.timeout_s,
                      buffer_size_bytes=init_info.buffer_size_bytes)
-        timeout = datetime.timedelta(seconds=init_info.timeout_s)
-        store = dist.TCPStore(init_info.master_address, init_info.master_port, init_info.world_size,
-                              is_master=True, timeout=timeout, wait_for_workers=False)
+        # The store listens on master_address alone (common.processes.rendezvous): the group is unauthenticated.
+        store = tcp_store(init_info.master_address, init_info.master_port, init_info.world_size,
+                          timeout_s=init_info.timeout_s, is_master=True)
         worker_info = GlooWeightTransferInitInfo(
             master_address=init_info.master_address, master_port=store.port, rank_offset=1,
             world_size=init_info.world_size, timeout_s=init_info.timeout_s)

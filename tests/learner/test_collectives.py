@@ -56,19 +56,38 @@ def test_rank0s_values_groups_and_every_ranks_arrays_reach_all_without_pickle():
         assert f"dist.{unpickling}" not in learner_code
 
 
-ONE_PROCESS = r"""
+LISTENING = r"""
 import json, psutil
+import torch, torch.distributed as dist
 from learner.trainer import setup_distributed
-print(json.dumps({"world": setup_distributed(), "listening": sorted(
+world = setup_distributed()
+total = torch.ones(1)
+dist.all_reduce(total)
+print(json.dumps({"world": world, "sum": total.item(), "listening": sorted(
     c.laddr.ip for c in psutil.Process().net_connections(kind="inet") if c.status == psutil.CONN_LISTEN)}))
 """
 
 
 def test_a_learner_of_one_process_listens_on_loopback_only():
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    done = subprocess.run([sys.executable, "-c", ONE_PROCESS], cwd=REPO, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", LISTENING], cwd=REPO, capture_output=True, text=True,
                           timeout=120, env={**env, "PYTHONPATH": str(REPO)}, check=True)
     out = json.loads(done.stdout.strip().splitlines()[-1])
-    assert out["world"] == [0, 1]
+    assert out["world"] == [0, 1] and out["sum"] == 1
     # (gloo's own pair listener, on loopback; before, torch's TCPStore listened on every interface: "::")
     assert all(ip.startswith("127.") or ip == "::1" for ip in out["listening"]), out["listening"]
+
+
+def test_a_learner_of_two_processes_listens_on_the_rendezvous_address_alone(free_port):
+    """Rank 0's TCPStore serves the group's unauthenticated keys: it listens on MASTER_ADDR, not on every
+    interface as torch's own does (gloo's pairs on the interface GLOO_SOCKET_IFNAME names, as the learner's
+    actor sets it)."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo"}
+    procs = [subprocess.Popen([sys.executable, "-c", LISTENING], cwd=REPO, stdout=subprocess.PIPE, text=True,
+                              env={**env, "RANK": str(rank)}) for rank in range(2)]
+    outs = [json.loads(p.communicate(timeout=120)[0].strip().splitlines()[-1]) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert [out["world"] for out in outs] == [[0, 2], [1, 2]] and [out["sum"] for out in outs] == [2, 2]
+    assert outs[0]["listening"] and all(ip.startswith("127.") for out in outs for ip in out["listening"]), outs

@@ -1,8 +1,9 @@
 """The learner's push to several inference actors at once (a scaled-out inference plane), through the real
 sender (common/weights/sender.py) and the real receiver on engines without a model (StandInInference in
 tests/support/scale_standins.py: what bench/bench_scale.py measures the push's fan-out with). Both ways: every
-actor gets every weight's values, tied ones included; the collective group is built once and reused; an added
-actor is brought in by a rebuilt group."""
+actor gets every weight's values, tied ones included; the collective group is built once and reused, its store
+listening on one address; an added actor is brought in by a rebuilt group."""
+import psutil
 import pytest
 import ray
 import torch
@@ -47,6 +48,11 @@ def test_every_actor_gets_every_weight_by_shm_and_by_collective(local_ray, tmp_p
         for got in _received(actors):
             assert got["version"] == version and got["sums"] == _expected(weights)
     assert collective.transport.builds == 1          # the second push reused the group
+    # The group's store (unauthenticated) listens on the address the actors were told, not on every interface.
+    store_port = collective.transport.engine.store.port
+    listening = {c.laddr.ip for c in psutil.Process().net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == store_port}
+    assert listening == {ray.util.get_node_ip_address()}
 
     added = StandInInference.remote(str(tmp_path / "weights"), True, keep_sums=True)
     collective.set_actors(actors + [added])

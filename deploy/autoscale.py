@@ -154,13 +154,14 @@ class Autoscale:
     """The driver's side: keeps the interval's measures, decides once per interval, applies the decision to
     the rollout and inference pools (deploy/rollout_pool.py, deploy/inference_pool.py), records it."""
 
-    def __init__(self, cfg: ExperimentConfig, rollouts, inference, needs: dict[str, dict], clock=time.monotonic):
+    def __init__(self, cfg: ExperimentConfig, rollouts, inference, needs: dict[str, dict], metrics: ActorMetrics,
+                 clock=time.monotonic):
         """needs: {role: what one actor of it asks of a node} for the roles of placement.job_needs, what the
-        request to Ray's autoscaler is made of."""
+        request to Ray's autoscaler is made of; metrics: the driver's, where the decisions are counted."""
         self.cfg, self.rollouts, self.inference, self.needs, self.clock = cfg, rollouts, inference, needs, clock
         self.controller = Controller(cfg.autoscale, cfg.autoscale.max_rollout_actors or rollout_actor_limit(cfg),
                                      cfg.inference.num_actors)
-        self.metrics = ActorMetrics("driver", cfg.run.name)
+        self.metrics = metrics
         for action in AUTOSCALE_DECISIONS:      # (a series at 0 from the start: the dashboard shows 0, not no data)
             self.metrics.zero("autoscale_decisions", decision=action)
         self.last: Decision | None = None

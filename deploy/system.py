@@ -188,7 +188,8 @@ class System:
             self.groups_file = GroupRecorder(cfg, resume=cfg.run.resume)
         self.rollouts.start(0 if eval_only else cfg.rollout.num_actors)
         if cfg.autoscale.enabled and not eval_only:
-            self.autoscale = Autoscale(cfg, self.rollouts, self.inference, {role: n[0] for role, n in needs.items()})
+            self.autoscale = Autoscale(cfg, self.rollouts, self.inference, {role: n[0] for role, n in needs.items()},
+                                       self.driver_metrics)
         log.info("system up in %.0fs: %d inference, %d learner, %d rollout actors; outputs in %s",
                  time.perf_counter() - t0, len(self.inference.serving), len(self.learners.ranks),
                  len(self.rollouts.live), self.out.resolve())

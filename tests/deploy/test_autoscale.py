@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import pytest
 
 from common.config import AutoscaleConfig
+from common.metrics import ActorMetrics
 from deploy.autoscale import Controller, Measures
 
 INTERVAL_S = 60.0
@@ -220,7 +221,8 @@ def test_the_rollout_pool_follows_a_learner_whose_step_halves_then_doubles(simul
     learner = StandInLearner(redis_url, cfg.stream, BATCH, step_s=0.5)
     inference = types.SimpleNamespace(serving=["a stand-in"], starting=[])     # autoscale leaves it alone here
     rollouts.start(2)
-    autoscale = Autoscale(cfg, rollouts, inference, {"learner process": {}, "rollout actor": {}, "inference actor": {}})
+    autoscale = Autoscale(cfg, rollouts, inference, {"learner process": {}, "rollout actor": {}, "inference actor": {}},
+                          ActorMetrics("driver", cfg.run.name))
     seen = []
     try:
         for step_s, need, seconds in ((0.5, 4, 20), (0.25, 8, 20), (0.5, 4, 25)):
@@ -280,7 +282,7 @@ def test_actors_waiting_for_a_node_stop_growth_and_ask_rays_autoscaler(simulated
     try:
         autoscale = Autoscale(cfg, rollouts, inference, {"learner process": {"CPU": 1.0}, "inference actor": {},
                                                          "rollout actor": {"a_node_no_one_has": 1.0}},
-                              clock=lambda: now[0])
+                              ActorMetrics("driver", cfg.run.name), clock=lambda: now[0])
         placement = PlacementWatch().refresh(rollouts.handles(), timeout_s=1.0)
         assert placement == {"rollout-0": None}
         monkeypatch.setattr(rollout_pool, "UNSTARTED_SAY_S", 0.0)

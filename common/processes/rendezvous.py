@@ -7,8 +7,8 @@ listens no wider than it must; and a listener made when its port is chosen holds
 takes it (no port picked, released, and taken by another process before it is bound again).
 
     listener = listen(node_ip)                  # where rank 0 will be found: (node_ip, listener's port)
-    store = tcp_store(node_ip, port, world_size, timeout_s=600, listener=listener)     # rank 0
-    store = tcp_store(node_ip, port, world_size, timeout_s=600)                        # every other rank
+    store = tcp_store(node_ip, port, world_size, timeout_s=600, is_master=True, listener=listener)  # rank 0
+    store = tcp_store(node_ip, port, world_size, timeout_s=600)                                     # the others
 """
 from __future__ import annotations
 
@@ -33,19 +33,16 @@ def listen(address: str, port: int = 0) -> socket.socket:
     return sock
 
 
-def tcp_store(address: str, port: int, world_size: int, *, timeout_s: float,
-              listener: socket.socket | None = None, is_master: bool | None = None):
-    """A torch TCPStore for a group of `world_size` meeting at address:port. The master (given `listener`,
-    or `is_master=True`, which listens on address:port itself) serves it on that address alone; the others
-    connect. The store owns the listener from here on. Returns at once: the store does not wait for workers."""
+def tcp_store(address: str, port: int, world_size: int, *, timeout_s: float, is_master: bool = False,
+              listener: socket.socket | None = None):
+    """A torch TCPStore for a group of `world_size` meeting at address:port. The master serves it on that
+    address alone, through `listener` where it holds one (the store owns it from here on), else on a socket it
+    binds now; the others connect. Returns at once: the store does not wait for workers."""
     import torch.distributed as dist
 
-    if is_master is None:
-        is_master = listener is not None
-    if is_master and listener is None:
-        listener = listen(address, port)
     fd = None
-    if listener is not None:
+    if is_master:
+        listener = listener or listen(address, port)
         port = listener.getsockname()[1]
         fd = listener.detach()          # the store's from now on (it closes it)
     return dist.TCPStore(address, port, world_size, is_master, timeout=datetime.timedelta(seconds=timeout_s),

@@ -118,8 +118,8 @@ def main() -> int:
 
     apply_project_env()
     if args.model == "tiny":
-        from deploy.tiny_model import build_tiny_model
-        model_path = build_tiny_model(str(Path(__file__).resolve().parents[1] / ".cache" / "bench-logprob-gap-tiny"))
+        from tests.support.tiny_policy import tiny_policy
+        model_path = tiny_policy()
     else:
         model_path = str(prepare_pinned())
     ray.init(address="local", num_cpus=2, object_store_memory=600 * 1024**2, include_dashboard=False,

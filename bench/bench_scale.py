@@ -183,10 +183,8 @@ def push_weights(shape: str):
     if shape == "tiny-policy":  # the project's tiny policy (deploy/tiny_model.py), float32 as trained
         from transformers import AutoModelForCausalLM
 
-        from deploy.tiny_model import build_tiny_model
-        path = build_tiny_model(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache",
-                                             "bench-scale-tiny"))
-        net = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        from tests.support.tiny_policy import tiny_policy
+        net = AutoModelForCausalLM.from_pretrained(tiny_policy(), dtype=torch.float32)
         return [(n, p.detach()) for n, p in net.named_parameters()], bool(net.config.tie_word_embeddings)
     return shaped_weights(SHAPES[shape], torch.bfloat16), bool(SHAPES[shape].get("tie_word_embeddings"))
 
